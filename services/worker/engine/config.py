@@ -1,0 +1,69 @@
+"""Frozen configuration objects for the engine.
+
+`ModelConfig` is the architecture as the engine sees it, normalised from a Hugging Face
+`config.json` or from GGUF metadata; `EngineConfig` is how one engine instance runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, independent of where the weights came from."""
+
+    architecture: str  # "llama" (Llama/Mistral/Qwen2/Qwen3/SmolLM2) or "opt"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # MLP inner size (OPT: ffn_dim)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6  # OPT: layer_norm eps (1e-5)
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling dict ("llama3", "linear", ...) or None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+    o_proj_bias: bool = False  # output-projection bias (Llama/Mistral/Qwen3 with attention_bias; never Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"  # OPT: "relu"
+    # OPT-specific
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None  # OPT-350m projects embeddings; None = hidden_size
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # recorded; not used (Mistral v0.1 only)
+    name: str = ""  # human-readable model name / path
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token across all layers for a float32 cache (scale for dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs: device, dtype, memory and batching limits."""
+
+    model: str = "default"
+    device: str = "cpu"
+    dtype: str = "bfloat16"  # "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None  # overrides kv_cache_gib when set (tests)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024  # token budget per step (chunked prefill)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: model's max_position_embeddings
+    policy: str = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None = leave as is
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -1,0 +1,207 @@
+"""The engine core: one synchronous `step()` = schedule, run the model, sample, emit.
+
+Both the offline `LLM` and the asyncio `AsyncLLM` drive this class; neither adds
+scheduling logic of its own.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.engine.config import EngineConfig, ModelConfig
+from services.worker.engine.detokenizer import IncrementalDetokenizer
+from services.worker.engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from services.worker.engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from services.worker.engine.models import build_model
+from services.worker.engine.outputs import RequestOutput
+from services.worker.engine.runner import ModelRunner
+from services.worker.engine.sampler import Sampler
+from services.worker.engine.sampling import SamplingParams
+from services.worker.engine.scheduling import (
+    SLO, BatchLimits, FinishReason, Request, RequestClass, Scheduler, make_policy,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
+    prompt_tokens_cached: int = 0  # prefill tokens served by the prefix cache
+    generation_tokens: int = 0
+    tokens_computed: int = 0  # every token run through the model, recomputation included
+    preemptions: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        source = resolve_model(config.model)
+        self.model_config: ModelConfig = load_model_config(source)
+        self.tokenizer = load_tokenizer(source)
+        self.max_model_len = self._max_model_len(config, self.model_config)
+        self.device = torch.device(config.device)
+        self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
+        self.model.load_weights(iter_weights(source))
+        self.kv, self.storage = self._make_kv_cache(config)
+        limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy))
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
+        self.stats = EngineStats()
+        self.last_logits: tuple[list[Request], torch.Tensor] | None = None  # for tests and debugging
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        log.info("engine ready: %s, %d KV blocks of %d tokens (%.2f GiB), policy %s", source.name,
+                 self.kv.pool.num_blocks, config.block_size, self.storage.nbytes / 2**30, config.policy)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        req_class: RequestClass = RequestClass.RT,
+        slo: SLO = SLO(),
+        arrival_time: float | None = None,
+        stream_text: bool = False,
+    ) -> Request:
+        """Queue a request. Raises ValueError for input the engine can never serve."""
+        self._validate(prompt_token_ids, params)
+        request = Request(
+            request_id, list(prompt_token_ids), params, arrival_time or time.perf_counter(), req_class, slo,
+            self.eos_token_ids, self.max_model_len,
+        )
+        self.scheduler.add(request)
+        if stream_text or params.stop:
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        self._detokenizers.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        if not batch:
+            return []
+        result = self.runner.execute(batch.items)
+        self.stats.steps += 1
+        for item in batch.items:
+            request = item.request
+            if not request.is_prefill_done:
+                self.stats.prompt_tokens_computed += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens
+            self.stats.tokens_computed += item.num_new_tokens
+            self.kv.commit(request)
+        if result.logits is None:
+            return []
+        self.last_logits = (result.sampled, result.logits)
+        return self._sample_and_emit(result.logits, result.sampled)
+
+    def _sample_and_emit(self, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
+        out = self.sampler.sample(
+            logits, [r.params for r in sampled], [r.generator for r in sampled], self._banned_ids(sampled)
+        )
+        now = time.perf_counter()
+        outputs = []
+        for i, request in enumerate(sampled):
+            if not request.is_prefill_done:
+                self.stats.prompt_tokens_cached += request.num_cached_tokens
+            logprob = out.logprobs[i] if request.params.logprobs and out.logprobs is not None else None
+            request.append_token(out.token_ids[i], logprob, now)
+            self.stats.generation_tokens += 1
+            outputs.append(self._emit(request, out.token_ids[i], logprob))
+        return outputs
+
+    def _emit(self, request: Request, token: int, logprob: float | None) -> RequestOutput:
+        stop = request.check_stop()
+        detok = self._detokenizers.get(request.request_id)
+        text = ""
+        if detok is not None:
+            ends_on_token = stop is not None and stop[0] is FinishReason.STOP
+            text = "" if ends_on_token else detok.push([token])
+            if detok.stopped_by is not None:
+                stop = (FinishReason.STOP, detok.stopped_by)
+            elif stop is not None:
+                text += detok.finish()
+        if stop is not None:
+            request.stop_reason = stop[1]
+            self.scheduler.finish(request, stop[0])
+            if detok is not None:
+                request.output_text = detok.text
+            self._detokenizers.pop(request.request_id, None)
+        return RequestOutput(
+            request.request_id, [token], text, None if logprob is None else [logprob], stop is not None,
+            None if stop is None else stop[0].value, request,
+        )
+
+    def _banned_ids(self, requests: list[Request]) -> list[list[int]] | None:
+        """EOS and stop ids may not be sampled before min_tokens outputs."""
+        bans = []
+        for r in requests:
+            if r.num_output_tokens < r.params.min_tokens:
+                ids = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
+                bans.append(ids)
+            else:
+                bans.append([])
+        return bans if any(bans) else None
+
+    # -- set-up helpers ------------------------------------------------------------------
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens but the model's context is {self.max_model_len} tokens "
+                f"(prompt plus at least one generated token must fit)"
+            )
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        needed = min(len(prompt) + params.max_tokens, self.max_model_len)
+        capacity = self.kv.capacity_tokens()
+        if needed > capacity:
+            raise ValueError(
+                f"the request needs up to {needed} KV slots but the KV cache holds {capacity}; "
+                f"lower max_tokens or raise --kv-cache-gib"
+            )
+
+    @staticmethod
+    def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if config.max_model_len is None:
+            return limit
+        if config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit} tokens")
+        return config.max_model_len
+
+    def _make_kv_cache(self, config: EngineConfig) -> tuple[KVCacheManager, KVCacheStorage]:
+        dtype = config.torch_dtype
+        num_blocks = config.num_blocks or num_blocks_for_budget(self.model_config, config.block_size, dtype,
+                                                                config.kv_cache_gib)
+        pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        storage = KVCacheStorage(self.model_config, num_blocks, config.block_size, dtype, self.device)
+        return KVCacheManager(pool, config.block_size), storage
+
+    def _tokenizer_eos(self) -> frozenset[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return frozenset() if eos is None else frozenset([eos])

@@ -1,0 +1,113 @@
+"""Per-request block tables on top of the block pool, with prefix-cache matching.
+
+The manager owns the mapping request -> blocks. Policies call `match_prefix` and
+`allocate` (which either succeeds completely or changes nothing), the engine calls
+`commit` after each step to publish newly filled blocks to the prefix cache, and `free`
+when a request finishes, aborts or is preempted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
+
+from services.worker.engine.kv.block_pool import Block, BlockPool
+from services.worker.engine.kv.prefix_hash import hash_block
+
+if TYPE_CHECKING:
+    from services.worker.engine.scheduling.request import Request
+
+
+@dataclass
+class BlockTable:
+    """A request's blocks in logical order (entry i holds tokens [i*bs, (i+1)*bs)).
+
+    `ids` mirrors `blocks` as plain ints because the runner reads it every step.
+    """
+
+    blocks: list[Block] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+    def extend(self, blocks: Sequence[Block]) -> None:
+        self.blocks.extend(blocks)
+        self.ids.extend(b.block_id for b in blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self._tables: dict[str, BlockTable] = {}
+
+    def table(self, request: "Request") -> BlockTable:
+        return self._tables[request.request_id]
+
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity * self.block_size
+
+    def match_prefix(self, request: "Request") -> tuple[list[Block], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute: the step needs it to produce logits.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        hits: list[Block] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate(self, request: "Request", num_new_tokens: int, prefix: Sequence[Block] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens (after `prefix`, when admitting).
+
+        All or nothing: returns False, with no state changed, when blocks are short.
+        """
+        table = self._tables.get(request.request_id)
+        have = len(table) if table else 0
+        computed = request.num_computed_tokens + len(prefix) * self.block_size
+        need = -(-(computed + num_new_tokens) // self.block_size) - have - len(prefix)
+        if need + self.pool.num_evictable(prefix) > self.pool.num_free:
+            return False
+        if table is None:
+            table = self._tables[request.request_id] = BlockTable()
+        self.pool.acquire(prefix)
+        table.extend(prefix)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def commit(self, request: "Request") -> None:
+        """Publish blocks whose tokens are all computed to the prefix cache."""
+        if not self.pool.enable_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        table = self._tables[request.request_id]
+        hashes = self._block_hashes(request, full)
+        for i in range(request.num_registered_blocks, full):
+            self.pool.register(table.blocks[i], hashes[i])
+        request.num_registered_blocks = max(request.num_registered_blocks, full)
+
+    def free(self, request: "Request") -> None:
+        table = self._tables.pop(request.request_id, None)
+        if table is not None:
+            self.pool.release(reversed(table.blocks))
+        request.num_registered_blocks = 0
+
+    def holds(self, request: "Request") -> bool:
+        return request.request_id in self._tables
+
+    def _block_hashes(self, request: "Request", n: int) -> list[bytes]:
+        """The request's first n full-block hashes, extending its memo as tokens accrue."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < n:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs]))
+        return hashes

@@ -1,0 +1,127 @@
+"""Turns a scheduled batch into one forward pass.
+
+Builds the flattened inputs (token ids, positions, cache slots) and the layer-invariant
+attention metadata, runs the model, and returns logits only for the rows that produce a
+token this step (the last new token of each sequence that reached its end; partial prefill
+chunks produce none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import AttentionMetadata, DecodeBucket, PrefillSpan
+from services.worker.engine.kv import KVCacheManager, KVCacheStorage
+from services.worker.engine.scheduling import Request, ScheduledItem
+
+
+_BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
+_BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor | None  # [N, vocab] float32, one row per request in `sampled`
+    sampled: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, storage: KVCacheStorage, kv: KVCacheManager, device: torch.device) -> None:
+        self.model = model
+        self.storage = storage
+        self.kv = kv
+        self.device = device
+        self.block_size = storage.block_size
+        self.scale = model.config.head_dim ** -0.5
+        self._arange_block = torch.arange(self.block_size)
+
+    @torch.inference_mode()
+    def execute(self, items: list[ScheduledItem]) -> StepResult:
+        decodes = [it for it in items if it.num_new_tokens == 1]
+        prefills = [it for it in items if it.num_new_tokens > 1]
+        ordered = decodes + prefills
+        input_ids, positions, slots, rows, sampled = self._flatten(ordered)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decode_buckets=self._decode_buckets([it.request for it in decodes]),
+            prefills=self._prefill_spans(prefills, start=len(decodes)),
+            scale=self.scale,
+        )
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
+        if not rows:
+            return StepResult(None, [])
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        return StepResult(logits, sampled)
+
+    def _flatten(self, items: list[ScheduledItem]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        for it in items:
+            req, n = it.request, it.num_new_tokens
+            start = req.num_computed_tokens
+            ids = self.kv.table(req).ids
+            input_ids.extend(req.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(ids[p // bs] * bs + p % bs for p in pos)
+            if start + n == req.num_tokens:
+                rows.append(len(input_ids) - 1)
+                sampled.append(req)
+        return input_ids, positions, slots, rows, sampled
+
+    def _decode_buckets(self, requests: list[Request]) -> list[DecodeBucket]:
+        """Group decode rows by context length so padding stays small.
+
+        Rows are taken longest first; a new bucket starts when a row is shorter than
+        `_BUCKET_FILL` of the bucket's longest and the bucket already has enough rows to
+        amortise the per-bucket op overhead.
+        """
+        lens = [r.num_computed_tokens + 1 for r in requests]
+        order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
+        buckets: list[list[int]] = []
+        for i in order:
+            if not buckets or (lens[i] < _BUCKET_FILL * lens[buckets[-1][0]] and len(buckets[-1]) >= _BUCKET_MIN):
+                buckets.append([])
+            buckets[-1].append(i)
+        return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]
+
+    def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """Padded [B, L] slot indices and a 0/-inf mask over each sequence's whole context."""
+        bs = self.block_size
+        max_len = lens[0]
+        max_blocks = -(-max_len // bs)
+        table = torch.zeros(len(requests), max_blocks, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids = self.kv.table(r).ids[: -(-lens[i] // bs)]
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        slots = (table.unsqueeze(-1) * bs + self._arange_block).view(len(requests), -1)[:, :max_len]
+        valid = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        return DecodeBucket(
+            rows=self._tensor(rows),
+            slots=slots.contiguous().to(self.device),
+            bias=bias.unsqueeze(1).to(self.device),
+        )
+
+    def _prefill_spans(self, items: list[ScheduledItem], start: int) -> list[PrefillSpan]:
+        spans, row = [], start
+        bs = self.block_size
+        for it in items:
+            req, n = it.request, it.num_new_tokens
+            ctx = req.num_computed_tokens
+            kv_slots = None
+            if ctx:
+                ids = torch.tensor(self.kv.table(req).ids, dtype=torch.long)
+                kv_slots = (ids.unsqueeze(-1) * bs + self._arange_block).view(-1)[: ctx + n].to(self.device)
+            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, kv_slots=kv_slots))
+            row += n
+        return spans
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

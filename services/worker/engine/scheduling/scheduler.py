@@ -1,0 +1,52 @@
+"""Owns the request queues and runs the configured policy each step."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from services.worker.engine.kv.kv_cache_manager import KVCacheManager
+from services.worker.engine.scheduling.policy import BatchLimits, ScheduledBatch, SchedulerState, SchedulingPolicy
+from services.worker.engine.scheduling.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, limits: BatchLimits, policy: SchedulingPolicy) -> None:
+        self.kv = kv
+        self.limits = limits
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float | None = None) -> ScheduledBatch:
+        state = SchedulerState(self.waiting, self.running, self.kv, self.limits, now or time.perf_counter())
+        return self.policy.schedule(state)
+
+    def finish(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
+        """End a request (done or aborted) and free its KV."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = now or time.perf_counter()
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT)
+        return request

