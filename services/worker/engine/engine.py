@@ -17,6 +17,7 @@ from services.worker.engine.kv import BlockPool, KVCacheManager, KVCacheStorage,
 from services.worker.engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from services.worker.engine.models import build_model
 from services.worker.engine.outputs import RequestOutput
+from services.worker.engine.platform_tuning import tune_allocator
 from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.sampling import SamplingParams
@@ -42,6 +43,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.config.device == "cpu":
+            tune_allocator()
         source = resolve_model(config.model)
         self.model_config: ModelConfig = load_model_config(source)
         self.tokenizer = load_tokenizer(source)

@@ -19,6 +19,7 @@ from services.worker.engine.scheduling import Request, ScheduledItem
 
 _BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
 _BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
+_BUCKET_MAX = 32  # and holds at most this many rows, so its gathered K/V stay in cache
 
 
 @dataclass
@@ -86,7 +87,10 @@ class ModelRunner:
         order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
         buckets: list[list[int]] = []
         for i in order:
-            if not buckets or (lens[i] < _BUCKET_FILL * lens[buckets[-1][0]] and len(buckets[-1]) >= _BUCKET_MIN):
+            current = buckets[-1] if buckets else None
+            if current is None or len(current) >= _BUCKET_MAX or (
+                lens[i] < _BUCKET_FILL * lens[current[0]] and len(current) >= _BUCKET_MIN
+            ):
                 buckets.append([])
             buckets[-1].append(i)
         return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]

@@ -34,13 +34,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
+        qk = apply_rope(qk, cos, sin)  # q and k heads are adjacent: rotate them in one op
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv_cache(cache[0], cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, cache[0], cache[1], meta)
         return self.o_proj(out.view(t, self.q_size))
