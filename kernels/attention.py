@@ -4,12 +4,12 @@ The runner flattens a step's tokens into one batch ordered *decodes first, then 
 chunks*. Everything that depends only on the batch (slot indices, masks) is built once per
 step in `AttentionMetadata` and reused by every layer, so per-layer work is only the math.
 
-KV cache layout, per layer: `k_cache`, `v_cache` of shape `[num_kv_heads, num_blocks,
-block_size, head_dim]` (head-major: a gather of slots is directly a per-head matrix). A
-token's *slot* is `block_id * block_size + offset`. Slots are
-computed by the KV layer from block tables (which may later hold reversed blocks or
-non-resident ranges), so kernels only ever see slot indices: logical order in, physical
-slots out.
+KV cache layout, per layer: one tensor `[2, num_kv_heads, num_blocks, block_size,
+head_dim]` (K then V; head-major, so a gather of blocks is directly a per-head matrix). A
+token's *slot* is `block_id * block_size + offset`. New tokens are written by slot; reads
+go through per-sequence block lists built by the runner from block tables (which may later
+hold reversed or non-resident blocks), so kernels only see logical order in, physical
+locations out.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class PrefillSpan:
     q_start: int  # first row of this sequence in the flattened batch
     q_len: int  # new tokens in this step
     ctx_len: int  # tokens already in the cache before this step
-    kv_slots: torch.Tensor | None  # slots of all ctx_len + q_len tokens; None when ctx_len == 0
+    block_ids: torch.Tensor | None  # [n] blocks holding all ctx_len + q_len tokens; None when ctx_len == 0
 
 
 @dataclass
@@ -35,8 +35,8 @@ class DecodeBucket:
     """Single-token sequences of similar context length, attended as one padded batch."""
 
     rows: torch.Tensor  # [B] rows of these sequences in the flattened batch
-    slots: torch.Tensor  # [B, max_len] slots of each sequence's whole context (padded)
-    bias: torch.Tensor  # [B, 1, max_len] float32 additive mask: 0 valid, -inf padding
+    block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
+    bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
 
 
 @dataclass
@@ -49,19 +49,16 @@ class AttentionMetadata:
     scale: float
 
 
-def write_kv_cache(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots."""
-    _ref.write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
+    _ref.write_kv_cache(kv_cache, k, v, slot_mapping)
 
 
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's cached and new tokens.
@@ -70,4 +67,4 @@ def paged_attention(
     Returns [T, heads, head_dim]. Heads are grouped as in Hugging Face's `repeat_kv`:
     query head h reads KV head h // (heads // kv_heads).
     """
-    return _ref.paged_attention(q, k, v, k_cache, v_cache, meta)
+    return _ref.paged_attention(q, k, v, kv_cache, meta)

@@ -1,12 +1,13 @@
 """Plain-PyTorch paged attention (CPU path, and the reference for GPU kernels).
 
-Cache layout per layer is head-major: `[kv_heads, num_blocks, block_size, head_dim]`, so
-gathering a batch of slots along dim 1 yields `[kv_heads, n, head_dim]`, already in the
-layout matmul wants (no transpose copies, which dominated decode time otherwise).
+Cache layout per layer is `[2, kv_heads, num_blocks, block_size, head_dim]` (K then V,
+head-major), so gathering whole blocks along dim 2 yields `[2, kv_heads, n*block_size, D]`:
+K and V in one op, in 2 KiB chunks rather than per-token rows, already in the layout matmul
+wants (no transpose copies, which dominated decode time otherwise).
 
-Decode rows are attended in length buckets: each bucket's slots are gathered into one padded
-`[B, max_len]` batch, and the query heads sharing a KV head are stacked as extra query rows
-(`[kv_heads, B, group, D]`), so GQA needs no K/V copies. Matmul + softmax beats SDPA here
+Decode rows are attended in length buckets: each bucket's blocks are gathered into one padded
+`[B, max_blocks * block_size]` batch, and the query heads sharing a KV head are stacked as
+extra query rows (`[kv_heads, B, group, D]`), so GQA needs no K/V copies. Matmul + softmax beats SDPA here
 for a handful of query rows per sequence. Prefill chunks use SDPA (causal, GQA-aware).
 """
 from __future__ import annotations
@@ -20,34 +21,36 @@ if TYPE_CHECKING:
     from kernels.attention import AttentionMetadata, DecodeBucket, PrefillSpan
 
 
-def write_kv_cache(k_cache, v_cache, k, v, slot_mapping) -> None:
-    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+def write_kv_cache(kv_cache, k, v, slot_mapping) -> None:
+    _, kv_heads, _, _, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, kv_heads, -1, head_dim)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: "AttentionMetadata") -> torch.Tensor:
+def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata") -> torch.Tensor:
     out = torch.empty_like(q)
     for bucket in meta.decode_buckets:
-        out[bucket.rows] = _decode(q[bucket.rows], k_cache, v_cache, bucket, meta.scale)
+        out[bucket.rows] = _decode(q[bucket.rows], kv_cache, bucket, meta.scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, meta.scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, span, meta.scale)
     return out
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`[kv_heads, *slots.shape, head_dim]` copy of the cached vectors at `slots`."""
-    kv_heads, head_dim = cache.shape[0], cache.shape[-1]
-    flat = cache.view(kv_heads, -1, head_dim)
-    return flat.index_select(1, slots.reshape(-1)).view(kv_heads, *slots.shape, head_dim)
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`[2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, D]` copy of
+    K and V in the given blocks, in order."""
+    _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    flat = kv_cache.view(2 * kv_heads, num_blocks, block_size * head_dim)
+    out = flat.index_select(1, block_ids.reshape(-1))
+    return out.view(2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
 
 
-def _decode(q, k_cache, v_cache, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
+def _decode(q, kv_cache, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
     batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[0]
-    keys = gather_slots(k_cache, bucket.slots)  # [kvh, B, L, D]
-    values = gather_slots(v_cache, bucket.slots)
+    kv_heads = kv_cache.shape[1]
+    keys, values = gather_blocks(kv_cache, bucket.block_table)  # each [kvh, B, L, D]
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kvh, B, g, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [kvh, B, g, L]
     scores.mul_(scale).add_(bucket.bias)
@@ -55,14 +58,14 @@ def _decode(q, k_cache, v_cache, bucket: "DecodeBucket", scale: float) -> torch.
     return torch.matmul(probs, values).transpose(0, 1).reshape(batch, heads, head_dim)
 
 
-def _prefill(q, k, v, k_cache, v_cache, span: "PrefillSpan", scale: float) -> torch.Tensor:
+def _prefill(q, k, v, kv_cache, span: "PrefillSpan", scale: float) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-    if span.kv_slots is None:
+    if span.block_ids is None:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kh = gather_slots(k_cache, span.kv_slots).unsqueeze(0)  # [1, kvh, L, D]
-        vh = gather_slots(v_cache, span.kv_slots).unsqueeze(0)
+        kv_len = span.ctx_len + span.q_len
+        kh, vh = gather_blocks(kv_cache, span.block_ids)[:, :, :kv_len].unsqueeze(1)  # [1, kvh, L, D] each
         mask = _causal_mask(span.q_len, span.ctx_len, q.device)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -31,3 +34,28 @@ def tune_allocator() -> bool:
         log.debug("mallopt not available; allocator left as is")
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def empty_hugepage_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory is advised to use 2 MiB transparent huge pages.
+
+    Decode attention gathers small rows from all over the KV pool; with 4 KiB pages nearly
+    every row costs a TLB miss. Many kernels (this machine's included) only give huge pages
+    to regions that ask with madvise. Falls back to a plain tensor where madvise is missing.
+    """
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % _HUGE_PAGE
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(raw.data_ptr() + offset, nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        log.debug("madvise not available; KV cache on normal pages")
+    tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
+    return tensor.zero_()  # first touch after the advice, so the pages come huge

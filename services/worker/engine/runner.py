@@ -36,7 +36,6 @@ class ModelRunner:
         self.device = device
         self.block_size = storage.block_size
         self.scale = model.config.head_dim ** -0.5
-        self._arange_block = torch.arange(self.block_size)
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem]) -> StepResult:
@@ -96,22 +95,15 @@ class ModelRunner:
         return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]
 
     def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
-        """Padded [B, L] slot indices and a 0/-inf mask over each sequence's whole context."""
+        """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""
         bs = self.block_size
-        max_len = lens[0]
-        max_blocks = -(-max_len // bs)
-        table = torch.zeros(len(requests), max_blocks, dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids = self.kv.table(r).ids[: -(-lens[i] // bs)]
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        slots = (table.unsqueeze(-1) * bs + self._arange_block).view(len(requests), -1)[:, :max_len]
-        valid = torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        max_blocks = -(-lens[0] // bs)
+        tables = [self.kv.table(r).ids[: -(-n // bs)] for r, n in zip(requests, lens)]
+        table = torch.tensor([ids + [0] * (max_blocks - len(ids)) for ids in tables], dtype=torch.long)
+        valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-        return DecodeBucket(
-            rows=self._tensor(rows),
-            slots=slots.contiguous().to(self.device),
-            bias=bias.unsqueeze(1).to(self.device),
-        )
+        return DecodeBucket(rows=self._tensor(rows), block_table=table.to(self.device),
+                            bias=bias.unsqueeze(1).to(self.device))
 
     def _prefill_spans(self, items: list[ScheduledItem], start: int) -> list[PrefillSpan]:
         spans, row = [], start
@@ -119,11 +111,10 @@ class ModelRunner:
         for it in items:
             req, n = it.request, it.num_new_tokens
             ctx = req.num_computed_tokens
-            kv_slots = None
+            block_ids = None
             if ctx:
-                ids = torch.tensor(self.kv.table(req).ids, dtype=torch.long)
-                kv_slots = (ids.unsqueeze(-1) * bs + self._arange_block).view(-1)[: ctx + n].to(self.device)
-            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, kv_slots=kv_slots))
+                block_ids = self._tensor(self.kv.table(req).ids[: -(-(ctx + n) // bs)])
+            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, block_ids=block_ids))
             row += n
         return spans
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.engine.config import ModelConfig
+from services.worker.engine.platform_tuning import empty_hugepage_tensor
 
 _GIB = 1 << 30
 
@@ -28,10 +29,12 @@ class KVCacheStorage:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.data = torch.zeros(
-            model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim, dtype=dtype, device=device
-        )
-        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(model.num_layers)]
+        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
+        if torch.device(device).type == "cpu":
+            self.data = empty_hugepage_tensor(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [self.data[i] for i in range(model.num_layers)]
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
 from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_fused
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = torch.Tensor  # one layer's [2, kv_heads, num_blocks, block_size, head_dim]
 
 
 class LlamaAttention(nn.Module):
@@ -41,8 +41,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk, cos, sin)  # q and k heads are adjacent: rotate them in one op
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(cache[0], cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, cache[0], cache[1], meta)
+        write_kv_cache(cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, cache, meta)
         return self.o_proj(out.view(t, self.q_size))
 
 

@@ -27,8 +27,8 @@ class OPTAttention(nn.Module):
     def forward(self, x, meta: AttentionMetadata, cache) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = (y.view(t, self.num_heads, self.head_dim) for y in self.qkv_proj(x).split(self.size, dim=-1))
-        write_kv_cache(cache[0], cache[1], k, v, meta.slot_mapping)
-        return self.out_proj(paged_attention(q, k, v, cache[0], cache[1], meta).view(t, self.size))
+        write_kv_cache(cache, k, v, meta.slot_mapping)
+        return self.out_proj(paged_attention(q, k, v, cache, meta).view(t, self.size))
 
 
 class OPTDecoderLayer(nn.Module):

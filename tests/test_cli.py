@@ -1,0 +1,32 @@
+"""The `tandem` command line, run as a user would (a subprocess of the installed entry point)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_chat():
+    res = _tandem("generate", "--model", "default", "--prompt", "What is the capital of France?", "--chat",
+                  "--max-tokens", "20", "--temperature", "0", "--dtype", "float32", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["text"] == "The capital of France is Paris."
+    assert out["token_ids"] and out["finish_reason"] == "stop"
+
+
+def test_missing_model_is_a_clear_error():
+    res = _tandem("generate", "--model", "/no/such/model", "--prompt", "hi")
+    assert res.returncode == 2
+    assert "tandem: error:" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_help_lists_subcommands():
+    res = _tandem("--help")
+    assert res.returncode == 0
+    for cmd in ("generate", "chat", "bench"):
+        assert cmd in res.stdout
