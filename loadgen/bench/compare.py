@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-kv-cache-gib", type=int, default=None,
                    help="vLLM KV cache, whole GiB (default: vllm_bench.py's, 4)")
     p.add_argument("--skip-tandem", action="store_true", help="run only vLLM (on freshly generated prompts)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate ours/vLLM this many times and report the median-ratio round (default 1)")
     p.set_defaults(func=run)
 
 
@@ -59,17 +61,54 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.json_path).parent if args.json_path else Path(tempfile.mkdtemp(prefix="tandem-compare-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = Path(args.json_path).stem if args.json_path else "vllm-compare"
-    prompts_file = out_dir / f"{stem}.prompts.json"
-    ours_json, vllm_json = out_dir / f"{stem}.tandem.json", out_dir / f"{stem}.vllm.json"
 
     if not Path(args.vllm_python).exists():
         raise SystemExit(f"{args.vllm_python} not found: run `make bench-vllm` (it builds .venv-vllm)")
 
-    # 1. The model vLLM can load: a dequantised HF export of the same GGUF (made once, cached).
+    # The model vLLM can load: a dequantised HF export of the same GGUF (made once, cached).
     if args.model == "default":
         _run([sys.executable, "-m", "loadgen.baselines.export_hf"], out_dir / f"{stem}.export.log")
 
-    # 2. Ours.
+    # Alternate the systems round by round: on a noisy machine one pair is not evidence, the
+    # median of per-round ratios (each taken minutes apart at most) is.
+    rounds = []
+    for i in range(args.rounds):
+        tag = stem if args.rounds == 1 else f"{stem}.round{i + 1}"
+        ours, theirs = _run_pair(args, out_dir, tag)
+        rounds.append({"tandem": ours, "vllm": theirs, "ratio_output_tokens_per_s": _ratio(ours, theirs)})
+        if args.rounds > 1:
+            print(f"round {i + 1}: ratio {_fmt_ratio(rounds[-1]['ratio_output_tokens_per_s'])}", flush=True)
+
+    ratios = sorted(r["ratio_output_tokens_per_s"] for r in rounds if r["ratio_output_tokens_per_s"] is not None)
+    shown = rounds[-1]
+    if ratios:  # show the round whose ratio is the median (upper median for even counts)
+        shown = next(r for r in rounds if r["ratio_output_tokens_per_s"] == ratios[len(ratios) // 2])
+    result = {
+        "workload": {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
+                     "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed,
+                     "model": args.model, "identical_prompts": shown["tandem"] is not None},
+        "tandem": shown["tandem"],
+        "vllm": shown["vllm"],
+        "ratio_output_tokens_per_s": shown["ratio_output_tokens_per_s"],
+        "ratios_per_round": [r["ratio_output_tokens_per_s"] for r in rounds],
+        "rounds": rounds,
+        "host": host_info(),
+    }
+    print()
+    print(format_comparison(result))
+    if args.rounds > 1:
+        print("ratio per round: " + ", ".join(_fmt_ratio(r) for r in result["ratios_per_round"])
+              + " (table shows the median round)")
+    write_json(result, args.json_path)
+    if args.json_path:
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def _run_pair(args: argparse.Namespace, out_dir: Path, tag: str) -> tuple[dict | None, dict]:
+    """Ours, then vLLM on the very same prompts; returns both result dicts."""
+    prompts_file = out_dir / f"{tag}.prompts.json"
+    ours_json, vllm_json = out_dir / f"{tag}.tandem.json", out_dir / f"{tag}.vllm.json"
     ours = None
     if not args.skip_tandem:
         cmd = [sys.executable, "-m", "services.cli", "bench", "engine", *_workload_argv(args),
@@ -79,10 +118,9 @@ def run(args: argparse.Namespace) -> int:
                           ("--kv-cache-gib", args.kv_cache_gib)):
             if val is not None:
                 cmd += [flag, str(val)]
-        _run(cmd, out_dir / f"{stem}.tandem.log")
+        _run(cmd, out_dir / f"{tag}.tandem.log")
         ours = json.loads(ours_json.read_text())
 
-    # 3. vLLM on the very same prompts.
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [args.vllm_python, str(REPO_ROOT / "loadgen" / "baselines" / "vllm_bench.py"), *_workload_argv(args),
@@ -91,27 +129,18 @@ def run(args: argparse.Namespace) -> int:
         cmd += ["--prompts-file", str(prompts_file)]
     if args.vllm_kv_cache_gib is not None:
         cmd += ["--kv-cache-gib", str(args.vllm_kv_cache_gib)]
-    _run(cmd, out_dir / f"{stem}.vllm.log", env=env)
-    theirs = json.loads(vllm_json.read_text())
+    _run(cmd, out_dir / f"{tag}.vllm.log", env=env)
+    return ours, json.loads(vllm_json.read_text())
 
-    ratio = None
+
+def _ratio(ours: dict | None, theirs: dict) -> float | None:
     if ours and ours.get("output_tokens_per_s") and theirs.get("output_tokens_per_s"):
-        ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
-    result = {
-        "workload": {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
-                     "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed,
-                     "model": args.model, "identical_prompts": ours is not None},
-        "tandem": ours,
-        "vllm": theirs,
-        "ratio_output_tokens_per_s": ratio,
-        "host": host_info(),
-    }
-    print()
-    print(format_comparison(result))
-    write_json(result, args.json_path)
-    if args.json_path:
-        print(f"wrote {args.json_path}")
-    return 0
+        return ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    return None
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
 
 
 def format_comparison(result: dict) -> str:

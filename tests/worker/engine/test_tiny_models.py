@@ -62,3 +62,18 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
         engine.step()
         outs[dtype] = engine.last_logits[1][0]
     torch.testing.assert_close(outs["bfloat16"], outs["float32"], atol=0.1, rtol=0.05)
+
+
+def test_incomplete_checkpoint_is_refused(tiny_model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_dir("llama")
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights"):
+        LLMEngine(EngineConfig(model=str(dst), dtype="float32", num_blocks=8))

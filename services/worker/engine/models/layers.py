@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -74,6 +75,30 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def load_fused(param: torch.Tensor, loaded: torch.Tensor, offset: int) -> None:
-    """Copy one shard (e.g. k_proj) into rows [offset, offset+n) of a fused parameter."""
-    param.data[offset : offset + loaded.shape[0]].copy_(loaded)
+def load_checkpoint(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name: Callable[[str], tuple[str | None, int | None]],
+) -> None:
+    """Copy checkpoint tensors into `model`, every parameter exactly covered.
+
+    `map_name` turns a checkpoint name into (our parameter name or None to skip, row offset
+    inside a fused parameter or None). Unknown names and missing parameters are errors, so a
+    checkpoint of the wrong shape family fails loudly instead of running with random weights.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, offset = map_name(name)
+        if target is None:
+            continue
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param = params[target].data
+        if offset is not None:  # one shard (e.g. k_proj) of a fused parameter
+            param = param[offset : offset + tensor.shape[0]]
+        param.copy_(tensor)
+        loaded.add(target)
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
-from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_fused
+from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_checkpoint
 
 KVCache = torch.Tensor  # one layer's [2, kv_heads, num_blocks, block_size, head_dim]
 
@@ -93,19 +93,7 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(self.norm(hidden), weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, offset = _map_name(name, self.config)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the Llama model")
-            load_fused(params[target], tensor, offset) if offset is not None else params[target].data.copy_(tensor)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}...")
+        load_checkpoint(self, weights, lambda name: _map_name(name, self.config))
 
 
 _SHARDS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

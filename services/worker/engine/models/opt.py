@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
-from services.worker.engine.models.layers import load_fused
+from services.worker.engine.models.layers import load_checkpoint
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -82,19 +82,7 @@ class OPTForCausalLM(nn.Module):
         return F.linear(hidden, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, offset = self._map_name(name)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in the OPT model")
-            load_fused(params[target], tensor, offset) if offset is not None else params[target].data.copy_(tensor)
-            loaded.add(target)
-        missing = set(params) - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}...")
+        load_checkpoint(self, weights, self._map_name)
 
     def _map_name(self, name: str) -> tuple[str | None, int | None]:
         if name == "lm_head.weight":
