@@ -14,6 +14,6 @@ from services.worker.engine.scheduling import SLO, RequestClass
 
 __all__ = [
     "AsyncLLM", "EngineConfig", "EngineStats", "GenerationOutput", "LLM", "LLMEngine", "ModelConfig",
-    "RequestClass", "RequestMetrics", "RequestOutput", "SLO", "SamplingParams", "StreamDelta", "StreamDelta",
+    "RequestClass", "RequestMetrics", "RequestOutput", "SLO", "SamplingParams", "StreamDelta",
     "apply_chat_template",
 ]
