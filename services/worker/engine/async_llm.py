@@ -41,6 +41,11 @@ class _Add:
     arrival_time: float | None
 
 
+@dataclass
+class _Abort:
+    request_id: str
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
@@ -100,7 +105,7 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -127,8 +132,8 @@ class AsyncLLM:
                 return
 
     def _handle(self, item) -> None:
-        if isinstance(item, tuple):  # ("abort", id)
-            self.engine.abort(item[1])
+        if isinstance(item, _Abort):
+            self.engine.abort(item.request_id)
             return
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, req_class=item.req_class,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 
@@ -24,13 +25,18 @@ _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def tune_allocator() -> bool:
     """Keep large temporaries on the heap (glibc only; a no-op elsewhere). Idempotent."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         log.debug("mallopt not available; allocator left as is")
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
@@ -51,11 +57,11 @@ def empty_hugepage_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % _HUGE_PAGE
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(raw.data_ptr() + offset, nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
-    except (OSError, AttributeError):
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None:
         log.debug("madvise not available; KV cache on normal pages")
+    else:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise(raw.data_ptr() + offset, nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
     return tensor.zero_()  # first touch after the advice, so the pages come huge

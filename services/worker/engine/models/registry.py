@@ -30,4 +30,3 @@ def _reinit_buffers(model: nn.Module, config: ModelConfig, max_positions: int) -
     if rotary is not None:
         fresh = type(rotary)(config, max_positions)
         rotary.cos, rotary.sin = fresh.cos.to(rotary.cos.device), fresh.sin.to(rotary.sin.device)
-

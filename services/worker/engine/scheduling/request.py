@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.engine.sampler import make_generator
 from services.worker.engine.sampling import SamplingParams
 
 
@@ -71,8 +72,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.generator = make_generator(self.params)
 
     @property
     def num_prompt_tokens(self) -> int:
