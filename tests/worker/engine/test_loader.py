@@ -374,3 +374,20 @@ def test_legacy_config_layout(tmp_path: Path) -> None:
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings) == (4, 16, 2048)
     assert cfg.eos_token_ids == (5, 6) and cfg.tie_word_embeddings
+
+
+def test_gguf_config_is_cached(monkeypatch, tmp_path):
+    from services.worker.engine.loader import load_model_config, resolve_model
+    from services.worker.engine.loader import weights as weights_mod
+    from services.worker.engine.loader.gguf import load_gguf_config
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    src = resolve_model("default")
+    first = load_model_config(src)
+    assert first == load_gguf_config(src.path, src.name)
+
+    def must_not_parse(*_args, **_kwargs):
+        raise AssertionError("the GGUF was parsed again despite a cached config")
+
+    monkeypatch.setattr(weights_mod, "load_gguf_config", must_not_parse)
+    assert load_model_config(src) == first

@@ -10,7 +10,6 @@ the round trip: `save_pretrained` writes it to `chat_template.jinja`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cache import default_cache_dir, file_cache_key
 from .errors import ModelLoadError
 from .source import ModelSource
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "TANDEM_CACHE_DIR"
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 _DONE_MARKER = "tokenizer_config.json"  # written by save_pretrained; absent in a partial copy
 
@@ -43,17 +42,11 @@ def load_tokenizer(src: ModelSource, cache_dir: Path | None = None) -> PreTraine
         return _gguf_tokenizer(src.path, cache_dir or default_cache_dir())
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tandem").expanduser()
-
-
 def tokenizer_cache_path(gguf_path: Path, cache_dir: Path) -> Path:
     """Where the converted tokenizer of `gguf_path` is (or would be) cached."""
     import transformers
 
-    stat = gguf_path.stat()
-    key = f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
-    return cache_dir / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return cache_dir / "tokenizers" / file_cache_key(gguf_path, transformers.__version__)
 
 
 @contextlib.contextmanager

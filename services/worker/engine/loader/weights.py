@@ -1,7 +1,8 @@
 """Source-kind dispatch: one entry point for config and weights whatever the file format."""
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -15,16 +16,43 @@ from ..config import ModelConfig
 from .gguf import iter_gguf_weights, load_gguf_config
 from .hf import iter_hf_weights, load_hf_config
 from .source import ModelSource
-from .tokenizer import default_cache_dir
+from .cache import default_cache_dir, file_cache_key
 
 log = logging.getLogger(__name__)
+
+# Bump when the GGUF -> ModelConfig mapping changes, so cached configs are re-derived.
+_CONFIG_VERSION = "config-v1"
 
 
 def load_model_config(src: ModelSource) -> ModelConfig:
     """The architecture of `src` as a `ModelConfig` (name = `src.name`)."""
     if src.kind == "gguf":
-        return load_gguf_config(src.path, src.name)
+        return _cached_gguf_config(src.path, src.name, default_cache_dir())
     return load_hf_config(src.path, src.name)
+
+
+def _cached_gguf_config(path: Path, name: str, cache_dir: Path) -> ModelConfig:
+    """GGUF metadata mapped once, then read from JSON beside the weights cache.
+
+    Opening a GGUF parses its whole token list (about 2 s for SmolLM2's 49k entries), which
+    every engine start would otherwise pay just to read a few architecture numbers.
+    """
+    target = cache_dir / "weights" / f"{file_cache_key(path, _CONFIG_VERSION)}.config.json"
+    try:
+        fields = json.loads(target.read_text())
+        return dataclasses.replace(ModelConfig(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])}),
+                                   name=name)
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent, or written by another version: recompute
+    config = load_gguf_config(path, name)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(dataclasses.asdict(config)))
+        os.replace(tmp, target)
+    except OSError as exc:
+        log.warning("could not cache the GGUF config at %s: %s", target, exc)
+    return config
 
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,6 +91,4 @@ def iter_cached_gguf_weights(path: Path, cache_dir: Path | None = None) -> Itera
 
 
 def weights_cache_path(path: Path, cache_dir: Path) -> Path:
-    stat = path.stat()
-    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0v1"
-    return cache_dir / "weights" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+    return cache_dir / "weights" / f"{file_cache_key(path, 'v1')}.safetensors"
