@@ -1,0 +1,107 @@
+"""Placement policies: which worker runs a request.
+
+Pure functions of a request and the workers' current load, so the scheduler service and the
+cluster simulator (`loadgen.sim`) run the same code. `None` means "hold it for now" (no worker,
+or for BE: no worker with RT headroom).
+
+`least-loaded` (default):
+- RT goes to the session's preferred worker when it has room (the advisory issue fills
+  `preferred_worker`), else to the live worker with the lowest RT load score.
+- BE goes only where RT has headroom: no RT waiting, KV below the high-water mark, and fewer BE
+  requests in flight than the per-worker BE cap, and among those to the one with the fewest BE.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    request_id: str
+    req_class: str  # "rt" | "be"
+    num_prompt_tokens: int = 0  # 0 when unknown (the worker tokenizes)
+    session_id: str | None = None
+    preferred_worker: str | None = None  # session affinity (advisory)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    running_rt: int = 0
+    waiting_rt: int = 0
+    running_be: int = 0
+    waiting_be: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    max_num_seqs: int = 128
+    draining: bool = False
+
+    @property
+    def rt(self) -> int:
+        return self.running_rt + self.waiting_rt
+
+    @property
+    def be(self) -> int:
+        return self.running_be + self.waiting_be
+
+
+@dataclass(frozen=True)
+class PlacementLimits:
+    kv_high_water: float = 0.9  # above this a worker takes no BE
+    be_per_worker: int = 32  # BE requests in flight per worker, at most
+    rt_headroom: float = 0.75  # RT load (share of max_num_seqs) above which a worker takes no BE
+
+
+class PlacementPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, limits: PlacementLimits = PlacementLimits()) -> None:
+        self.limits = limits
+
+    @abstractmethod
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> str | None:
+        """The worker id to run `request` on, or None to hold it."""
+
+
+class LeastLoaded(PlacementPolicy):
+    name = "least-loaded"
+
+    def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> str | None:
+        live = [w for w in workers if not w.draining]
+        if request.req_class == "be":
+            return self._place_be(live)
+        return self._place_rt(request, live)
+
+    def _place_rt(self, request: PlacementRequest, live: Sequence[WorkerLoad]) -> str | None:
+        if not live:
+            return None
+        preferred = next((w for w in live if w.worker_id == request.preferred_worker), None)
+        if preferred is not None and self._rt_score(preferred) < 1.0:
+            return preferred.worker_id
+        return min(live, key=lambda w: (self._rt_score(w), w.worker_id)).worker_id
+
+    def _place_be(self, live: Sequence[WorkerLoad]) -> str | None:
+        ok = [w for w in live if self._has_rt_headroom(w) and w.be < self.limits.be_per_worker]
+        if not ok:
+            return None
+        return min(ok, key=lambda w: (w.be, w.kv_usage, w.worker_id)).worker_id
+
+    def _rt_score(self, w: WorkerLoad) -> float:
+        # BE counts a little: it shares the step, but the worker's policy can put RT first.
+        return (w.rt + 0.25 * w.be) / max(1, w.max_num_seqs) + 0.5 * w.kv_usage
+
+    def _has_rt_headroom(self, w: WorkerLoad) -> bool:
+        return (w.waiting_rt == 0 and w.kv_usage < self.limits.kv_high_water
+                and w.rt < self.limits.rt_headroom * w.max_num_seqs)
+
+
+_PLACEMENTS: dict[str, Callable[[PlacementLimits], PlacementPolicy]] = {LeastLoaded.name: LeastLoaded}
+
+
+def make_placement(name: str, limits: PlacementLimits = PlacementLimits()) -> PlacementPolicy:
+    try:
+        return _PLACEMENTS[name](limits)
+    except KeyError:
+        raise ValueError(f"unknown placement policy {name!r}; available: {sorted(_PLACEMENTS)}") from None

@@ -1,0 +1,178 @@
+"""A small layer over aiokafka: start-up with backoff, topic creation, typed send, consumers
+with manual commits, and a clean stop that flushes.
+
+Producers use `acks=all`. Idempotent producers are switched on only where the broker supports
+them (`kafka_idempotence` setting; the embedded tansu broker fails them), so every consumer is
+idempotent instead: messages carry ids and readers drop what they have already applied.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+
+from shared.schemas.base import WireModel
+from shared.settings import ServiceSettings
+from shared.topics import TopicSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def with_backoff(what: str, fn: Callable[[], Awaitable[T]], *, attempts: int = 30,
+                       first_delay: float = 0.1, max_delay: float = 2.0) -> T:
+    """Retry `fn` on connection errors with exponential backoff (the broker may still be starting)."""
+    delay = first_delay
+    for i in range(attempts):
+        try:
+            return await fn()
+        except (KafkaConnectionError, KafkaError, OSError) as exc:
+            if i == attempts - 1:
+                raise
+            log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+    raise AssertionError("unreachable")
+
+
+class KafkaClient:
+    """One producer plus the consumers a service opens; `stop()` flushes and closes them all."""
+
+    def __init__(self, settings: ServiceSettings, client_id: str, *, idempotence: bool = False) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self._idempotence = idempotence
+        self.producer: AIOKafkaProducer | None = None
+        self._consumers: list[AIOKafkaConsumer] = []
+
+    @property
+    def bootstrap(self) -> str:
+        return self.settings.kafka_bootstrap
+
+    async def start(self, topics: Sequence[TopicSpec] = ()) -> None:
+        await self.ensure_topics(topics)
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all", linger_ms=0,
+            enable_idempotence=self._idempotence, request_timeout_ms=10000,
+        )
+        await with_backoff("producer start", self.producer.start)
+
+    async def ensure_topics(self, topics: Sequence[TopicSpec]) -> None:
+        """Create missing topics (creating an existing one is a no-op)."""
+        if not topics:
+            return
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
+        await with_backoff("admin connect", admin.start)
+        try:
+            existing = set(await admin.list_topics())
+            new = [_new_topic(t) for t in topics if t.name not in existing]
+            if new:
+                try:
+                    await admin.create_topics(new)
+                except TopicAlreadyExistsError:
+                    pass  # another service won the race
+        finally:
+            await admin.close()
+
+    async def send(self, topic: str, message: WireModel | None, *, key: str | None = None,
+                   partition: int | None = None) -> None:
+        """Send and wait for the broker's ack (None = tombstone on a compacted topic)."""
+        value = None if message is None else message.encode()
+        await self.producer.send_and_wait(topic, value, key=None if key is None else key.encode(),
+                                          partition=partition)
+
+    async def send_nowait(self, topic: str, message: WireModel, *, key: str | None = None,
+                          partition: int | None = None) -> asyncio.Future:
+        """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
+        return await self.producer.send(topic, message.encode(), key=None if key is None else key.encode(),
+                                        partition=partition)
+
+    async def consumer(self, *topics: str, group: str | None, from_latest: bool = False,
+                       **kwargs) -> AIOKafkaConsumer:
+        """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`."""
+        c = AIOKafkaConsumer(
+            *topics if group else (), bootstrap_servers=self.bootstrap, client_id=self.client_id,
+            group_id=group, enable_auto_commit=False,
+            auto_offset_reset="latest" if from_latest else "earliest",
+            fetch_max_wait_ms=kwargs.pop("fetch_max_wait_ms", 20), **kwargs,
+        )
+        await with_backoff("consumer start", c.start)
+        self._consumers.append(c)
+        return c
+
+    async def assign_all(self, consumer: AIOKafkaConsumer, topic: str, *, from_end: bool,
+                         partitions: Sequence[int] | None = None) -> list[TopicPartition]:
+        """Group-less reading of a whole topic (or given partitions), from its start or its end."""
+        if partitions is None:
+            parts = await with_backoff(f"metadata {topic}", lambda: _partitions(consumer, topic))
+        else:
+            parts = list(partitions)
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        if from_end:
+            await consumer.seek_to_end(*tps)
+        else:
+            await consumer.seek_to_beginning(*tps)
+        return tps
+
+    async def stop(self) -> None:
+        for c in self._consumers:
+            try:
+                await c.stop()
+            except Exception:  # noqa: BLE001 (best effort on shutdown)
+                log.exception("consumer stop")
+        self._consumers.clear()
+        if self.producer is not None:
+            try:
+                await self.producer.flush()
+                await self.producer.stop()
+            except Exception:  # noqa: BLE001
+                log.exception("producer stop")
+            self.producer = None
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
+    parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        await consumer._client.force_metadata_update()  # noqa: SLF001 (aiokafka has no public refresh)
+        parts = consumer.partitions_for_topic(topic)
+    if not parts:
+        raise KafkaConnectionError(f"no metadata for topic {topic}")
+    return sorted(parts)
+
+
+def _new_topic(t: TopicSpec) -> NewTopic:
+    configs = {"cleanup.policy": "compact"} if t.compacted else {}
+    return NewTopic(t.name, t.partitions, 1, topic_configs=configs)
+
+
+class OffsetTracker:
+    """Manual-commit bookkeeping when messages finish out of order.
+
+    The committable offset of a partition is the lowest offset still being worked on (or one past
+    the last seen): committing it never skips unfinished work, so a restart redelivers exactly
+    the unfinished messages (and consumers drop the finished ones they see again by id).
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, set[int]] = {}
+        self._next: dict[TopicPartition, int] = {}
+
+    def started(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.setdefault(tp, set()).add(offset)
+        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        self._pending.get(tp, set()).discard(offset)
+
+    def committable(self) -> dict[TopicPartition, int]:
+        out = {}
+        for tp, nxt in self._next.items():
+            pending = self._pending.get(tp)
+            out[tp] = min(pending) if pending else nxt
+        return out

@@ -1,0 +1,1 @@
+"""Wire messages, one module per topic family (see `shared.topics` for the catalogue)."""

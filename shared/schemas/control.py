@@ -1,0 +1,29 @@
+"""`control`: commands every worker and the scheduler read."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from shared.schemas.base import WireModel
+
+
+class Cancel(WireModel):
+    """The client went away: stop generating and free the KV."""
+
+    type: Literal["cancel"] = "cancel"
+    request_id: str
+
+
+class Drain(WireModel):
+    """Stop accepting new work on a worker (the scheduler stops placing there); finish what runs."""
+
+    type: Literal["drain"] = "drain"
+    worker_id: str
+
+
+ControlMessage = Annotated[Union[Cancel, Drain], Field(discriminator="type")]
+
+
+class ControlEnvelope(WireModel):
+    message: ControlMessage

@@ -1,0 +1,71 @@
+"""`requests.rt` / `requests.be` and per-worker dispatch: one generation request.
+
+The gateway validates the HTTP body into this; the scheduler forwards it unchanged to a worker;
+the worker tokenizes (chat template or raw prompt). A resumed request (its first worker died)
+is the same request with `attempt + 1` and the tokens the client already has in
+`resume_token_ids`: they become part of the prompt, so the stream continues where it stopped.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.schemas.base import WireModel
+
+RequestClassName = Literal["rt", "be"]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    role: str
+    content: str
+
+
+class SamplingOptions(BaseModel):
+    """The engine's `SamplingParams`, as they travel (validated again by the engine)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_tokens: int | None = None  # None: up to the model's context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class SLOTargets(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class GenerateRequest(WireModel):
+    request_id: str
+    attempt: int = 0  # bumped on every re-placement; workers and the gateway key on (id, attempt)
+    gateway_id: str
+    reply_partition: int  # the results-topic partition the owning gateway reads
+    model: str
+    kind: Literal["chat", "completion"]
+    messages: list[ChatMessage] | None = None  # chat
+    prompt: str | list[int] | None = None  # completion: text or token ids
+    sampling: SamplingOptions = SamplingOptions()
+    req_class: RequestClassName = "rt"
+    slo: SLOTargets = SLOTargets()
+    session_id: str | None = None
+    created_at: float  # wall-clock seconds at the gateway (time.time())
+    resume_token_ids: list[int] = Field(default_factory=list)
+    metadata: dict[str, str] = Field(default_factory=dict)  # e.g. batch id / custom_id for batch items
+
+    def resumed(self, token_ids: list[int]) -> "GenerateRequest":
+        return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

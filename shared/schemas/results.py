@@ -1,0 +1,66 @@
+"""`results`: what flows back to the gateway that owns a request.
+
+Workers batch events: one `ResultBatch` carries every event for one gateway partition produced
+since the last flush (a few ms), not one message per token per request. Events carry
+(request_id, attempt) so a gateway can drop stale events from a worker that was declared lost,
+and `Delta.index` (output tokens before this delta, counting resumed ones) so a delta is applied
+exactly once and in order.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.schemas.base import WireModel
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    request_id: str
+    attempt: int = 0
+
+
+class Accepted(_Event):
+    """The worker validated and queued the request."""
+
+    type: Literal["accepted"] = "accepted"
+    worker_id: str
+    prompt_tokens: int  # the prompt the client sent (resumed tokens not included)
+
+
+class Delta(_Event):
+    type: Literal["delta"] = "delta"
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # set on the last delta: stop | length | abort
+    # set on the last delta: what the worker measured
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class Failed(_Event):
+    """The request cannot be served (e.g. the prompt exceeds the context)."""
+
+    type: Literal["failed"] = "failed"
+    status: int = 400  # the HTTP status the gateway should answer with
+    code: str = "invalid_request"
+    message: str
+
+
+class Rerouted(_Event):
+    """The scheduler lost the worker running this request: the gateway should resume it."""
+
+    type: Literal["rerouted"] = "rerouted"
+    reason: str
+
+
+ResultEvent = Annotated[Union[Accepted, Delta, Failed, Rerouted], Field(discriminator="type")]
+
+
+class ResultBatch(WireModel):
+    source: str  # worker or scheduler id
+    events: list[ResultEvent]

@@ -1,0 +1,60 @@
+"""`heartbeats` and `telemetry`: what workers say about themselves.
+
+Heartbeats (every `heartbeat_interval_s`) say a worker is alive, what it serves and which
+requests it holds; the scheduler uses the id lists to tell finished requests from lost ones.
+Telemetry (every second) carries load and the SLO figures the worker achieved.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from shared.schemas.base import WireModel
+
+
+class Heartbeat(WireModel):
+    worker_id: str
+    model: str  # the model id clients name
+    max_model_len: int
+    dispatch_topic: str
+    started_at: float
+    sent_at: float
+    draining: bool = False
+    running_ids: list[str] = Field(default_factory=list)  # "request_id:attempt" held by the engine
+    finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
+
+
+class RequestTiming(BaseModel):
+    """One finished request as the worker saw it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    request_id: str
+    req_class: str
+    ttft_s: float | None
+    tpot_s: float | None
+    output_tokens: int
+    met_slo: bool | None = None  # None when the request had no SLO
+
+
+class ClassLoad(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    running: int = 0
+    waiting: int = 0
+
+
+class Telemetry(WireModel):
+    worker_id: str
+    sent_at: float
+    rt: ClassLoad = ClassLoad()
+    be: ClassLoad = ClassLoad()
+    kv_usage: float = 0.0  # fraction of KV blocks in use
+    kv_blocks: int = 0
+    max_num_seqs: int = 0
+    tokens_per_s: float = 0.0  # generated tokens, last interval
+    ttft_p50_s: float | None = None  # over requests finished in the recent window
+    ttft_p99_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p99_s: float | None = None
+    slo_attainment: float | None = None
+    finished: list[RequestTiming] = Field(default_factory=list)  # since the last report

@@ -1,0 +1,73 @@
+"""The topic catalogue: every Kafka topic Tandem uses, its partitions and its key, in one place.
+
+| topic                      | partitions | key             | producers → consumers                    |
+|----------------------------|-----------:|-----------------|------------------------------------------|
+| `<p>.requests.rt`          | 4          | request id      | gateway → scheduler                      |
+| `<p>.requests.be`          | 4          | request id      | gateway, queue → scheduler               |
+| `<p>.dispatch.<worker id>` | 1          | request id      | scheduler → that worker                  |
+| `<p>.results`              | 8          | gateway id      | workers, scheduler → owning gateway      |
+| `<p>.control`              | 1          | request/worker  | gateway, scheduler → workers, scheduler  |
+| `<p>.telemetry`            | 1          | worker id       | workers → scheduler                      |
+| `<p>.heartbeats`           | 1          | worker id       | workers → scheduler, gateways            |
+| `<p>.scheduler.state`      | 1, compact | request id      | scheduler → scheduler (restart recovery) |
+
+Results are produced to an explicit partition that the gateway chose and wrote into the request
+(`reply_partition`): each gateway replica reads only its own partition, so a stream reaches the
+replica holding the client's connection. Dispatch is one topic per worker so a worker reads only
+its own work and a dead worker's backlog is simply abandoned (the scheduler re-places it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    key: str  # what the message key holds (documentation and tests)
+    compacted: bool = False
+
+
+@dataclass(frozen=True)
+class Topics:
+    prefix: str = "tandem"
+
+    def _t(self, suffix: str, partitions: int, key: str, compacted: bool = False) -> TopicSpec:
+        return TopicSpec(f"{self.prefix}.{suffix}", partitions, key, compacted)
+
+    @property
+    def rt_requests(self) -> TopicSpec:
+        return self._t("requests.rt", 4, "request id")
+
+    @property
+    def be_requests(self) -> TopicSpec:
+        return self._t("requests.be", 4, "request id")
+
+    def dispatch(self, worker_id: str) -> TopicSpec:
+        return self._t(f"dispatch.{worker_id}", 1, "request id")
+
+    @property
+    def results(self) -> TopicSpec:
+        return self._t("results", 8, "gateway id")
+
+    @property
+    def control(self) -> TopicSpec:
+        return self._t("control", 1, "request or worker id")
+
+    @property
+    def telemetry(self) -> TopicSpec:
+        return self._t("telemetry", 1, "worker id")
+
+    @property
+    def heartbeats(self) -> TopicSpec:
+        return self._t("heartbeats", 1, "worker id")
+
+    @property
+    def scheduler_state(self) -> TopicSpec:
+        return self._t("scheduler.state", 1, "request id", compacted=True)
+
+    def static(self) -> list[TopicSpec]:
+        """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
+        return [self.rt_requests, self.be_requests, self.results, self.control, self.telemetry,
+                self.heartbeats, self.scheduler_state]
