@@ -1,0 +1,1 @@
+"""Workloads: length distributions, request specs, arrival-driven and closed-loop sources."""

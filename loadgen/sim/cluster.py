@@ -1,0 +1,165 @@
+"""The simulator as a load-generator target: one or many `SimWorker`s on a virtual clock.
+
+Events are worker step completions and delayed arrivals (a session's KV travelling from the
+worker that served its last turn). Requests are placed by the scheduler service's own
+placement policy (`services.scheduler.placement`); a request the policy holds (no worker with
+room, BE without RT headroom) is offered again whenever a step ends. When placement moves a
+session to another worker and a KV bandwidth is configured, the request arrives there after
+`history bytes / bandwidth` seconds with its history in the new worker's prefix cache;
+without a bandwidth the history is simply recomputed there.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+
+from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
+from loadgen.sim.worker import SimWorker
+from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    placement: str = "least-loaded"
+    kv_transfer_bytes_per_s: float | None = None  # None: a moved session recomputes its history
+
+
+class SimTarget(StepTarget):
+    name = "sim"
+
+    def __init__(self, workers: list[SimWorker], spec: ClusterSpec = ClusterSpec()) -> None:
+        if not workers:
+            raise ValueError("the simulator needs at least one worker")
+        self.workers = {w.worker_id: w for w in workers}
+        self.spec = spec
+        self.placement = make_placement(spec.placement)
+        self.clock = 0.0
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self._held: list[PreparedRequest] = []
+        self._where: dict[str, str] = {}  # request id -> worker id
+        self._session_worker: dict[str, str] = {}
+        self.transfers = 0
+        self.transferred_tokens = 0
+
+    # -- StepTarget ----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        self.clock = 0.0
+
+    def now(self) -> float:
+        return self.clock
+
+    def submit(self, request: PreparedRequest) -> None:
+        self._check(request)
+        if not self._place(request):
+            self._held.append(request)
+
+    def advance(self, until_s: float) -> list[TokenEvent]:
+        out: list[TokenEvent] = []
+        while self._events and self._events[0][0] <= until_s:
+            t, _, kind, payload = heapq.heappop(self._events)
+            self.clock = max(self.clock, t)
+            out.extend(self._handle(kind, payload))
+            if any(ev.finished for ev in out):
+                return out
+        if not math.isinf(until_s):
+            self.clock = max(self.clock, until_s)
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self._events or self._held) or any(w.has_work() for w in self.workers.values())
+
+    def abort(self, request_id: str) -> None:
+        self._held = [r for r in self._held if r.request_id != request_id]
+        wid = self._where.pop(request_id, None)
+        if wid is not None:
+            self.workers[wid].abort(request_id, self.clock)
+
+    def load(self) -> LoadSample:
+        ws = list(self.workers.values())
+        counts = [w.counts() for w in ws]
+        return LoadSample(self.clock, sum(w.kv_usage() for w in ws) / len(ws),
+                          sum(c["running_rt"] + c["running_be"] for c in counts),
+                          sum(c["waiting_rt"] + c["waiting_be"] for c in counts) + len(self._held))
+
+    def describe(self) -> dict:
+        ws = list(self.workers.values())
+        return {"target": "sim", "workers": len(ws), "placement": self.spec.placement,
+                "kv_transfer_bytes_per_s": self.spec.kv_transfer_bytes_per_s,
+                "steps": sum(w.steps for w in ws), "busy_s": sum(w.busy_s for w in ws),
+                "kv_transfers": self.transfers, "kv_transferred_tokens": self.transferred_tokens,
+                "cost_model": dict(ws[0].cost.meta)}
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check(self, request: PreparedRequest) -> None:
+        # every worker is alike: one that can never serve it fails the request up front
+        next(iter(self.workers.values()))._validate(request)
+
+    def _place(self, request: PreparedRequest) -> bool:
+        preq = PlacementRequest(request.request_id, request.req_class, len(request.prompt_ids), request.session_id,
+                                self._session_worker.get(request.session_id or ""))
+        wid = self.placement.place(preq, [self._load_of(w) for w in self.workers.values()])
+        if wid is None:
+            return False
+        delay = self._transfer_delay(request, wid)
+        if delay > 0:
+            self._push(self.clock + delay, "arrive", (wid, request))
+        else:
+            self._arrive(wid, request)
+        return True
+
+    def _transfer_delay(self, request: PreparedRequest, wid: str) -> float:
+        prev = self._session_worker.get(request.session_id or "")
+        bw = self.spec.kv_transfer_bytes_per_s
+        if prev is None or prev == wid or not bw:
+            return 0.0
+        worker = self.workers[wid]
+        history = request.prompt_ids[: len(request.prompt_ids) - 1]
+        cached = worker.import_prefix(history)
+        self.transfers += 1
+        self.transferred_tokens += cached
+        return cached * worker.spec.kv_bytes_per_token / bw
+
+    def _arrive(self, wid: str, request: PreparedRequest) -> None:
+        worker = self.workers[wid]
+        worker.add(request, request.arrival_s)
+        self._where[request.request_id] = wid
+        if request.session_id:
+            self._session_worker[request.session_id] = wid
+        self._kick(worker)
+
+    def _kick(self, worker: SimWorker) -> None:
+        if worker.busy or not worker.has_work():
+            return
+        duration = worker.start_step(self.clock)
+        if duration is not None:
+            self._push(self.clock + duration, "step", worker.worker_id)
+
+    def _handle(self, kind: str, payload) -> list[TokenEvent]:
+        if kind == "arrive":
+            self._arrive(*payload)
+            return []
+        worker = self.workers[payload]
+        events = worker.finish_step()
+        for ev in events:
+            if ev.finished:
+                self._where.pop(ev.request_id, None)
+        self._retry_held()
+        self._kick(worker)
+        return events
+
+    def _retry_held(self) -> None:
+        held, self._held = self._held, []
+        for request in held:
+            if not self._place(request):
+                self._held.append(request)
+
+    def _push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
+    def _load_of(self, w: SimWorker) -> WorkerLoad:
+        return WorkerLoad(w.worker_id, kv_usage=w.kv_usage(), max_num_seqs=w.spec.max_num_seqs, **w.counts())

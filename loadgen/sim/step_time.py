@@ -1,0 +1,32 @@
+"""Step-time features of a scheduled batch, exactly as the engine's runner splits it.
+
+A row with one new token is a decode (the runner treats it so), every other row is a
+prefill chunk; each row is `(num_new_tokens, context_tokens_after_the_step)`, the
+`CostModel.estimate` contract. Call before the batch's progress is applied.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from services.worker.engine.cost_model import CostModel
+from services.worker.engine.scheduling import ScheduledBatch, ScheduledItem
+
+
+def batch_rows(items: Sequence[ScheduledItem]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    prefill, decode = [], []
+    for it in items:
+        row = (it.num_new_tokens, it.request.num_computed_tokens + it.num_new_tokens)
+        (decode if it.num_new_tokens == 1 else prefill).append(row)
+    return prefill, decode
+
+
+def swap_bytes(batch: ScheduledBatch, bytes_per_token: int) -> int:
+    """Bytes the batch moves across the host link (checkpoints, swaps); the manager may price
+    them itself (`swap_bytes`) or leave it to us (`swap_slots` x bytes per token)."""
+    priced = int(getattr(batch, "swap_bytes", 0) or 0)
+    return priced or int(getattr(batch, "swap_slots", 0) or 0) * bytes_per_token
+
+
+def step_seconds(cost: CostModel, batch: ScheduledBatch, bytes_per_token: int) -> float:
+    prefill, decode = batch_rows(batch.items)
+    return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token))

@@ -1,0 +1,158 @@
+"""One simulated worker: the engine's `Scheduler`, policy, `KVCacheManager` and `BlockPool`,
+with the forward pass replaced by the cost model's step time.
+
+The bookkeeping after a step mirrors `LLMEngine.step` line for line: advance each row's
+`num_computed_tokens` and `kv.commit` it; rows that reach the end of their known tokens
+sample one token (`append_token`), then `check_stop`, and finished requests leave through
+`scheduler.finish`. The token is a deterministic stand-in (the simulator has no logits);
+outputs are forced to `max_tokens` (EOS ignored), as in the papers' setups.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from services.worker.engine.cost_model import CostModel
+from services.worker.engine.kv import BlockPool, KVCacheManager, hash_block
+from services.worker.engine.sampling import SamplingParams
+from services.worker.engine.scheduling import (
+    SLO, BatchLimits, FinishReason, Request, RequestClass, ScheduledBatch, Scheduler, make_policy,
+)
+from loadgen.sim.step_time import step_seconds
+from loadgen.targets.base import PreparedRequest, TokenEvent
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a simulated worker looks like: its KV pool, batching limits and model context."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int = 2048
+    vocab_size: int = 49152
+    kv_bytes_per_token: int = 0  # prices swaps and transfers
+
+
+class SimWorker:
+    def __init__(self, worker_id: str, spec: WorkerSpec, cost: CostModel, policy: str,
+                 policy_options: dict | None = None) -> None:
+        self.worker_id, self.spec, self.cost = worker_id, spec, cost
+        self.kv = KVCacheManager(BlockPool(spec.num_blocks, spec.enable_prefix_caching), spec.block_size)
+        limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))
+        self.batch: ScheduledBatch | None = None  # the step in flight
+        self.step_end_s: float | None = None
+        self.duration_s = 0.0
+        self._aborted_in_flight: set[str] = set()  # aborted while their step was running
+        self.steps = 0
+        self.busy_s = 0.0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add(self, req: PreparedRequest, arrival_time: float) -> Request:
+        self._validate(req)
+        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        request = Request(req.request_id, list(req.prompt_ids), params, arrival_time, RequestClass(req.req_class),
+                          SLO(req.slo_ttft_s, req.slo_tpot_s), frozenset(), self.spec.max_model_len)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str, now: float) -> bool:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        if self.batch is not None and any(it.request is request for it in self.batch.items):
+            self._aborted_in_flight.add(request_id)
+        self.scheduler.finish(request, FinishReason.ABORT, now)
+        return True
+
+    def import_prefix(self, token_ids: list[int]) -> int:
+        """Place the full blocks of `token_ids` in this worker's prefix cache, as a KV transfer
+        from another worker would; returns the tokens now cached (0 when blocks are short)."""
+        bs = self.spec.block_size
+        n = len(token_ids) // bs
+        pool = self.kv.pool
+        if n == 0 or not pool.enable_caching or n > pool.num_free:
+            return 0
+        parent = None
+        blocks = pool.allocate(n)
+        for i, block in enumerate(blocks):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            pool.register(block, parent)
+        pool.release(reversed(blocks))
+        return n * bs
+
+    # -- steps ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.batch is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def start_step(self, now: float) -> float | None:
+        """Schedule the next batch at `now`; its simulated duration, or None if nothing runs."""
+        batch = self.scheduler.schedule(now)
+        if not batch:
+            return None
+        duration = step_seconds(self.cost, batch, self.spec.kv_bytes_per_token)
+        self.batch, self.step_end_s, self.duration_s = batch, now + duration, duration
+        self.steps += 1
+        self.busy_s += duration
+        return duration
+
+    def finish_step(self) -> list[TokenEvent]:
+        batch, now = self.batch, self.step_end_s
+        self.batch = self.step_end_s = None
+        live = [it for it in batch.items if it.request.request_id not in self._aborted_in_flight]
+        self._aborted_in_flight.clear()
+        sampled = [it.request for it in live if it.request.num_computed_tokens + it.num_new_tokens
+                   == it.request.num_tokens]
+        for it in live:
+            it.request.num_computed_tokens += it.num_new_tokens
+            self.kv.commit(it.request)
+        if hasattr(self.scheduler, "step_done"):  # adaptive policies learn from step times
+            self.scheduler.step_done(batch, self.duration_s)
+        return [self._emit(r, now) for r in sampled]
+
+    def _emit(self, request: Request, now: float) -> TokenEvent:
+        token = self._token(request)
+        request.append_token(token, None, now)
+        stop = request.check_stop()
+        if stop is not None:
+            request.stop_reason = stop[1]
+            self.scheduler.finish(request, stop[0], now)
+        return TokenEvent(request.request_id, now, [token], stop is not None,
+                          None if stop is None else stop[0].value, self.worker_id)
+
+    def _token(self, request: Request) -> int:
+        seed = zlib.crc32(request.request_id.encode())
+        return (seed + 7919 * request.num_tokens) % self.spec.vocab_size
+
+    # -- load ----------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        out = {"running_rt": 0, "waiting_rt": 0, "running_be": 0, "waiting_be": 0}
+        for r in self.scheduler.running:
+            out[f"running_{r.req_class.value}"] += 1
+        for r in self.scheduler.waiting:
+            out[f"waiting_{r.req_class.value}"] += 1
+        return out
+
+    def kv_usage(self) -> float:
+        return self.kv.pool.usage()
+
+    def _validate(self, req: PreparedRequest) -> None:
+        n = len(req.prompt_ids)
+        if n >= self.spec.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the model's context is {self.spec.max_model_len}")
+        needed = min(n + req.max_tokens, self.spec.max_model_len)
+        if needed > self.kv.capacity_tokens():
+            raise ValueError(f"the request needs up to {needed} KV slots but the pool holds "
+                             f"{self.kv.capacity_tokens()}")
+
