@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
+from services.worker.engine.kv.copies import KVCopy
 from services.worker.engine.kv.kv_cache_manager import KVCacheManager
 from services.worker.engine.scheduling.request import Request, RequestStatus
 
@@ -32,7 +33,9 @@ class ScheduledItem:
 @dataclass
 class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # recompute-preempted (KV dropped)
+    copies: list[KVCopy] = field(default_factory=list)  # executed in order before the forward pass
+    swapped_out: list[Request] = field(default_factory=list)  # whole requests moved to host this step
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.items.append(ScheduledItem(request, num_new_tokens))
@@ -40,6 +43,16 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(it.num_new_tokens for it in self.items)
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes crossing host <-> device this step (what the cost model's swap term charges)."""
+        return sum(c.nbytes for c in self.copies if c.crosses_host)
+
+    @property
+    def swap_slots(self) -> int:
+        """Token slots crossing host <-> device (for callers that price bytes themselves)."""
+        return sum(c.num_slots for c in self.copies if c.crosses_host)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -76,9 +89,12 @@ class SchedulerState:
 
 
 class SchedulingPolicy(ABC):
-    """Chooses each step's batch. Implementations must be stateless across engines."""
+    """Chooses each step's batch. One instance per engine (adaptive policies keep state)."""
 
     name: ClassVar[str]
+
+    def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
+        """Called after the batch ran, with its measured (or simulated) duration."""
 
     @abstractmethod
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
@@ -90,7 +106,7 @@ class SchedulingPolicy(ABC):
         """
 
 
-_POLICIES: dict[str, Callable[[], SchedulingPolicy]] = {}
+_POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {}
 
 
 def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
@@ -98,10 +114,14 @@ def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
     return cls
 
 
-def make_policy(name: str) -> SchedulingPolicy:
+def make_policy(name: str, **options) -> SchedulingPolicy:
+    """Build a registered policy; `options` go to its constructor (e.g. `make_policy("bros",
+    cost_model=CostModel.load(path), default_slo=SLO(0.4, 0.2))`)."""
     import services.worker.engine.scheduling.fcfs  # noqa: F401  (registers built-in policies)
+    import services.worker.engine.scheduling.rr  # noqa: F401
 
     try:
-        return _POLICIES[name]()
+        cls = _POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduling policy {name!r}; available: {sorted(_POLICIES)}") from None
+    return cls(**options)

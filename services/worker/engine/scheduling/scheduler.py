@@ -17,6 +17,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.last_schedule_s = 0.0  # wall time of the last `schedule` call (a published metric)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -28,8 +29,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, now: float | None = None) -> ScheduledBatch:
-        state = SchedulerState(self.waiting, self.running, self.kv, self.limits, now or time.perf_counter())
-        return self.policy.schedule(state)
+        start = time.perf_counter()
+        state = SchedulerState(self.waiting, self.running, self.kv, self.limits, start if now is None else now)
+        batch = self.policy.schedule(state)
+        self.last_schedule_s = time.perf_counter() - start
+        return batch
+
+    def step_done(self, batch: ScheduledBatch, elapsed_s: float) -> None:
+        """Report the executed batch's duration to the policy (T_avg, adaptive caps)."""
+        self.policy.on_step_end(batch, elapsed_s)
 
     def finish(self, request: Request, reason: FinishReason, now: float | None = None) -> None:
         """End a request (done or aborted) and free its KV."""
@@ -42,7 +50,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.finish_time = now or time.perf_counter()
+        request.finish_time = time.perf_counter() if now is None else now
         del self.requests[request.request_id]
 
     def abort(self, request_id: str) -> Request | None:
