@@ -21,6 +21,12 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_generate", "add_parser"),
     ("services.worker.cli_chat", "add_parser"),
     ("loadgen.bench.cli", "add_parser"),
+    ("loadgen.cli", "add_parser"),
+    ("services.gateway.cli", "add_parser"),
+    ("services.scheduler.cli", "add_parser"),
+    ("services.worker.cli_worker", "add_parser"),
+    ("services.broker", "add_parser"),
+    ("services.up", "add_parser"),
 ]
 
 

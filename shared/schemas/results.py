@@ -36,6 +36,7 @@ class Delta(_Event):
     token_ids: list[int]
     text: str
     logprobs: list[float] | None = None
+    token_texts: list[str] | None = None  # each token's text, sent when logprobs were asked for
     finish_reason: str | None = None  # set on the last delta: stop | length | abort
     # set on the last delta: what the worker measured
     prompt_tokens: int | None = None

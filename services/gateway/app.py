@@ -1,0 +1,304 @@
+"""The HTTP API: OpenAI-compatible completions (SSE and plain), models, health, metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
+from services.gateway.core import GatewayCore
+from services.gateway.errors import APIError
+from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import RequestStream
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import Accepted, Delta, Failed
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    core = GatewayCore(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await core.start()
+        yield
+        await core.stop()
+
+    app = FastAPI(title="Tandem", lifespan=lifespan)
+    app.state.core = core
+    api = _Handlers(core)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
+
+    app.post("/v1/chat/completions")(api.chat)
+    app.post("/v1/completions")(api.completions)
+    app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/metrics")(api.metrics)
+    return app
+
+
+class _Handlers:
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        m = core.metrics
+        self.m_requests = m.counter("gateway_requests_total", "requests answered", ("endpoint", "req_class", "status"))
+        self.m_ttft = m.histogram("gateway_ttft_seconds", "time to first token seen at the gateway", ("req_class",))
+        self.m_e2e = m.histogram("gateway_e2e_seconds", "request latency at the gateway", ("req_class",))
+        self.m_tokens = m.counter("gateway_output_tokens_total", "tokens streamed to clients", ("req_class",))
+        self.m_inflight = m.gauge("gateway_inflight", "requests in flight")
+
+    # -- endpoints -----------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._parse(request, ChatCompletionRequest)
+        return await self._serve(request, body, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request, CompletionRequest)
+        return await self._serve(request, body, "completion")
+
+    async def models(self) -> dict:
+        data = [{"id": name, "object": "model", "created": int(hb.started_at), "owned_by": "tandem",
+                 "max_model_len": hb.max_model_len} for name, hb in sorted(self.core.workers.models().items())]
+        return {"object": "list", "data": data}
+
+    async def health(self) -> JSONResponse:
+        live = self.core.workers.live()
+        body = {"status": "ok" if live and self.core.ready else "unavailable", "workers": len(live),
+                "models": sorted({hb.model for hb in live}), "gateway_id": self.core.gateway_id}
+        return JSONResponse(body, status_code=200 if live and self.core.ready else 503)
+
+    async def metrics(self) -> Response:
+        self.m_inflight.set(len(self.core.streams))
+        data, content_type = self.core.metrics.render()
+        return Response(data, media_type=content_type)
+
+    # -- request handling ------------------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        limit = self.core.settings.max_body_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                           code="invalid_value") from None
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, f"'{bad}' is not supported by this server", param=bad, code="unsupported_parameter")
+        return body
+
+    def _admit(self, body, request: Request) -> str:
+        models = self.core.workers.models()
+        if not models:
+            raise APIError(503, "no workers are available", code="no_workers")
+        if body.model not in models:
+            raise APIError(404, f"The model '{body.model}' does not exist; available: {sorted(models)}",
+                           param="model", code="model_not_found")
+        if len(self.core.streams) >= self.core.settings.max_inflight:
+            raise APIError(429, "too many requests in flight; retry later", code="overloaded")
+        return _request_class(body, request)
+
+    def _build(self, body, kind: str, req_class: str, request: Request) -> GenerateRequest:
+        core = self.core
+        session = request.headers.get("x-session-id") or (body.tandem.session_id if body.tandem else None)
+        slo = body.slo()
+        if req_class == "rt" and slo.ttft_ms is None and slo.tpot_ms is None:
+            slo = slo.model_copy(update={"ttft_ms": core.settings.rt_ttft_ms, "tpot_ms": core.settings.rt_tpot_ms})
+        limit = body.token_limit if kind == "chat" else body.max_tokens
+        logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
+        return GenerateRequest(
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex, gateway_id=core.gateway_id,
+            reply_partition=core.reply_partition, model=body.model, kind=kind,
+            messages=body.messages if kind == "chat" else None, prompt=body.prompt if kind == "completion" else None,
+            sampling=body.sampling(limit, logprobs), req_class=req_class, slo=slo, session_id=session,
+            created_at=time.time(),
+        )
+
+    async def _serve(self, request: Request, body, kind: str) -> Response:
+        req_class = self._admit(body, request)
+        try:
+            gen = self._build(body, kind, req_class, request)
+        except (ValidationError, ValueError) as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        if self._is_open(gen.request_id):
+            raise APIError(400, f"request id {gen.request_id!r} is already in flight", code="duplicate_request_id")
+        stream = self.core.streams.open(gen)
+        ctx = _Ctx(self, stream, kind, body, time.perf_counter())
+        try:
+            await self.core.submit(gen)
+            await ctx.wait_accepted()
+        except BaseException:
+            ctx.close(completed=False)
+            raise
+        if body.stream:
+            return StreamingResponse(ctx.sse(), media_type="text/event-stream",
+                                     headers={"X-Request-Id": gen.request_id, "Cache-Control": "no-cache"})
+        return await ctx.collect(request)
+
+    def _is_open(self, request_id: str) -> bool:
+        return request_id in self.core.streams._streams  # noqa: SLF001
+
+
+def _request_class(body, request: Request) -> str:
+    header = request.headers.get("x-tandem-class")
+    if header is not None:
+        if header.lower() not in ("rt", "be"):
+            raise APIError(400, "X-Tandem-Class must be 'rt' or 'be'", param="X-Tandem-Class", code="invalid_value")
+        return header.lower()
+    return "be" if body.service_tier == "flex" else "rt"
+
+
+class _Ctx:
+    """One request's life at the gateway, from submission to the last byte."""
+
+    def __init__(self, h: _Handlers, stream: RequestStream, kind: str, body, t0: float) -> None:
+        self.h, self.stream, self.kind, self.body, self.t0 = h, stream, kind, body, t0
+        self.cls = stream.request.req_class
+        rid = stream.request.request_id
+        created = int(time.time())
+        tier = body.service_tier
+        self.shaper = (ChatShaper(f"chatcmpl-{rid}", created, body.model, tier) if kind == "chat"
+                       else CompletionShaper(f"cmpl-{rid}", created, body.model, tier))
+        self.first_token_seen = False
+        self.closed = False
+        self.cached_tokens: int | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return "chat" if self.kind == "chat" else "completions"
+
+    def _timeout(self, first: bool) -> float:
+        s = self.h.core.settings
+        return s.first_event_timeout_s if first and self.cls == "rt" else s.request_timeout_s
+
+    async def _next(self, first: bool = False):
+        try:
+            return await asyncio.wait_for(self.stream.events.get(), self._timeout(first))
+        except asyncio.TimeoutError:
+            if first:
+                raise APIError(503, "no worker accepted the request in time", code="no_capacity") from None
+            raise APIError(504, "the request timed out", code="timeout") from None
+
+    async def wait_accepted(self) -> None:
+        event = await self._next(first=True)
+        if isinstance(event, Failed):
+            self.close(completed=True, status=str(event.status))
+            raise APIError(event.status, event.message, code=event.code)
+
+    async def _deltas(self):
+        """Deltas until the finishing one; Accepted events of resumed attempts are skipped."""
+        while True:
+            event = await self._next()
+            if isinstance(event, Accepted):
+                continue
+            if isinstance(event, Failed):
+                raise APIError(event.status, event.message, code=event.code)
+            self._observe(event)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def _observe(self, d: Delta) -> None:
+        if not self.first_token_seen and d.token_ids:
+            self.first_token_seen = True
+            self.h.m_ttft.labels(self.cls).observe(time.perf_counter() - self.t0)
+        self.h.m_tokens.labels(self.cls).inc(len(d.token_ids))
+        if d.cached_tokens is not None:
+            self.cached_tokens = d.cached_tokens
+
+    def _usage(self) -> dict:
+        return usage(self.stream.prompt_tokens or 0, len(self.stream.token_ids), self.cached_tokens)
+
+    async def sse(self):
+        completed = False
+        try:
+            first = self.shaper.first_chunk()
+            if first is not None:
+                yield sse(first)
+            try:
+                async for d in self._deltas():
+                    yield sse(self.shaper.delta_chunk(d, d.token_texts))
+            except APIError as exc:  # headers are sent: report in-band, as OpenAI does
+                yield sse(exc.body())
+                yield sse("[DONE]")
+                return
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield sse(self.shaper.usage_chunk(self._usage()))
+            yield sse("[DONE]")
+            completed = True
+        finally:
+            self.close(completed)
+
+    async def collect(self, request: Request) -> JSONResponse:
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        collector = asyncio.ensure_future(self._collect_all())
+        try:
+            done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+            if collector not in done:
+                collector.cancel()
+                self.close(completed=False)
+                return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
+            result = collector.result()
+            self.close(completed=True)
+            return JSONResponse(result, headers={"X-Request-Id": self.stream.request.request_id})
+        except BaseException:
+            self.close(completed=False)
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _collect_all(self) -> dict:
+        logprobs: list[float] = []
+        texts: list[str] = []
+        finish = "stop"
+        async for d in self._deltas():
+            logprobs.extend(d.logprobs or [])
+            texts.extend(d.token_texts or [])
+            finish = d.finish_reason or finish
+        want_lp = self.stream.request.sampling.logprobs
+        return self.shaper.final(self.stream.text, finish, logprobs if want_lp else None, texts, self._usage())
+
+    def close(self, completed: bool, status: str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        rid = self.stream.request.request_id
+        self.h.core.streams.close(rid)
+        if not completed:
+            self.h.core.cancel_soon(rid)  # the worker aborts it and frees its KV
+        status = status or ("200" if completed else "cancelled")
+        self.h.m_requests.labels(self.endpoint, self.cls, status).inc()
+        if status == "200":
+            self.h.m_e2e.labels(self.cls).observe(time.perf_counter() - self.t0)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)

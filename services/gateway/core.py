@@ -1,0 +1,93 @@
+"""The gateway's Kafka side: publishes requests and cancels, routes results to streams, tracks workers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import zlib
+
+from services.gateway.settings import GatewaySettings
+from services.gateway.streams import StreamRegistry
+from services.gateway.workers import WorkerDirectory
+from shared.kafka import KafkaClient
+from shared.metrics import ServiceMetrics
+from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import ResultBatch
+from shared.schemas.telemetry import Heartbeat
+from shared.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+class GatewayCore:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.gateway_id = settings.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
+        self.topics = Topics(settings.topic_prefix)
+        partitions = self.topics.results.partitions
+        self.reply_partition = (settings.reply_partition if settings.reply_partition is not None
+                                else zlib.crc32(self.gateway_id.encode()) % partitions)
+        self.kafka = KafkaClient(settings, self.gateway_id)
+        self.streams = StreamRegistry(self.submit)
+        self.workers = WorkerDirectory(settings.worker_timeout_s)
+        self.metrics = ServiceMetrics("gateway")
+        self._tasks: list[asyncio.Task] = []
+        self._fire_and_forget: set[asyncio.Task] = set()
+        self.ready = False
+
+    async def start(self) -> None:
+        await self.kafka.start(self.topics.static())
+        results = await self.kafka.consumer(group=None, fetch_max_wait_ms=100)
+        await self.kafka.assign_all(results, self.topics.results.name, from_end=True,
+                                    partitions=[self.reply_partition])
+        heartbeats = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(heartbeats, self.topics.heartbeats.name, from_end=True)
+        self._tasks = [asyncio.create_task(self._results_loop(results)),
+                       asyncio.create_task(self._heartbeat_loop(heartbeats))]
+        self.ready = True
+        log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
+
+    async def stop(self) -> None:
+        self.ready = False
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._fire_and_forget, return_exceptions=True)
+        await self.kafka.stop()
+
+    async def submit(self, request: GenerateRequest) -> None:
+        topic = self.topics.rt_requests if request.req_class == "rt" else self.topics.be_requests
+        await self.kafka.send(topic.name, request, key=request.request_id)
+
+    def cancel_soon(self, request_id: str) -> None:
+        """Publish a cancel without awaiting it (called from cleanup paths that may be cancelled)."""
+        task = asyncio.ensure_future(self._cancel(request_id))
+        self._fire_and_forget.add(task)
+        task.add_done_callback(self._fire_and_forget.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self.kafka.send(self.topics.control.name, ControlEnvelope(message=Cancel(request_id=request_id)),
+                                  key=request_id)
+        except Exception:  # noqa: BLE001
+            log.warning("cancel not published", exc_info=True, extra={"request_id": request_id})
+
+    async def _results_loop(self, consumer) -> None:
+        while True:
+            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
+                for m in msgs:
+                    try:
+                        batch = ResultBatch.decode(m.value)
+                    except ValueError:
+                        log.exception("undecodable result batch dropped")
+                        continue
+                    await self.streams.on_batch(batch)
+
+    async def _heartbeat_loop(self, consumer) -> None:
+        while True:
+            m = await consumer.getone()
+            try:
+                self.workers.on_heartbeat(Heartbeat.decode(m.value))
+            except ValueError:
+                log.exception("undecodable heartbeat dropped")

@@ -1,0 +1,17 @@
+"""The gateway's one settings object (`TANDEM_*` env vars; `tandem gateway` flags override)."""
+from __future__ import annotations
+
+from shared.settings import ServiceSettings
+
+
+class GatewaySettings(ServiceSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str = ""  # default: host-pid; names this replica's results partition owner
+    reply_partition: int | None = None  # default: derived from gateway_id
+    max_inflight: int = 1024  # concurrent requests before 429
+    max_body_bytes: int = 4 * 1024 * 1024  # 413 above this
+    request_timeout_s: float = 600.0  # a request with no result this long gets 504
+    first_event_timeout_s: float = 60.0  # no worker accepted it this long: 503
+    rt_ttft_ms: float | None = None  # class-default SLOs sent with requests (per-request `tandem` overrides)
+    rt_tpot_ms: float | None = None

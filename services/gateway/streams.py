@@ -1,0 +1,96 @@
+"""The gateway's in-flight requests and the routing of result events to them.
+
+Each request has a `RequestStream`: the tokens and text its client has been given so far, and
+an asyncio queue of events for the HTTP handler. Events are applied at most once and in order:
+stale attempts are dropped, deltas are placed by `index`. On `Rerouted` the stream re-submits
+its request with the tokens already delivered (`GenerateRequest.resumed`), so the client's
+stream continues on another worker with nothing lost or repeated.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import Accepted, Delta, Failed, Rerouted, ResultBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestStream:
+    request: GenerateRequest  # the latest attempt
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Accepted | Delta | Failed
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_tokens: int | None = None
+    worker_id: str | None = None
+    finished: bool = False
+
+    @property
+    def attempt(self) -> int:
+        return self.request.attempt
+
+
+Resubmit = Callable[[GenerateRequest], Awaitable[None]]
+
+
+class StreamRegistry:
+    def __init__(self, resubmit: Resubmit) -> None:
+        self._streams: dict[str, RequestStream] = {}
+        self._resubmit = resubmit
+        self.resumed = 0  # requests re-placed after a worker loss
+
+    def open(self, request: GenerateRequest) -> RequestStream:
+        stream = self._streams[request.request_id] = RequestStream(request)
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def on_batch(self, batch: ResultBatch) -> None:
+        for event in batch.events:
+            stream = self._streams.get(event.request_id)
+            if stream is None or stream.finished or event.attempt != stream.attempt:
+                continue  # not ours (shared partition), already done, or a stale attempt
+            if isinstance(event, Rerouted):
+                await self._resume(stream, event)
+            elif isinstance(event, Delta):
+                self._apply_delta(stream, event)
+            else:
+                self._apply_other(stream, event)
+
+    def _apply_other(self, stream: RequestStream, event: Accepted | Failed) -> None:
+        if isinstance(event, Accepted):
+            stream.worker_id = event.worker_id
+            if stream.prompt_tokens is None:
+                stream.prompt_tokens = event.prompt_tokens
+        else:
+            stream.finished = True
+        stream.events.put_nowait(event)
+
+    def _apply_delta(self, stream: RequestStream, d: Delta) -> None:
+        have = len(stream.token_ids)
+        if d.index + len(d.token_ids) <= have and d.finish_reason is None:
+            return  # a duplicate
+        if d.index != have:
+            log.error("delta gap: have %d tokens, delta starts at %d", have, d.index,
+                      extra={"request_id": d.request_id})
+            return
+        stream.token_ids.extend(d.token_ids)
+        stream.text += d.text
+        if d.finish_reason is not None:
+            stream.finished = True
+        stream.events.put_nowait(d)
+
+    async def _resume(self, stream: RequestStream, event: Rerouted) -> None:
+        stream.request = stream.request.resumed(stream.token_ids)
+        self.resumed += 1
+        log.warning("resuming after %d tokens: %s", len(stream.token_ids), event.reason,
+                    extra={"request_id": event.request_id})
+        await self._resubmit(stream.request)

@@ -1,0 +1,70 @@
+"""Which request runs where, persisted to the compacted `scheduler.state` topic.
+
+The table is the scheduler's memory of dispatched, unfinished requests. Every change is written
+to Kafka (key = request id, tombstone on end), so a restarted scheduler reads the topic to its end
+and resumes with the same table: requests already placed are not placed twice.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from shared.kafka import KafkaClient
+from shared.schemas.scheduler import Assignment
+
+
+class AssignmentTable:
+    def __init__(self, kafka: KafkaClient, topic: str) -> None:
+        self._kafka = kafka
+        self._topic = topic
+        self.by_request: dict[str, Assignment] = {}
+
+    async def load(self) -> None:
+        """Rebuild from the state topic (last value per key wins; tombstones delete)."""
+        consumer = await self._kafka.consumer(group=None)
+        try:
+            tps = await self._kafka.assign_all(consumer, self._topic, from_end=False)
+            end = await consumer.end_offsets(tps)
+            while not await _caught_up(consumer, end):
+                for msgs in (await consumer.getmany(timeout_ms=200)).values():
+                    for m in msgs:
+                        self._apply(m.key.decode(), m.value)
+        finally:
+            await consumer.stop()
+
+    def _apply(self, request_id: str, value: bytes | None) -> None:
+        if value is None:
+            self.by_request.pop(request_id, None)
+        else:
+            self.by_request[request_id] = Assignment.decode(value)
+
+    def get(self, request_id: str) -> Assignment | None:
+        return self.by_request.get(request_id)
+
+    async def add(self, a: Assignment) -> None:
+        self.by_request[a.request_id] = a
+        await self._kafka.send(self._topic, a, key=a.request_id)
+
+    async def remove(self, request_id: str) -> Assignment | None:
+        a = self.by_request.pop(request_id, None)
+        if a is not None:
+            await self._kafka.send(self._topic, None, key=request_id)
+        return a
+
+    def on_worker(self, worker_id: str) -> list[Assignment]:
+        return [a for a in self.by_request.values() if a.worker_id == worker_id]
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """(worker id, class) -> requests in flight."""
+        return Counter((a.worker_id, a.req_class) for a in self.by_request.values())
+
+    def older_than(self, seconds: float) -> list[Assignment]:
+        cutoff = time.time() - seconds
+        return [a for a in self.by_request.values() if a.assigned_at < cutoff]
+
+
+async def _caught_up(consumer, end_offsets: dict) -> bool:
+    for tp, end in end_offsets.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True

@@ -1,0 +1,57 @@
+"""Live workers, from heartbeats and telemetry."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shared.schemas.telemetry import Heartbeat, Telemetry
+
+
+@dataclass
+class WorkerInfo:
+    heartbeat: Heartbeat
+    last_seen: float  # monotonic
+    telemetry: Telemetry | None = None
+    running: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
+
+
+class WorkerRegistry:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.workers: dict[str, WorkerInfo] = {}
+        self._lost: set[str] = set()  # ids declared lost: their late heartbeats are ignored
+
+    def on_heartbeat(self, hb: Heartbeat) -> bool:
+        """Record a heartbeat; True when the worker is new."""
+        if hb.worker_id in self._lost:
+            return False
+        info = self.workers.get(hb.worker_id)
+        now = time.monotonic()
+        if info is None:
+            info = self.workers[hb.worker_id] = WorkerInfo(hb, now)
+            new = True
+        else:
+            info.heartbeat, info.last_seen, new = hb, now, False
+        info.running, info.finished = set(hb.running_ids), set(hb.finished_ids)
+        return new
+
+    def on_telemetry(self, t: Telemetry) -> None:
+        info = self.workers.get(t.worker_id)
+        if info is not None:
+            info.telemetry = t
+
+    def expire(self) -> list[str]:
+        """Drop workers silent for longer than the timeout; return their ids."""
+        cutoff = time.monotonic() - self.timeout_s
+        gone = [wid for wid, w in self.workers.items() if w.last_seen < cutoff]
+        for wid in gone:
+            del self.workers[wid]
+            self._lost.add(wid)
+        return gone
+
+    def live(self) -> list[WorkerInfo]:
+        return list(self.workers.values())
+
+    def models(self) -> set[str]:
+        return {w.heartbeat.model for w in self.workers.values()}

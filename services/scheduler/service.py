@@ -1,0 +1,255 @@
+"""The scheduler service: places RT and BE requests on workers.
+
+Requests are read from `requests.rt` / `requests.be` in one consumer group and committed only
+once placed (`OffsetTracker`), so nothing is lost if the scheduler dies; the assignment table
+(persisted in `scheduler.state`) makes a redelivered request a no-op. Requests with no worker to
+go to (no worker yet, or BE without RT headroom) wait in memory, RT first. When a worker stops
+heartbeating, or a request it was given is neither running nor finished there after a grace
+period, the owning gateway is told (`Rerouted`) and re-submits it with the tokens its client has
+already received: the stream resumes on another worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from aiokafka import TopicPartition
+
+from services.scheduler.assignments import AssignmentTable
+from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
+from services.scheduler.registry import WorkerInfo, WorkerRegistry
+from services.scheduler.settings import SchedulerSettings
+from shared.kafka import KafkaClient, OffsetTracker
+from shared.metrics import ServiceMetrics
+from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import ResultBatch, Rerouted
+from shared.schemas.scheduler import Assignment
+from shared.schemas.telemetry import Heartbeat, Telemetry
+from shared.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    request: GenerateRequest
+    tp: TopicPartition
+    offset: int
+
+
+class SchedulerService:
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.kafka = KafkaClient(settings, settings.scheduler_id)
+        self.registry = WorkerRegistry(settings.worker_timeout_s)
+        self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
+        self.placement = make_placement(settings.placement, PlacementLimits(
+            kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker))
+        self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
+        self.offsets = OffsetTracker()
+        self.started = time.monotonic()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics = ServiceMetrics("scheduler")
+        self.m_placed = m.counter("scheduler_placed_total", "requests placed", ("req_class",))
+        self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
+        self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
+        self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.kafka.start(self.topics.static())
+        await self.assignments.load()
+        log.info("recovered %d in-flight assignments", len(self.assignments.by_request))
+        self._hb = await self._tail(self.topics.heartbeats.name)
+        self._tel = await self._tail(self.topics.telemetry.name)
+        self._ctl = await self._tail(self.topics.control.name)
+        self._req = await self.kafka.consumer(self.topics.rt_requests.name, self.topics.be_requests.name,
+                                              group="tandem-scheduler")
+        self.metrics.serve(self.settings.metrics_port)
+        loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
+                 self._placement_loop(), self._housekeeping_loop())
+        self._tasks = [asyncio.create_task(c) for c in loops]
+
+    async def _tail(self, topic: str):
+        c = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, topic, from_end=True)
+        return c
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._commit()
+        await self.kafka.stop()
+
+    # -- input loops ---------------------------------------------------------------------
+
+    async def _request_loop(self) -> None:
+        while True:
+            batches = await self._req.getmany(timeout_ms=100)
+            for tp, msgs in batches.items():
+                for m in msgs:
+                    self._on_request(tp, m.offset, m.value)
+            if batches:
+                self._wake.set()
+
+    def _on_request(self, tp: TopicPartition, offset: int, raw: bytes) -> None:
+        self.offsets.started(tp, offset)
+        try:
+            req = GenerateRequest.decode(raw)
+        except ValueError:
+            log.exception("undecodable request dropped")
+            self.offsets.done(tp, offset)
+            return
+        placed = self.assignments.get(req.request_id)
+        if placed is not None and placed.attempt >= req.attempt:
+            self.offsets.done(tp, offset)  # redelivered after a restart: already placed
+            return
+        self.pending[req.req_class].append(Pending(req, tp, offset))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            m = await self._hb.getone()
+            hb = Heartbeat.decode(m.value)
+            if self.registry.on_heartbeat(hb):
+                log.info("worker %s joined (model %s)", hb.worker_id, hb.model)
+            await self._retire_finished(self.registry.workers.get(hb.worker_id))
+            self._wake.set()
+
+    async def _telemetry_loop(self) -> None:
+        while True:
+            m = await self._tel.getone()
+            self.registry.on_telemetry(Telemetry.decode(m.value))
+            self._wake.set()
+
+    async def _control_loop(self) -> None:
+        while True:
+            m = await self._ctl.getone()
+            cmd = ControlEnvelope.decode(m.value).message
+            if isinstance(cmd, Cancel):
+                self._drop_pending(cmd.request_id)
+
+    def _drop_pending(self, request_id: str) -> None:
+        for queue in self.pending.values():
+            for p in [p for p in queue if p.request.request_id == request_id]:
+                queue.remove(p)
+                self.offsets.done(p.tp, p.offset)
+
+    # -- placement -----------------------------------------------------------------------
+
+    async def _placement_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._place_pending()
+            await self._commit()
+            self._flow_control()
+
+    async def _place_pending(self) -> None:
+        for cls in ("rt", "be"):
+            queue = self.pending[cls]
+            while queue:
+                p = queue[0]
+                worker = self.placement.place(_placement_request(p.request), self._loads(p.request.model))
+                if worker is None:
+                    break  # FIFO within a class: nothing behind it fits either
+                queue.popleft()
+                await self._dispatch(p, worker)
+            self.m_pending.labels(cls).set(len(queue))
+
+    def _loads(self, model: str) -> list[WorkerLoad]:
+        counts = self.assignments.counts()
+        return [_worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
+
+    async def _dispatch(self, p: Pending, worker_id: str) -> None:
+        req = p.request
+        a = Assignment(request_id=req.request_id, attempt=req.attempt, worker_id=worker_id,
+                       gateway_id=req.gateway_id, reply_partition=req.reply_partition, req_class=req.req_class,
+                       assigned_at=time.time())
+        await self.assignments.add(a)  # state first: a restart never places it twice
+        await self.kafka.send(self.topics.dispatch(worker_id).name, req, key=req.request_id)
+        self.offsets.done(p.tp, p.offset)
+        self.m_placed.labels(req.req_class).inc()
+        log.debug("placed on %s", worker_id, extra={"request_id": req.request_id})
+
+    async def _commit(self) -> None:
+        offsets = self.offsets.committable()
+        if offsets:
+            try:
+                await self._req.commit(offsets)
+            except Exception:  # noqa: BLE001 (a rebalance in progress: the next round commits)
+                log.warning("offset commit failed", exc_info=True)
+
+    def _flow_control(self) -> None:
+        """Stop reading BE from Kafka while too much is already held in memory."""
+        be_parts = [tp for tp in self._req.assignment() if tp.topic == self.topics.be_requests.name]
+        if len(self.pending["be"]) >= self.settings.max_pending:
+            self._req.pause(*be_parts)
+        else:
+            self._req.resume(*be_parts)
+
+    # -- failure handling ------------------------------------------------------------------
+
+    async def _housekeeping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            for wid in self.registry.expire():
+                log.warning("worker %s lost: re-placing its requests", wid)
+                for a in self.assignments.on_worker(wid):
+                    await self._reroute(a, f"worker {wid} lost")
+            await self._reroute_unaccounted()
+            self.m_workers.set(len(self.registry.workers))
+            self._wake.set()
+
+    async def _retire_finished(self, info: WorkerInfo | None) -> None:
+        if info is None:
+            return
+        for a in self.assignments.on_worker(info.heartbeat.worker_id):
+            if f"{a.request_id}:{a.attempt}" in info.finished:
+                await self.assignments.remove(a.request_id)
+
+    async def _reroute_unaccounted(self) -> None:
+        """Assignments the worker neither runs nor finished (lost dispatch, or a worker we never saw)."""
+        if time.monotonic() - self.started < self.settings.worker_timeout_s:
+            return  # just restarted: heartbeats are still arriving
+        for a in self.assignments.older_than(self.settings.unknown_request_grace_s):
+            info = self.registry.workers.get(a.worker_id)
+            key = f"{a.request_id}:{a.attempt}"
+            if info is None or (key not in info.running and key not in info.finished):
+                await self._reroute(a, "request unaccounted for")
+
+    async def _reroute(self, a: Assignment, reason: str) -> None:
+        await self.assignments.remove(a.request_id)
+        event = Rerouted(request_id=a.request_id, attempt=a.attempt, reason=reason)
+        await self.kafka.send(self.topics.results.name, ResultBatch(source=self.settings.scheduler_id,
+                                                                    events=[event]),
+                              partition=a.reply_partition)
+        self.m_rerouted.inc()
+        log.info("rerouting: %s", reason, extra={"request_id": a.request_id})
+
+
+def _placement_request(req: GenerateRequest) -> PlacementRequest:
+    return PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id)
+
+
+def _worker_load(w: WorkerInfo, counts: dict[tuple[str, str], int]) -> WorkerLoad:
+    wid = w.heartbeat.worker_id
+    t = w.telemetry
+    waiting_rt = t.rt.waiting if t else 0
+    waiting_be = t.be.waiting if t else 0
+    return WorkerLoad(
+        worker_id=wid, running_rt=max(0, counts.get((wid, "rt"), 0) - waiting_rt), waiting_rt=waiting_rt,
+        running_be=max(0, counts.get((wid, "be"), 0) - waiting_be), waiting_be=waiting_be,
+        kv_usage=t.kv_usage if t else 0.0, max_num_seqs=t.max_num_seqs if t and t.max_num_seqs else 128,
+        draining=w.heartbeat.draining,
+    )

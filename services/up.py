@@ -1,0 +1,173 @@
+"""`tandem up`: the whole stack on one machine, one command.
+
+Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the workers
+and the gateway as child processes, prefixes each child's log lines with its name, waits until
+the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM) stops the children in reverse
+order, each with SIGTERM first. Nothing is restarted silently: if a child exits, `up` says which
+one and with what code, stops the rest and exits non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+from services.broker import broker_command, free_port, wait_listening
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    stopping: bool = False
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start broker, scheduler, workers and gateway on this machine",
+                       description="Start the whole stack on one machine and serve the API.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default="default")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--policy", default="fcfs")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    return uvloop.run(_Up(args).main())
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *argv]
+
+
+class _Up:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.children: list[Child] = []
+        self.env = dict(os.environ)
+        self.shutdown = asyncio.Event()
+
+    def _plan(self) -> None:
+        a = self.args
+        threads = max(1, (os.cpu_count() or 1) // a.workers)
+        self.children.append(Child("scheduler", _cli("scheduler")))
+        for i in range(a.workers):
+            argv = _cli("worker", "--model", a.model, "--device", a.device, "--dtype", a.dtype,
+                        "--kv-cache-gib", str(a.kv_cache_gib), "--policy", a.policy, "--worker-id", f"worker-{i}")
+            if a.device == "cpu":
+                argv += ["--num-threads", str(threads)]
+            self.children.append(Child(f"worker-{i}", argv))
+        self.children.append(Child("gateway", _cli("gateway", "--host", a.host, "--port", str(a.port))))
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.shutdown.set)
+        try:
+            await self._start_broker()
+            self._plan()
+            for child in self.children:
+                if child.proc is None:
+                    await self._spawn(child)
+            return await self._supervise()
+        finally:
+            await self._stop_all()
+
+    async def _start_broker(self) -> None:
+        if self.env.get("KAFKA_BOOTSTRAP"):
+            _say(f"using Kafka at {self.env['KAFKA_BOOTSTRAP']}")
+            return
+        port = free_port()
+        child = Child("broker", broker_command("127.0.0.1", port))
+        self.children.append(child)
+        await self._spawn(child)
+        await asyncio.get_running_loop().run_in_executor(None, wait_listening, "127.0.0.1", port)
+        self.env["KAFKA_BOOTSTRAP"] = f"127.0.0.1:{port}"
+        _say(f"embedded broker on 127.0.0.1:{port}")
+
+    async def _spawn(self, child: Child) -> None:
+        child.proc = await asyncio.create_subprocess_exec(
+            *child.argv, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
+        )
+        asyncio.create_task(_pump(child))
+
+    async def _supervise(self) -> int:
+        ready = asyncio.create_task(self._wait_ready())
+        exits = {asyncio.create_task(c.proc.wait()): c for c in self.children}
+        stop = asyncio.create_task(self.shutdown.wait())
+        while True:
+            done, _ = await asyncio.wait({ready, stop, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                _say("shutting down")
+                return 0
+            for t in done & set(exits):
+                child = exits[t]
+                _say(f"{child.name} exited unexpectedly with code {child.proc.returncode}; stopping everything")
+                return 1
+            if ready in done:
+                if not ready.result():
+                    _say(f"the gateway was not ready within {self.args.ready_timeout:.0f}s")
+                    return 1
+                ready = asyncio.create_task(asyncio.Event().wait())  # never again
+
+    async def _wait_ready(self) -> bool:
+        import httpx
+
+        url = f"http://{self.args.host}:{self.args.port}"
+        deadline = time.monotonic() + self.args.ready_timeout
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    if (await client.get(f"{url}/health")).status_code == 200:
+                        _say(f"ready: {url}/v1  (OpenAI-compatible; model id 'default' unless --model)")
+                        return True
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.5)
+        return False
+
+    async def _stop_all(self) -> None:
+        for child in reversed(self.children):
+            await _stop(child)
+
+
+async def _stop(child: Child, grace_s: float = 15.0) -> None:
+    p = child.proc
+    if p is None or p.returncode is not None:
+        return
+    child.stopping = True
+    p.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(p.wait(), grace_s)
+    except asyncio.TimeoutError:
+        _say(f"{child.name} did not stop in {grace_s:.0f}s; killing it")
+        p.kill()
+        await p.wait()
+
+
+async def _pump(child: Child) -> None:
+    width = 10
+    while True:
+        line = await child.proc.stdout.readline()
+        if not line:
+            return
+        sys.stdout.write(f"{child.name:<{width}}| {line.decode(errors='replace')}")
+        sys.stdout.flush()
+
+
+def _say(msg: str) -> None:
+    sys.stdout.write(f"{'up':<10}| {msg}\n")
+    sys.stdout.flush()

@@ -1,0 +1,64 @@
+"""Turns a wire `GenerateRequest` into what the engine takes: prompt ids, sampling, class, SLO."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.worker.engine.llm import apply_chat_template
+from services.worker.engine.sampling import SamplingParams
+from services.worker.engine.scheduling import SLO, RequestClass
+from shared.schemas.requests import GenerateRequest
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    key: str  # "request_id:attempt", the engine's request id
+    prompt_token_ids: list[int]  # the client's prompt (resumed tokens not included)
+    resumed_output_ids: list[int]
+    params: SamplingParams
+    req_class: RequestClass
+    slo: SLO
+
+
+def to_engine_request(req: GenerateRequest, tokenizer, max_model_len: int) -> EngineRequest:
+    """Raises ValueError for anything the engine cannot serve (reported to the client as a 400)."""
+    prompt = _prompt_ids(req, tokenizer)
+    resumed = list(req.resume_token_ids)
+    return EngineRequest(
+        key=f"{req.request_id}:{req.attempt}",
+        prompt_token_ids=prompt,
+        resumed_output_ids=resumed,
+        params=_sampling(req, len(prompt), len(resumed), max_model_len),
+        req_class=RequestClass(req.req_class),
+        slo=SLO(_ms_to_s(req.slo.ttft_ms), _ms_to_s(req.slo.tpot_ms)),
+    )
+
+
+def _prompt_ids(req: GenerateRequest, tokenizer) -> list[int]:
+    if req.kind == "chat":
+        if not req.messages:
+            raise ValueError("messages must be a non-empty list")
+        return apply_chat_template(tokenizer, [m.model_dump() for m in req.messages])
+    if isinstance(req.prompt, list):
+        return list(req.prompt)
+    if not req.prompt:
+        raise ValueError("prompt must be a non-empty string or list of token ids")
+    return tokenizer(req.prompt).input_ids
+
+
+def _sampling(req: GenerateRequest, n_prompt: int, n_resumed: int, max_model_len: int) -> SamplingParams:
+    s = req.sampling
+    if n_prompt >= max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+                         f"{n_prompt} tokens. Please shorten the prompt.")
+    if s.max_tokens is not None and n_prompt + s.max_tokens > max_model_len:
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{n_prompt + s.max_tokens} tokens ({n_prompt} in the prompt, {s.max_tokens} for the "
+                         f"completion). Please reduce the prompt or max_tokens.")
+    total = s.max_tokens if s.max_tokens is not None else max_model_len - n_prompt
+    fields = s.model_dump()
+    fields.update(max_tokens=max(1, total - n_resumed), min_tokens=max(0, s.min_tokens - n_resumed))
+    return SamplingParams(**fields)
+
+
+def _ms_to_s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
