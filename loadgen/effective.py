@@ -37,8 +37,10 @@ def effective_throughput(attainment_at: Callable[[float], float], target: float,
         return a >= target
 
     lo, hi = _bracket(ok, start, max_rate, max_probes)
-    if lo is None:  # even `start` misses: search below it
-        lo, hi = 0.0, start
+    if lo is None:  # even `start` misses: halve down to start/64 to find a rate that meets it
+        lo, hi = _bracket_down(ok, start, min(6, max_probes - 1))
+        if lo is None:
+            return res
     if hi is None:
         res.rate, res.bracketed = lo, False
         return res
@@ -63,3 +65,13 @@ def _bracket(ok: Callable[[float], bool], start: float, max_rate: float,
             return lo, hi
         lo = hi
     return lo, None
+
+
+def _bracket_down(ok: Callable[[float], bool], start: float, halvings: int) -> tuple[float | None, float]:
+    hi = start
+    for _ in range(halvings):
+        lo = hi / 2
+        if ok(lo):
+            return lo, hi
+        hi = lo
+    return None, hi

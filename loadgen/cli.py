@@ -1,0 +1,115 @@
+"""`tandem loadgen run|compare` and `tandem sim`: drive a workload against a target, write a report.
+
+Targets: ``inproc`` (the engine in this process), ``sim`` (the discrete-event simulator) or
+``http://HOST:PORT`` (a running gateway). ``compare`` (and ``tandem sim --policies``) runs
+several scheduling policies on identical arrivals and tabulates the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loadgen.workloads.build import WORKLOADS
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("loadgen", help="load generator: SLO metrics, reports, policy comparisons",
+                       description=__doc__.split("\n\n")[0])
+    lsub = p.add_subparsers(dest="loadgen_command", metavar="CMD")
+    lsub.required = True
+    run = lsub.add_parser("run", help="one run against a target")
+    add_run_args(run)
+    run.add_argument("--policy", default="fcfs", help="scheduling policy (inproc, sim)")
+    run.set_defaults(func=cmd_run)
+    cmp_ = lsub.add_parser("compare", help="several policies on identical arrivals")
+    add_run_args(cmp_)
+    cmp_.add_argument("--policies", default="fcfs,rr", help="comma-separated policies; the first is the baseline")
+    cmp_.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("sim", help="cluster simulator: the real scheduler and KV manager, modelled step times",
+                       description="Discrete-event simulation (see docs/simulator.md). "
+                                   "Same options as `tandem loadgen run --target sim`.")
+    add_run_args(s, target_default="sim")
+    s.add_argument("--policies", default="fcfs", help="comma-separated policies (more than one: a comparison)")
+    s.set_defaults(func=cmd_sim)
+
+
+def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", workload_default: str = "sharegpt",
+                 duration_default: float = 60.0) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--target", default=target_default, help="inproc | sim | http://HOST:PORT")
+    g.add_argument("--workload", default=workload_default, choices=WORKLOADS)
+    g.add_argument("--rate", type=float, default=1.0, help="requests (sessions) per second")
+    g.add_argument("--duration", type=float, default=duration_default, help="seconds of arrivals")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default=None, metavar="DIR", help="write results.json, summary.md and plots here")
+    g.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "trace", "closed"])
+    g.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    g.add_argument("--trace", default=None, metavar="FILE", help="trace arrivals: timestamps file")
+    g.add_argument("--users", type=int, default=0, help="closed loop: concurrent users")
+    g.add_argument("--dataset", default=None, metavar="FILE", help="jsonl workload: the dataset")
+    g.add_argument("--rt-profile", default="sharegpt", help="RT lengths for sessions and rt-be")
+    g.add_argument("--length-scale", type=float, default=1.0, help="multiply every token length")
+    g.add_argument("--slo-scale", default="1", help="multiply the papers' SLOs (a number, or 'auto')")
+    g.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in s (overrides, after scaling)")
+    g.add_argument("--slo-tpot", type=float, default=None, help="TPOT / P99 TBT SLO in s (overrides)")
+    g.add_argument("--be-batch", type=int, default=0, help="standing BE backlog batch size (rt-be, be: 16)")
+    g.add_argument("--be-refill", default="batch", choices=["batch", "each"])
+    g.add_argument("--turns-mean", type=float, default=4.0, help="sessions: mean turns")
+    g.add_argument("--reading-wpm", type=float, default=250.0)
+    g.add_argument("--typing-wpm", type=float, default=40.0)
+    g.add_argument("--drain-timeout", type=float, default=None, help="s to wait for RT after the window")
+    g.add_argument("--attainment", type=float, default=0.9, help="target for --find-rate")
+    g.add_argument("--find-rate", action="store_true",
+                   help="bisect the request rate for the effective throughput (attainment >= --attainment)")
+    g.add_argument("--no-progress", action="store_true")
+    e = p.add_argument_group("engine (inproc) and simulated workers (sim)")
+    e.add_argument("--model", default="default")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument("--kv-cache-gib", type=float, default=None)
+    e.add_argument("--num-blocks", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--cost-model", default=None,
+                   help="cost-model JSON (from `tandem profile`) or a shipped profile name "
+                        "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb")
+    e.add_argument("--workers", type=int, default=1, help="sim: number of workers")
+    e.add_argument("--placement", default="least-loaded", help="sim: placement policy")
+    e.add_argument("--kv-bandwidth-gbps", type=float, default=None,
+                   help="sim: GB/s for moving a session's KV between workers (default: recompute)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _execute(args, [args.policy])
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    return _execute(args, _policies(args.policies))
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    return _execute(args, _policies(args.policies), force_comparison=False)
+
+
+def _policies(text: str) -> list[str]:
+    out = [p.strip() for p in text.split(",") if p.strip()]
+    if not out:
+        raise ValueError("--policies needs at least one policy name")
+    return out
+
+
+def _execute(args: argparse.Namespace, policies: list[str], force_comparison: bool | None = None) -> int:
+    from loadgen import report
+    from loadgen.orchestrate import run_policies
+
+    doc = run_policies(args, policies, comparison=len(policies) > 1 if force_comparison is None else
+                       force_comparison or len(policies) > 1, progress=not args.no_progress and sys.stderr.isatty())
+    title = f"tandem loadgen: {args.workload} on {args.target}"
+    print(report.summary_markdown(doc, title))
+    if args.out:
+        report.write(args.out, doc, title=title)
+        print(f"wrote {args.out}/results.json, summary.md and plots", file=sys.stderr)
+    return 0
+
+

@@ -1,0 +1,137 @@
+"""Run one workload for several policies (same arrivals), optionally searching the effective
+throughput, and assemble the results document."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from loadgen.driver import Driver, RunResult
+from loadgen.effective import effective_throughput
+from loadgen.factory import TargetBundle, inproc_target, sim_target, workload_config
+from loadgen.metrics import summarize
+from loadgen.workloads.build import build_workload
+
+
+def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: bool, progress: bool) -> dict:
+    from loadgen import report
+
+    scale = _SloScale(args)
+    results: dict[str, RunResult] = {}
+    effective: dict[str, dict] = {}
+    for policy in policies:
+        if args.find_rate:
+            effective[policy] = _search(args, policy, scale).as_dict()
+        results[policy] = run_once(args, policy, scale, args.rate, progress)
+        _log(f"{policy}: done in {results[policy].elapsed_s:.1f} s of {'simulated' if _is_sim(args) else 'run'} time")
+    config = _config(args, policies, scale)
+    if comparison:
+        return report.comparison_document(results, config, effective or None)
+    return report.run_document(results[policies[0]], config, effective or None)
+
+
+def run_once(args: argparse.Namespace, policy: str, scale: "_SloScale", rate: float, progress: bool) -> RunResult:
+    if _is_http(args):
+        from loadgen.targets.http import run_http
+
+        cfg = workload_config(args, max_len=args.max_model_len, slo_scale=scale.value(None), rate=rate)
+        return run_http(args.target, build_workload(cfg), args, progress=progress)
+    bundle = _target(args, policy, scale)
+    try:
+        cfg = workload_config(args, max_len=bundle.max_len, slo_scale=scale.value(bundle), rate=rate)
+        count = (lambda text: len(bundle.tokenizer.encode(text))) if bundle.tokenizer is not None else None
+        workload = build_workload(cfg, count) if count else build_workload(cfg)
+        return Driver(bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout,
+                      progress=progress).run()
+    finally:
+        bundle.target.close()
+
+
+def _target(args: argparse.Namespace, policy: str, scale: "_SloScale") -> TargetBundle:
+    from services.worker.engine.scheduling import SLO
+
+    slo = scale.default_slo(args)
+    if _is_sim(args):
+        return sim_target(args, policy, slo)
+    if args.target != "inproc":
+        raise ValueError(f"unknown target {args.target!r}: inproc, sim or http://HOST:PORT")
+    return inproc_target(args, policy, SLO(*slo) if slo else None)
+
+
+def _search(args: argparse.Namespace, policy: str, scale: "_SloScale"):
+    def attainment_at(rate: float) -> float:
+        res = run_once(args, policy, scale, rate, progress=False)
+        att = summarize(res.records, res.elapsed_s)["rt"]["slo_attainment"]
+        _log(f"{policy}: rate {rate:.3f} -> SLO attainment {att}")
+        return att or 0.0
+
+    return effective_throughput(attainment_at, args.attainment, start=max(args.rate, 1e-3))
+
+
+class _SloScale:
+    """`--slo-scale`: a number, or `auto` (measured once on the first in-process engine, or
+    from the simulator's cost model; see loadgen/calibrate.py)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.auto = str(args.slo_scale).lower() == "auto"
+        self.fixed = None if self.auto else _positive(args.slo_scale)
+        self.detail: dict | None = None
+
+    def value(self, bundle: TargetBundle | None) -> float:
+        if not self.auto:
+            return self.fixed
+        if self.detail is None:
+            self.detail = self._measure(bundle)
+        return self.detail["slo_scale"]
+
+    def default_slo(self, args: argparse.Namespace):
+        """The RT SLO handed to policies that want a default (TTFT, TPOT), in seconds."""
+        if not self.auto and args.slo_ttft is not None and args.slo_tpot is not None:
+            return (args.slo_ttft, args.slo_tpot)
+        return None
+
+    def _measure(self, bundle: TargetBundle | None) -> dict:
+        from loadgen import calibrate
+
+        if bundle is None:
+            _log("--slo-scale auto needs an inproc or sim target; using 1.0 over HTTP")
+            return {"slo_scale": 1.0, "note": "http target: not measured"}
+        target = bundle.target
+        if hasattr(target, "engine"):
+            step = calibrate.measure_engine_step_s(target.engine)
+        else:
+            step = calibrate.model_step_s(next(iter(target.workers.values())).cost)
+        detail = calibrate.slo_scale(step)
+        _log(f"SLO scale {detail['slo_scale']:.2f} (decode step {step * 1e3:.1f} ms here vs "
+             f"{detail['reference_step_s'] * 1e3:.1f} ms on {detail['reference_profile']})")
+        return detail
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"--slo-scale must be a number or 'auto', got {text!r}") from None
+    if v <= 0:
+        raise ValueError(f"--slo-scale must be > 0, got {v}")
+    return v
+
+
+def _config(args: argparse.Namespace, policies: list[str], scale: _SloScale) -> dict:
+    cfg = {k: v for k, v in vars(args).items() if k != "func" and not callable(v)}
+    cfg["policies"] = policies
+    cfg["slo_scale_detail"] = scale.detail
+    cfg["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return cfg
+
+
+def _is_sim(args: argparse.Namespace) -> bool:
+    return args.target == "sim"
+
+
+def _is_http(args: argparse.Namespace) -> bool:
+    return str(args.target).startswith(("http://", "https://"))
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,145 @@
+"""Cost-model profiles for GPUs we do not have, derived from roofline numbers.
+
+For each phase we evaluate a roofline step time over the same powers-of-two grid the
+profiler measures (batch sizes x context lengths), then fit the profiler's model
+``alpha0*L^n + alpha1*sum(n_i*a_i) + beta`` to those points with `cost_model.fit`:
+
+    t(step) = overhead + max(FLOPs / (peak * mfu), bytes / (bandwidth * mbu))
+
+- FLOPs: ``2 * params`` per new token (the linear layers) plus attention, ``4 * layers *
+  heads * head_dim`` per (query token, context token) pair, halved for a causal prefill.
+- bytes: the weights once per step, plus K and V of every context token of every decode row
+  (``kv_bytes_per_token``), plus the new tokens' K/V writes.
+- mfu/mbu: the fraction of peak compute / memory bandwidth achieved (0.5 and 0.8 by default,
+  typical of vLLM-era kernels), and a fixed per-step overhead (scheduling, sampling, launch).
+
+Run ``python -m loadgen.sim.roofline --out loadgen/sim/profiles`` to regenerate the shipped
+files; a profile measured with `tandem profile` on the real GPU replaces them.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.worker.engine.cost_model import CostModel, Sample, fit, mape
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_flops: float  # dense fp16/bf16 tensor FLOP/s
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    host_link_bytes_per_s: float  # effective PCIe bandwidth for swaps
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_model_len: int
+    dtype_bytes: int = 2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.dtype_bytes
+
+
+GPUS = {
+    # A100-SXM4-40GB: 312 TFLOP/s fp16 dense, 1,555 GB/s HBM2; PCIe 4.0 x16 ~25 GB/s effective
+    "a100-40gb": GPU("A100-SXM4-40GB", 312e12, 1.555e12, 40e9, 25e9),
+    # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 x16 ~50 GB/s effective
+    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9, 50e9),
+}
+MODELS = {
+    "opt-13b": Model("facebook/opt-13b", 12.85e9, 40, 5120, 40, 40, 128, 2048),
+    "llama-3-8b": Model("meta-llama/Meta-Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    mfu: float = 0.5
+    mbu: float = 0.8
+    overhead_s: float = 0.003
+    gpu_memory_utilization: float = 0.9  # vLLM's default share of memory for weights + KV
+    activation_reserve_bytes: float = 2e9
+
+
+def step_time(m: Model, g: GPU, e: Efficiency, rows: list[tuple[int, int]], decode: bool) -> float:
+    flops = bytes_ = 0.0
+    attn = 4 * m.layers * m.heads * m.head_dim
+    for n, a in rows:
+        flops += 2 * m.params * n + attn * n * (a if decode else a / 2)
+        bytes_ += (a if decode else 0) * m.kv_bytes_per_token + n * m.kv_bytes_per_token
+    bytes_ += m.weight_bytes
+    return e.overhead_s + max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
+
+
+def grid_samples(m: Model, g: GPU, e: Efficiency, decode: bool, max_batch: int = 256,
+                 max_tokens: int = 8192) -> list[Sample]:
+    out = []
+    for batch in _pow2(1, max_batch):
+        for ctx in _pow2(16, m.max_model_len):
+            n = 1 if decode else ctx
+            if batch * n > max_tokens or (decode and batch * ctx > 4 * max_batch * m.max_model_len):
+                continue
+            rows = [(n, ctx)] * batch
+            out.append(Sample(batch * n, batch * n * ctx, step_time(m, g, e, rows, decode)))
+    return out
+
+
+def _pow2(lo: int, hi: int) -> list[int]:
+    v, out = lo, []
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def kv_capacity_tokens(m: Model, g: GPU, e: Efficiency, tp: int = 1) -> int:
+    free = g.memory_bytes * tp * e.gpu_memory_utilization - m.weight_bytes - e.activation_reserve_bytes * tp
+    return max(0, int(free // m.kv_bytes_per_token))
+
+
+def build_profile(model: str, gpu: str, e: Efficiency = Efficiency()) -> CostModel:
+    m, g = MODELS[model], GPUS[gpu]
+    pre, dec = grid_samples(m, g, e, decode=False), grid_samples(m, g, e, decode=True)
+    pfit, dfit = fit(pre), fit(dec)
+    meta = {
+        "model": m.name, "device": g.name, "dtype": "float16", "source": "roofline (loadgen/sim/roofline.py)",
+        "swap_overlaps": True, "mfu": e.mfu, "mbu": e.mbu, "overhead_s": e.overhead_s,
+        "prefill_mape": mape(pfit, pre), "decode_mape": mape(dfit, dec),
+        "kv_bytes_per_token": m.kv_bytes_per_token, "kv_capacity_tokens": kv_capacity_tokens(m, g, e),
+        "max_model_len": m.max_model_len, "block_size": 16,
+    }
+    return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta)
+
+
+SHIPPED = {"opt-13b-a100-40gb": ("opt-13b", "a100-40gb"), "llama-3-8b-h100": ("llama-3-8b", "h100")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="write the roofline-derived cost-model profiles")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "profiles"))
+    args = ap.parse_args(argv)
+    for name, (model, gpu) in SHIPPED.items():
+        cm = build_profile(model, gpu)
+        cm.save(Path(args.out) / f"{name}.json")
+        print(f"{name}: prefill {cm.prefill}, decode {cm.decode}, MAPE {cm.meta['prefill_mape']:.1%}/"
+              f"{cm.meta['decode_mape']:.1%}, KV {cm.meta['kv_capacity_tokens']} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
