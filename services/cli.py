@@ -22,7 +22,6 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_chat", "add_parser"),
     ("loadgen.bench.cli", "add_parser"),
     ("loadgen.cli", "add_parser"),
-    ("loadgen.cli", "add_parser"),
     ("services.gateway.cli", "add_parser"),
     ("services.scheduler.cli", "add_parser"),
     ("services.worker.cli_worker", "add_parser"),
