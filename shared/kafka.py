@@ -99,7 +99,9 @@ class KafkaClient:
             *topics if group else (), bootstrap_servers=self.bootstrap, client_id=self.client_id,
             group_id=group, enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
-            fetch_max_wait_ms=kwargs.pop("fetch_max_wait_ms", 20), **kwargs,
+            fetch_max_wait_ms=kwargs.pop("fetch_max_wait_ms", 20),
+            # Short group timers: a replaced member (restart after a crash) is evicted in seconds.
+            session_timeout_ms=6000, heartbeat_interval_ms=1000, rebalance_timeout_ms=3000, **kwargs,
         )
         await with_backoff("consumer start", c.start)
         self._consumers.append(c)

@@ -59,6 +59,7 @@ class _Handlers:
         self.m_e2e = m.histogram("gateway_e2e_seconds", "request latency at the gateway", ("req_class",))
         self.m_tokens = m.counter("gateway_output_tokens_total", "tokens streamed to clients", ("req_class",))
         self.m_inflight = m.gauge("gateway_inflight", "requests in flight")
+        self.m_resumed = m.gauge("gateway_resumed_requests", "requests resumed on another worker since start")
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -83,6 +84,7 @@ class _Handlers:
 
     async def metrics(self) -> Response:
         self.m_inflight.set(len(self.core.streams))
+        self.m_resumed.set(self.core.streams.resumed)
         data, content_type = self.core.metrics.render()
         return Response(data, media_type=content_type)
 
@@ -157,8 +159,8 @@ class _Handlers:
             ctx.close(completed=False)
             raise
         if body.stream:
-            return StreamingResponse(ctx.sse(), media_type="text/event-stream",
-                                     headers={"X-Request-Id": gen.request_id, "Cache-Control": "no-cache"})
+            return StreamingResponse(ctx.sse(), media_type="text/event-stream", headers={
+                "X-Request-Id": gen.request_id, "X-Tandem-Worker": stream.worker_id or "", "Cache-Control": "no-cache"})
         return await ctx.collect(request)
 
     def _is_open(self, request_id: str) -> bool:
@@ -267,7 +269,8 @@ class _Ctx:
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
             result = collector.result()
             self.close(completed=True)
-            return JSONResponse(result, headers={"X-Request-Id": self.stream.request.request_id})
+            return JSONResponse(result, headers={"X-Request-Id": self.stream.request.request_id,
+                                                "X-Tandem-Worker": self.stream.worker_id or ""})
         except BaseException:
             self.close(completed=False)
             raise

@@ -65,11 +65,16 @@ class ModelRunner:
         for it in items:
             req, n = it.request, it.num_new_tokens
             start = req.num_computed_tokens
-            ids = self.kv.table(req).ids
+            table = self.kv.table(req)
+            ids = table.ids
             input_ids.extend(req.token_ids[start : start + n])
             pos = range(start, start + n)
             positions.extend(pos)
-            slots.extend(ids[p // bs] * bs + p % bs for p in pos)
+            if any(table.rev[start // bs :]):  # logical positions stay; reversed blocks flip the slot
+                rev = table.rev
+                slots.extend(ids[p // bs] * bs + (bs - 1 - p % bs if rev[p // bs] else p % bs) for p in pos)
+            else:
+                slots.extend(ids[p // bs] * bs + p % bs for p in pos)
             if start + n == req.num_tokens:
                 rows.append(len(input_ids) - 1)
                 sampled.append(req)
@@ -98,12 +103,20 @@ class ModelRunner:
         """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""
         bs = self.block_size
         max_blocks = -(-lens[0] // bs)
-        tables = [self.kv.table(r).ids[: -(-n // bs)] for r, n in zip(requests, lens)]
-        table = torch.tensor([ids + [0] * (max_blocks - len(ids)) for ids in tables], dtype=torch.long)
+        tables = [self.kv.table(r) for r in requests]
+        ids = [t.ids[: -(-n // bs)] for t, n in zip(tables, lens)]
+        table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)
         valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
         return DecodeBucket(rows=self._tensor(rows), block_table=table.to(self.device),
-                            bias=bias.unsqueeze(1).to(self.device))
+                            bias=bias.unsqueeze(1).to(self.device), reversed=self._directions(tables, max_blocks))
+
+    def _directions(self, tables, width: int) -> torch.Tensor | None:
+        """[len(tables), width] direction bits, or None when every block is forward (the common case)."""
+        rows = [t.rev[:width] for t in tables]
+        if not any(any(r) for r in rows):
+            return None
+        return torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool, device=self.device)
 
     def _prefill_spans(self, items: list[ScheduledItem], start: int) -> list[PrefillSpan]:
         spans, row = [], start
@@ -111,10 +124,14 @@ class ModelRunner:
         for it in items:
             req, n = it.request, it.num_new_tokens
             ctx = req.num_computed_tokens
-            block_ids = None
+            block_ids = reversed_bits = None
             if ctx:
-                block_ids = self._tensor(self.kv.table(req).ids[: -(-(ctx + n) // bs)])
-            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, block_ids=block_ids))
+                table = self.kv.table(req)
+                width = -(-(ctx + n) // bs)
+                block_ids = self._tensor(table.ids[:width])
+                bits = self._directions([table], width)
+                reversed_bits = None if bits is None else bits[0]
+            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, block_ids=block_ids, reversed=reversed_bits))
             row += n
         return spans
 

@@ -65,6 +65,12 @@ class BlockPool:
             out.append(block)
         return out
 
+    def unallocate(self, block: Block) -> None:
+        """Undo of `allocate` for one block: back to the LRU end of the free list, unreferenced."""
+        block.ref_count = 0
+        self._free[block.block_id] = block
+        self._free.move_to_end(block.block_id, last=False)
+
     def acquire(self, blocks: Iterable[Block]) -> None:
         """Take another reference on cached blocks (prefix hits), reviving free ones."""
         for block in blocks:
