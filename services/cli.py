@@ -27,6 +27,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_worker", "add_parser"),
     ("services.broker", "add_parser"),
     ("services.up", "add_parser"),
+    ("services.cli_topics", "add_parser"),
 ]
 
 

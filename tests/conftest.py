@@ -77,3 +77,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
         return made[name]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap():
+    """A real Kafka-protocol broker (tansu, in memory) for the whole session; tests isolate by topic prefix."""
+    import subprocess
+
+    from services.broker import start_broker
+
+    proc, bootstrap = start_broker(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield bootstrap
+    proc.kill()
+    proc.wait()

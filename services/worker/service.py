@@ -24,6 +24,7 @@ from services.worker.outbox import ResultOutbox
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
 from shared.kafka import KafkaClient
+from shared.metrics import ServiceMetrics
 from shared.schemas.control import Cancel, ControlEnvelope, Drain
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
@@ -61,6 +62,15 @@ class WorkerService:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()
         self._background: list[asyncio.Task] = []
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics = ServiceMetrics("worker")
+        self.m_load = m.gauge("worker_requests", "requests in the engine", ("req_class", "state"))
+        self.m_kv = m.gauge("worker_kv_usage", "fraction of KV blocks in use")
+        self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
+        self.m_ttft = m.histogram("worker_ttft_seconds", "engine time to first token", ("req_class",))
+        self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
 
     @staticmethod
     def _engine_config(s: WorkerSettings) -> EngineConfig:
@@ -81,6 +91,7 @@ class WorkerService:
         loops = (self._dispatch_loop(), self._control_loop(), self._heartbeat_loop(), self._telemetry_loop())
         self._background = [asyncio.create_task(c) for c in loops]
         await self._send_heartbeat()
+        self.metrics.serve(self.settings.metrics_port)
         log.info("worker %s serving %r (dispatch topic %s)", self.worker_id, self.model_name, dispatch.name)
 
     async def stop(self) -> None:
@@ -213,7 +224,20 @@ class WorkerService:
         while True:
             await asyncio.sleep(self.settings.telemetry_interval_s)
             msg = self.telemetry.report(self.worker_id, self.llm.engine, self.settings.max_num_seqs)
+            self._update_metrics(msg)
             try:
                 await self.kafka.send(self.topics.telemetry.name, msg, key=self.worker_id)
             except Exception:  # noqa: BLE001
                 log.warning("telemetry not sent", exc_info=True)
+
+    def _update_metrics(self, t) -> None:
+        for cls, load in (("rt", t.rt), ("be", t.be)):
+            self.m_load.labels(cls, "running").set(load.running)
+            self.m_load.labels(cls, "waiting").set(load.waiting)
+        self.m_kv.set(t.kv_usage)
+        for r in t.finished:
+            self.m_tokens.inc(r.output_tokens)
+            if r.ttft_s is not None:
+                self.m_ttft.labels(r.req_class).observe(r.ttft_s)
+            if r.tpot_s is not None:
+                self.m_tpot.labels(r.req_class).observe(r.tpot_s)

@@ -16,15 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.broker import free_port, start_broker
-
-
-@pytest.fixture(scope="session")
-def kafka_bootstrap():
-    proc, bootstrap = start_broker(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    yield bootstrap
-    proc.kill()
-    proc.wait()
+from services.broker import free_port
 
 
 class Stack:

@@ -1,0 +1,77 @@
+"""Placement policy and the gateway's stream bookkeeping (pure logic, no processes)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.streams import StreamRegistry
+from services.scheduler.placement import LeastLoaded, PlacementLimits, PlacementRequest, WorkerLoad, make_placement
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import Accepted, Delta, ResultBatch, Rerouted
+
+RT = PlacementRequest("r", "rt")
+BE = PlacementRequest("b", "be")
+
+
+def test_rt_goes_to_least_loaded_live_worker():
+    p = make_placement("least-loaded")
+    workers = [WorkerLoad("a", running_rt=10), WorkerLoad("b", running_rt=2), WorkerLoad("c", draining=True)]
+    assert p.place(RT, workers) == "b"
+    assert p.place(RT, []) is None
+    assert p.place(RT, [WorkerLoad("c", draining=True)]) is None
+
+
+def test_rt_prefers_the_session_holder_while_it_has_room():
+    p = LeastLoaded()
+    workers = [WorkerLoad("a", running_rt=20), WorkerLoad("b")]
+    assert p.place(PlacementRequest("r", "rt", preferred_worker="a"), workers) == "a"
+    full = [WorkerLoad("a", running_rt=128, kv_usage=0.9), WorkerLoad("b")]
+    assert p.place(PlacementRequest("r", "rt", preferred_worker="a"), full) == "b"
+
+
+def test_be_only_where_rt_has_headroom():
+    p = LeastLoaded(PlacementLimits(be_per_worker=4))
+    assert p.place(BE, [WorkerLoad("a", waiting_rt=1)]) is None  # RT queueing: no BE
+    assert p.place(BE, [WorkerLoad("a", kv_usage=0.95)]) is None  # KV nearly full
+    assert p.place(BE, [WorkerLoad("a", running_be=4)]) is None  # BE cap reached
+    assert p.place(BE, [WorkerLoad("a", running_rt=100)]) is None  # RT busy
+    assert p.place(BE, [WorkerLoad("a", running_be=3), WorkerLoad("b", running_be=1)]) == "b"
+    with pytest.raises(ValueError, match="unknown placement"):
+        make_placement("nope")
+
+
+def _req(attempt: int = 0) -> GenerateRequest:
+    return GenerateRequest(request_id="r", attempt=attempt, gateway_id="g", reply_partition=0, model="m",
+                           kind="completion", prompt="x", created_at=0.0)
+
+
+def test_stream_applies_each_delta_once_in_order_and_resumes_with_delivered_tokens():
+    resubmitted: list[GenerateRequest] = []
+
+    async def resubmit(req):
+        resubmitted.append(req)
+
+    async def run():
+        reg = StreamRegistry(resubmit)
+        s = reg.open(_req())
+        d0 = Delta(request_id="r", index=0, token_ids=[1, 2], text="ab")
+        await reg.on_batch(ResultBatch(source="w", events=[Accepted(request_id="r", worker_id="w",
+                                                                    prompt_tokens=4), d0, d0]))
+        assert s.token_ids == [1, 2] and s.text == "ab"  # the duplicate was dropped
+        await reg.on_batch(ResultBatch(source="s", events=[Rerouted(request_id="r", reason="lost")]))
+        assert resubmitted[0].attempt == 1 and resubmitted[0].resume_token_ids == [1, 2]
+        stale = Delta(request_id="r", attempt=0, index=2, token_ids=[9], text="Z")
+        fresh = Delta(request_id="r", attempt=1, index=2, token_ids=[3], text="c", finish_reason="length")
+        await reg.on_batch(ResultBatch(source="w", events=[stale, fresh]))
+        assert s.token_ids == [1, 2, 3] and s.text == "abc" and s.finished and s.prompt_tokens == 4
+        return [type(e).__name__ for e in _drain(s.events)]
+
+    assert asyncio.run(run()) == ["Accepted", "Delta", "Delta"]
+
+
+def _drain(q: asyncio.Queue) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
