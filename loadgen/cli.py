@@ -75,7 +75,8 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
                    help="cost-model JSON (from `tandem profile`) or a shipped profile name "
                         "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb")
     e.add_argument("--workers", type=int, default=1, help="sim: number of workers")
-    e.add_argument("--placement", default="least-loaded", help="sim: placement policy")
+    e.add_argument("--placement", default=None,
+                   help="sim: placement policy (default: direct with one worker, least-loaded with several)")
     e.add_argument("--kv-bandwidth-gbps", type=float, default=None,
                    help="sim: GB/s for moving a session's KV between workers (default: recompute)")
 

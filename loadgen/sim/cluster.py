@@ -22,7 +22,9 @@ from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenE
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    placement: str = "least-loaded"
+    # None: one worker takes every request directly (like the in-process engine, no scheduler
+    # service in front); several workers use the scheduler's default, least-loaded
+    placement: str | None = None
     kv_transfer_bytes_per_s: float | None = None  # None: a moved session recomputes its history
 
 
@@ -34,7 +36,8 @@ class SimTarget(StepTarget):
             raise ValueError("the simulator needs at least one worker")
         self.workers = {w.worker_id: w for w in workers}
         self.spec = spec
-        self.placement = make_placement(spec.placement)
+        name = spec.placement or ("least-loaded" if len(workers) > 1 else None)
+        self.placement = make_placement(name) if name else None
         self.clock = 0.0
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -58,16 +61,24 @@ class SimTarget(StepTarget):
             self._held.append(request)
 
     def advance(self, until_s: float) -> list[TokenEvent]:
-        out: list[TokenEvent] = []
+        """Start a step on every idle worker with work, then run events until one step ends
+        (returning its tokens, as `LLMEngine.step` would) or the clock reaches `until_s`.
+
+        Returning at every step end lets the driver submit what arrived during the step
+        before the worker schedules its next one, exactly the engine's order.
+        """
+        for worker in self.workers.values():
+            self._kick(worker)
         while self._events and self._events[0][0] <= until_s:
             t, _, kind, payload = heapq.heappop(self._events)
             self.clock = max(self.clock, t)
-            out.extend(self._handle(kind, payload))
-            if any(ev.finished for ev in out):
-                return out
+            if kind == "step":
+                return self._step_done(payload)
+            self._arrive(*payload)  # a session's KV arrived from another worker
+            self._kick(self.workers[payload[0]])
         if not math.isinf(until_s):
             self.clock = max(self.clock, until_s)
-        return out
+        return []
 
     def has_work(self) -> bool:
         return bool(self._events or self._held) or any(w.has_work() for w in self.workers.values())
@@ -87,10 +98,10 @@ class SimTarget(StepTarget):
 
     def describe(self) -> dict:
         ws = list(self.workers.values())
-        return {"target": "sim", "workers": len(ws), "placement": self.spec.placement,
+        return {"target": "sim", "workers": len(ws), "placement": self.placement.name if self.placement else "direct",
                 "kv_transfer_bytes_per_s": self.spec.kv_transfer_bytes_per_s,
                 "steps": sum(w.steps for w in ws), "busy_s": sum(w.busy_s for w in ws),
-                "kv_transfers": self.transfers, "kv_transferred_tokens": self.transferred_tokens,
+                "prompt_tokens_cached": sum(w.prompt_tokens_cached for w in ws), "kv_transfers": self.transfers, "kv_transferred_tokens": self.transferred_tokens,
                 "cost_model": dict(ws[0].cost.meta)}
 
     # -- internals -----------------------------------------------------------------------
@@ -102,7 +113,10 @@ class SimTarget(StepTarget):
     def _place(self, request: PreparedRequest) -> bool:
         preq = PlacementRequest(request.request_id, request.req_class, len(request.prompt_ids), request.session_id,
                                 self._session_worker.get(request.session_id or ""))
-        wid = self.placement.place(preq, [self._load_of(w) for w in self.workers.values()])
+        if self.placement is None:
+            wid = next(iter(self.workers))
+        else:
+            wid = self.placement.place(preq, [self._load_of(w) for w in self.workers.values()])
         if wid is None:
             return False
         delay = self._transfer_delay(request, wid)
@@ -130,7 +144,6 @@ class SimTarget(StepTarget):
         self._where[request.request_id] = wid
         if request.session_id:
             self._session_worker[request.session_id] = wid
-        self._kick(worker)
 
     def _kick(self, worker: SimWorker) -> None:
         if worker.busy or not worker.has_work():
@@ -139,17 +152,12 @@ class SimTarget(StepTarget):
         if duration is not None:
             self._push(self.clock + duration, "step", worker.worker_id)
 
-    def _handle(self, kind: str, payload) -> list[TokenEvent]:
-        if kind == "arrive":
-            self._arrive(*payload)
-            return []
-        worker = self.workers[payload]
-        events = worker.finish_step()
+    def _step_done(self, worker_id: str) -> list[TokenEvent]:
+        events = self.workers[worker_id].finish_step()
         for ev in events:
             if ev.finished:
                 self._where.pop(ev.request_id, None)
         self._retry_held()
-        self._kick(worker)
         return events
 
     def _retry_held(self) -> None:

@@ -49,6 +49,7 @@ class SimWorker:
         self.duration_s = 0.0
         self._aborted_in_flight: set[str] = set()  # aborted while their step was running
         self.steps = 0
+        self.prompt_tokens_cached = 0  # prefix-cache hits of finished requests (sessions' history)
         self.busy_s = 0.0
 
     # -- requests ------------------------------------------------------------------------
@@ -125,6 +126,7 @@ class SimWorker:
         request.append_token(token, None, now)
         stop = request.check_stop()
         if stop is not None:
+            self.prompt_tokens_cached += request.num_cached_tokens
             request.stop_reason = stop[1]
             self.scheduler.finish(request, stop[0], now)
         return TokenEvent(request.request_id, now, [token], stop is not None,

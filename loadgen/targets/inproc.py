@@ -117,7 +117,9 @@ class InprocTarget(StepTarget):
             return []
         self._last_batch = None
         outputs = self.engine.step()
-        if isinstance(self.clock, ModelClock) and self._last_batch:
+        if not self._last_batch:  # nothing could run: let time pass (a model clock would stall)
+            self.clock.wait_until(until_s)
+        elif isinstance(self.clock, ModelClock):
             self.clock.virtual += self._priced
         t = self.now()
         return [TokenEvent(o.request_id, t, list(o.new_token_ids), o.finished, o.finish_reason) for o in outputs]

@@ -1,0 +1,114 @@
+"""Length-distribution fitting, arrival processes, determinism of workloads."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loadgen.arrivals import ArrivalSpec, gamma_times, load_trace, poisson_times
+from loadgen.workloads.build import WorkloadConfig, build_workload
+from loadgen.workloads.datasets import PROFILES
+from loadgen.workloads.jsonl import load_jsonl
+from loadgen.workloads.lengths import lognormal_from_moments, uniform
+
+
+@pytest.mark.parametrize("mean,std", [(222.76, 256.36), (234.51, 268.50), (90.50, 148.52), (784.14, 151.17)])
+def test_lognormal_fit_reproduces_published_moments(mean, std):
+    dist = lognormal_from_moments(mean, std)
+    assert dist.mean() == pytest.approx(mean)
+    x = np.random.default_rng(1).lognormal(dist.a, dist.b, size=400_000)  # before rounding and clipping
+    assert x.mean() == pytest.approx(mean, rel=0.02)
+    assert x.std() == pytest.approx(std, rel=0.06)
+
+
+def test_clipping_and_scaling():
+    dist = PROFILES["sharegpt"].prompt.clipped(512)
+    s = dist.sample(np.random.default_rng(0), 50_000)
+    assert s.min() >= 4 and s.max() <= 512
+    half = PROFILES["sharegpt"].prompt.scaled(0.5)
+    assert half.mean() == pytest.approx(PROFILES["sharegpt"].prompt.mean() / 2)
+    be = uniform(512, 1024).scaled(0.25)
+    sb = be.sample(np.random.default_rng(0), 10_000)
+    assert sb.min() == 128 and sb.max() == 256
+
+
+def test_poisson_and_gamma_rates_and_burstiness():
+    rng = np.random.default_rng(3)
+    t = poisson_times(5.0, 2000.0, rng)
+    assert len(t) / 2000.0 == pytest.approx(5.0, rel=0.05)
+    assert all(0 <= a < b < 2000.0 for a, b in zip(t, t[1:]))
+    gaps = np.diff(gamma_times(5.0, 4.0, 4000.0, np.random.default_rng(4)))
+    assert gaps.mean() == pytest.approx(0.2, rel=0.15)
+    assert gaps.std() / gaps.mean() == pytest.approx(4.0, rel=0.2)
+
+
+def test_trace_replay(tmp_path):
+    p = tmp_path / "trace.jsonl"
+    p.write_text("\n".join(json.dumps({"timestamp": v}) for v in (100.5, 100.0, 103.0, 200.0)))
+    assert load_trace(p, duration_s=50.0) == [0.0, 0.5, 3.0]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1.0\nnot-a-number\n")
+    with pytest.raises(ValueError, match="bad.txt:2"):
+        load_trace(bad)
+
+
+def _summary(cfg):
+    w = build_workload(cfg)
+    subs = list(w.open_loop) + [s for src in w.sources for s in src.start()]
+    return [(round(s.at_s, 9), s.spec.request_id, s.spec.prompt_len, s.spec.max_tokens) for s in subs]
+
+
+@pytest.mark.parametrize("name", ["sharegpt", "lmsys", "code", "summarisation", "rt-be", "sessions"])
+def test_deterministic_given_seed(name):
+    cfg = WorkloadConfig(name, ArrivalSpec("poisson", 2.0), 30.0, seed=7, max_len=2048)
+    assert _summary(cfg) == _summary(cfg)
+    other = _summary(WorkloadConfig(name, ArrivalSpec("poisson", 2.0), 30.0, seed=8, max_len=2048))
+    assert _summary(cfg) != other
+
+
+def test_context_limit_is_respected():
+    w = build_workload(WorkloadConfig("summarisation", ArrivalSpec("poisson", 5.0), 60.0, max_len=2048))
+    assert all(s.spec.prompt_len + s.spec.max_tokens <= 2048 for s in w.open_loop)
+
+
+def test_sessions_turns_wait_for_reading_and_typing():
+    w = build_workload(WorkloadConfig("sessions", ArrivalSpec("poisson", 1.0), 600.0, seed=1, turns_mean=3))
+    src = next(s for s in w.sources if s.turns >= 2)
+    first = src.start()[0]
+    assert first.typing_at_s <= first.at_s
+    nxt = src.on_finish(first.spec, first.at_s + 5.0, output_tokens=100)[0]
+    reading = 100 * 0.75 / 250 * 60
+    assert nxt.typing_at_s == pytest.approx(first.at_s + 5.0 + reading)
+    assert nxt.at_s == pytest.approx(nxt.typing_at_s + nxt.spec.prompt_len * 0.75 / 40 * 60)
+    assert nxt.spec.session_id == first.spec.session_id and nxt.spec.turn == 1
+
+
+def test_be_backlog_refills_by_batch():
+    w = build_workload(WorkloadConfig("be", ArrivalSpec(), 100.0, be_batch=3))
+    src = w.sources[0]
+    batch = src.start()
+    assert len(batch) == 3 and all(s.spec.req_class == "be" for s in batch)
+    assert src.on_finish(batch[0].spec, 1.0, 10) == []
+    assert src.on_finish(batch[1].spec, 2.0, 10) == []
+    assert len(src.on_finish(batch[2].spec, 3.0, 10)) == 3
+    assert src.on_finish(batch[0].spec, 200.0, 10) == []  # past the window: no refill
+
+
+def test_jsonl_dataset(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "hello world, how are you", "max_tokens": 5}\n'
+                 '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}\n')
+    items = load_jsonl(p)
+    assert [i.max_tokens for i in items] == [5, 7] and items[1].messages
+    w = build_workload(WorkloadConfig("jsonl", ArrivalSpec("poisson", 2.0), 10.0, dataset_path=str(p)))
+    assert {s.spec.max_tokens for s in w.open_loop} == {5, 7}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="max_tokens"):
+        load_jsonl(bad)
+
+
+def test_unknown_workload_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload(WorkloadConfig("nope"))
