@@ -63,6 +63,9 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
     g.add_argument("--find-rate", action="store_true",
                    help="bisect the request rate for the effective throughput (attainment >= --attainment)")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--served-model", default=None, help="http: model name (default: the gateway's first)")
+    g.add_argument("--be-via", default="stream", choices=["stream", "batch-api"],
+                   help="http: send BE batches through /v1/files + /v1/batches (falls back to streaming on 404)")
     e = p.add_argument_group("engine (inproc) and simulated workers (sim)")
     e.add_argument("--model", default="default")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

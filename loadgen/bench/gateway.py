@@ -1,0 +1,194 @@
+"""`tandem bench gateway`: what the Kafka path costs.
+
+Runs the same requests one at a time (a) straight into an in-process `AsyncLLM` and (b) through
+the full stack (`tandem up`: broker, scheduler, worker, gateway as separate processes) over
+loopback HTTP/SSE, and reports the TTFT and inter-token latency each adds: the difference is
+what gateway → Kafka → scheduler → worker → Kafka → gateway costs. Then it measures the request
+rate the stack sustains with a trivial model (closed loop, one-token completions).
+The model defaults to a tiny random-weight Llama (`--model tiny`) so model time is small and
+the transport's share is visible; pass a path or `default` to measure with a real model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from loadgen.bench.common import percentile
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="latency the Kafka path adds, and the gateway's sustained request rate")
+    p.add_argument("--model", default="tiny", help="'tiny' (random 2-layer Llama), 'default', or a path")
+    p.add_argument("--requests", type=int, default=50, help="sequential requests per path")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rate-seconds", type=float, default=10.0, help="duration of the sustained-rate phase")
+    p.add_argument("--concurrency", type=int, default=32, help="clients in the sustained-rate phase")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _tiny_model(tmp) if args.model == "tiny" else args.model
+        result = uvloop.run(_bench(args, model))
+    _print(result)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _tiny_model(tmp: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from services.worker.engine.loader import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    path = os.path.join(tmp, "tiny")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    load_tokenizer(resolve_model("default")).save_pretrained(path)
+    return path
+
+
+PROMPT = "Write one sentence about the sea."
+
+
+async def _bench(args, model: str) -> dict:
+    inproc = await _inproc(args, model)
+    stack = await _through_stack(args, model)
+    added = {k: stack["sequential"][k] - inproc[k] for k in inproc if k.endswith("_s")}
+    return {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
+            "inproc": inproc, "gateway": stack["sequential"], "added_by_kafka_path": added,
+            "sustained": stack["sustained"]}
+
+
+async def _inproc(args, model: str) -> dict:
+    from services.worker.engine import EngineConfig, SamplingParams
+    from services.worker.engine.async_llm import AsyncLLM
+
+    llm = AsyncLLM(EngineConfig(model=model, dtype="float32", kv_cache_gib=0.25))
+    await llm.start()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    prompt = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
+    ttfts, itls = [], []
+    for i in range(args.requests + 3):  # 3 warm-up requests
+        t0 = time.perf_counter()
+        times = []
+        async for d in llm.generate(f"b{i}", prompt, params):
+            times += [time.perf_counter()] * len(d.token_ids)
+        if i >= 3:
+            ttfts.append(times[0] - t0)
+            itls += [b - a for a, b in zip(times, times[1:])]
+    await llm.shutdown()
+    return _latency(ttfts, itls)
+
+
+async def _through_stack(args, model: str) -> dict:
+    import httpx
+
+    from services.broker import free_port
+
+    port = free_port()
+    env = {**os.environ, "TANDEM_TOPIC_PREFIX": f"bench{port}"}
+    env.pop("KAFKA_BOOTSTRAP", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--dtype", "float32",
+                             "--kv-cache-gib", "0.25", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            name = await _wait_ready(client, url, proc)
+            seq = await _sequential(client, url, name, args)
+            sustained = await _sustained(client, url, name, args)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {"sequential": seq, "sustained": sustained}
+
+
+async def _wait_ready(client, url: str, proc) -> str:
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise RuntimeError("tandem up exited before the gateway was ready")
+        try:
+            r = await client.get(f"{url}/health")
+            if r.status_code == 200:
+                return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        except Exception:  # noqa: BLE001 (not listening yet)
+            pass
+        await asyncio.sleep(0.25)
+    raise RuntimeError("gateway not ready")
+
+
+async def _sequential(client, url: str, model: str, args) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    ttfts, itls = [], []
+    for i in range(args.requests + 3):
+        times = await _stream_times(client, url, body)
+        if i >= 3:
+            ttfts.append(times[0])
+            itls += [b - a for a, b in zip(times, times[1:])]
+    return _latency(ttfts, itls)
+
+
+async def _stream_times(client, url: str, body: dict) -> list[float]:
+    """Seconds from sending to each content chunk (one chunk per engine step here)."""
+    t0 = time.perf_counter()
+    out = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"content"' in line and '"content":""' not in line:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _sustained(client, url: str, model: str, args) -> dict:
+    body = {"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    done, errors = 0, 0
+    deadline = time.perf_counter() + args.rate_seconds
+
+    async def loop():
+        nonlocal done, errors
+        while time.perf_counter() < deadline:
+            r = await client.post(f"{url}/v1/completions", json=body)
+            done, errors = done + (r.status_code == 200), errors + (r.status_code != 200)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[loop() for _ in range(args.concurrency)])
+    elapsed = time.perf_counter() - t0
+    return {"requests": done, "errors": errors, "seconds": elapsed, "requests_per_s": done / elapsed,
+            "concurrency": args.concurrency}
+
+
+def _latency(ttfts: list[float], itls: list[float]) -> dict:
+    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+            "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99)}
+
+
+def _print(r: dict) -> None:
+    ms = lambda v: f"{v * 1e3:8.2f}"  # noqa: E731
+    print(f"model {r['model']}, {r['requests']} sequential requests of {r['max_tokens']} tokens")
+    print(f"{'':14}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>10}{'ITL p99':>10}  (ms)")
+    for name in ("inproc", "gateway", "added_by_kafka_path"):
+        v = r[name]
+        print(f"{name:14}{ms(v['ttft_p50_s'])}  {ms(v['ttft_p99_s'])}  {ms(v['itl_p50_s'])}  {ms(v['itl_p99_s'])}")
+    s = r["sustained"]
+    print(f"sustained: {s['requests_per_s']:.1f} req/s ({s['requests']} ok, {s['errors']} errors, "
+          f"{s['concurrency']} clients, 1-token completions)")
