@@ -7,9 +7,11 @@ step in `AttentionMetadata` and reused by every layer, so per-layer work is only
 KV cache layout, per layer: one tensor `[2, num_kv_heads, num_blocks, block_size,
 head_dim]` (K then V; head-major, so a gather of blocks is directly a per-head matrix). A
 token's *slot* is `block_id * block_size + offset`. New tokens are written by slot; reads
-go through per-sequence block lists built by the runner from block tables (which may later
-hold reversed or non-resident blocks), so kernels only see logical order in, physical
-locations out.
+go through per-sequence block lists built by the runner from block tables, plus a direction
+bit per block (BROS): a *reversed* block holds logical offset o at in-block slot
+`block_size - 1 - o` (a BE request filling from the right end). Gathers return keys in
+logical order whatever the directions, so the attention math (and its floating-point
+summation order) is the same as for forward blocks.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class PrefillSpan:
     q_len: int  # new tokens in this step
     ctx_len: int  # tokens already in the cache before this step
     block_ids: torch.Tensor | None  # [n] blocks holding all ctx_len + q_len tokens; None when ctx_len == 0
+    reversed: torch.Tensor | None = None  # [n] bool direction bits; None when every block is forward
 
 
 @dataclass
@@ -37,6 +40,7 @@ class DecodeBucket:
     rows: torch.Tensor  # [B] rows of these sequences in the flattened batch
     block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
+    reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
 
 
 @dataclass

@@ -38,19 +38,25 @@ def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata") -> torch.Tenso
     return out
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, reversed: torch.Tensor | None = None) -> torch.Tensor:
     """`[2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, D]` copy of
-    K and V in the given blocks, in order."""
+    K and V in the given blocks, in logical order: blocks flagged in `reversed` (same shape
+    as `block_ids`) are flipped within the block after the gather."""
     _, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.view(2 * kv_heads, num_blocks, block_size * head_dim)
     out = flat.index_select(1, block_ids.reshape(-1))
+    if reversed is not None:
+        flip = reversed.reshape(-1).nonzero().squeeze(1)
+        if flip.numel():
+            blocks = out.view(2 * kv_heads, -1, block_size, head_dim)
+            blocks[:, flip] = blocks[:, flip].flip(2)
     return out.view(2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
 
 
 def _decode(q, kv_cache, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[1]
-    keys, values = gather_blocks(kv_cache, bucket.block_table)  # each [kvh, B, L, D]
+    keys, values = gather_blocks(kv_cache, bucket.block_table, bucket.reversed)  # each [kvh, B, L, D]
     qg = q.view(batch, kv_heads, heads // kv_heads, head_dim).transpose(0, 1)  # [kvh, B, g, D]
     scores = torch.matmul(qg, keys.transpose(-1, -2)).float()  # [kvh, B, g, L]
     scores.mul_(scale).add_(bucket.bias)
@@ -65,7 +71,7 @@ def _prefill(q, k, v, kv_cache, span: "PrefillSpan", scale: float) -> torch.Tens
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         kv_len = span.ctx_len + span.q_len
-        kh, vh = gather_blocks(kv_cache, span.block_ids)[:, :, :kv_len].unsqueeze(1)  # [1, kvh, L, D] each
+        kh, vh = gather_blocks(kv_cache, span.block_ids, span.reversed)[:, :, :kv_len].unsqueeze(1)  # [1, kvh, L, D]
         mask = _causal_mask(span.q_len, span.ctx_len, q.device)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)

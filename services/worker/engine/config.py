@@ -60,7 +60,14 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: model's max_position_embeddings
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # "fcfs", "rr" or "bros"
+    # RT class defaults (per-request SLO fields override them); BE requests have no SLO
+    rt_ttft_s: float = 0.4
+    rt_tpot_s: float = 0.2
+    bros_base_cap: int = 128  # adaptive batch cap starts (and resets) here, doubling up to max_num_seqs
+    cost_model_path: str | None = None  # bros: load this profile instead of profiling at start
+    swap_space_gib: float = 1.0  # host space for checkpointed / swapped-out KV
+    num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
 

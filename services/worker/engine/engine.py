@@ -15,6 +15,7 @@ import torch
 from services.worker.engine.config import EngineConfig, ModelConfig
 from services.worker.engine.detokenizer import IncrementalDetokenizer
 from services.worker.engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from services.worker.engine.kv.storage import bytes_per_block
 from services.worker.engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from services.worker.engine.models import build_model
 from services.worker.engine.outputs import RequestOutput
@@ -36,7 +37,21 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # prefill tokens served by the prefix cache
     generation_tokens: int = 0
     tokens_computed: int = 0  # every token run through the model, recomputation included
-    preemptions: int = 0
+    preemptions: int = 0  # recompute preemptions (KV dropped)
+    swap_outs: int = 0  # whole requests moved to host
+    kv_copy_bytes: int = 0  # host <-> device bytes (checkpoints, swaps, restores)
+    schedule_time_s: float = 0.0  # total time in the scheduler (mean per step: / schedule_calls)
+    schedule_calls: int = 0
+    step_time_s: float = 0.0  # total wall time of steps that ran a batch (schedule + copies + forward + sample)
+
+    @property
+    def mean_schedule_time_s(self) -> float:
+        return self.schedule_time_s / self.schedule_calls if self.schedule_calls else 0.0
+
+    @property
+    def schedule_overhead(self) -> float:
+        """Scheduler time as a fraction of step time (the paper's Fig. 14 metric)."""
+        return self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0
 
 
 class LLMEngine:
@@ -55,8 +70,11 @@ class LLMEngine:
         self.model.load_weights(iter_weights(source))
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy))
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.device)
+        self.cost_model = None
+        if config.policy == "bros":
+            self.cost_model = self._cost_model(config, source)
+        self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
@@ -111,8 +129,11 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        self.stats.preemptions += len(batch.preempted)
+        start = time.perf_counter()
+        batch = self.scheduler.schedule(start)
+        self._count_schedule(batch)
+        if batch.copies:  # checkpoints, swaps and restores the policy decided, before the forward pass
+            self.storage.execute(batch.copies)
         if not batch:
             return []
         result = self.runner.execute(batch.items)
@@ -124,10 +145,21 @@ class LLMEngine:
             request.num_computed_tokens += item.num_new_tokens
             self.stats.tokens_computed += item.num_new_tokens
             self.kv.commit(request)
-        if result.logits is None:
-            return []
-        self.last_logits = (result.sampled, result.logits)
-        return self._sample_and_emit(result.logits, result.sampled)
+        outputs = []
+        if result.logits is not None:
+            self.last_logits = (result.sampled, result.logits)
+            outputs = self._sample_and_emit(result.logits, result.sampled)
+        elapsed = time.perf_counter() - start
+        self.stats.step_time_s += elapsed
+        self.scheduler.step_done(batch, elapsed)
+        return outputs
+
+    def _count_schedule(self, batch) -> None:
+        self.stats.schedule_time_s += self.scheduler.last_schedule_s
+        self.stats.schedule_calls += 1
+        self.stats.preemptions += len(batch.preempted)
+        self.stats.swap_outs += len(batch.swapped_out)
+        self.stats.kv_copy_bytes += batch.swap_bytes
 
     def _sample_and_emit(self, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         out = self.sampler.sample(
@@ -213,8 +245,29 @@ class LLMEngine:
         num_blocks = config.num_blocks or num_blocks_for_budget(self.model_config, config.block_size, dtype,
                                                                 config.kv_cache_gib)
         pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        storage = KVCacheStorage(self.model_config, num_blocks, config.block_size, dtype, self.device)
-        return KVCacheManager(pool, config.block_size), storage
+        block_bytes = bytes_per_block(self.model_config, config.block_size, dtype)
+        host_blocks = config.num_host_blocks
+        if host_blocks is None:
+            host_blocks = int(config.swap_space_gib * 2**30) // block_bytes
+        storage = KVCacheStorage(self.model_config, num_blocks, config.block_size, dtype, self.device, host_blocks)
+        kv = KVCacheManager(pool, config.block_size, bytes_per_token=block_bytes // config.block_size,
+                            host_blocks=host_blocks)
+        return kv, storage
+
+    def _policy_options(self, config: EngineConfig) -> dict:
+        if config.policy != "bros":
+            return {}
+        return {"cost_model": self.cost_model, "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
+                "base_cap": config.bros_base_cap}
+
+    def _cost_model(self, config: EngineConfig, source):
+        """The profiled step-time model: a given file, the on-disk cache, or a fresh profile."""
+        from services.worker.engine.cost_model import CostModel
+        from services.worker.engine.profiling import profile_cached
+
+        if config.cost_model_path:
+            return CostModel.load(config.cost_model_path)
+        return profile_cached(self, source)
 
     def _tokenizer_eos(self) -> frozenset[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -1,9 +1,13 @@
 """The KV cache tensors and their sizing from a memory budget."""
 from __future__ import annotations
 
+from itertools import groupby
+from typing import Sequence
+
 import torch
 
 from services.worker.engine.config import ModelConfig
+from services.worker.engine.kv.copies import CopyKind, KVCopy
 from services.worker.engine.platform_tuning import empty_hugepage_tensor
 
 _GIB = 1 << 30
@@ -26,7 +30,8 @@ class KVCacheStorage:
     `data[layer, :, :, block]`, which block copies (swap, transfer) index directly.
     """
 
-    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
@@ -35,7 +40,40 @@ class KVCacheStorage:
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [self.data[i] for i in range(model.num_layers)]
+        self._host_shape = (model.num_layers, 2, model.num_kv_heads, host_blocks, block_size, model.head_dim)
+        self._host: torch.Tensor | None = None  # swap space, allocated on first use
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    def host(self) -> torch.Tensor:
+        if self._host is None:  # pinned on GPU machines so copies can be asynchronous
+            pin = self.data.device.type == "cuda"
+            self._host = torch.empty(self._host_shape, dtype=self.data.dtype, pin_memory=pin)
+        return self._host
+
+    def execute(self, copies: Sequence[KVCopy]) -> None:
+        """Run a step's KV copies in order; consecutive copies of one kind go as one gather/scatter.
+
+        Within such a run no copy reads what another writes (a run only reads one side and
+        writes the other, or for device moves writes only freshly taken blocks), so gathering
+        every source before scattering is exact.
+        """
+        for kind, run in groupby(copies, key=lambda c: c.kind):
+            run = list(run)
+            src = torch.tensor([s for c in run for s in c.src_slots], dtype=torch.long)
+            dst = torch.tensor([d for c in run for d in c.dst_slots], dtype=torch.long)
+            src_t, dst_t = self._flat(kind is CopyKind.H2D), self._flat(kind is CopyKind.D2H)
+            moved = src_t.index_select(3, src.to(src_t.device))
+            dst_t.index_copy_(3, dst.to(dst_t.device), moved.to(dst_t.device))
+
+    def _flat(self, on_host: bool) -> torch.Tensor:
+        """`[layers, 2, kv_heads, blocks * block_size, head_dim]` view of the device cache or host space."""
+        t = self.host() if on_host else self.data
+        layers, two, heads, blocks, bs, dim = t.shape
+        return t.view(layers, two, heads, blocks * bs, dim)

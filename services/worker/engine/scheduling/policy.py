@@ -117,7 +117,8 @@ def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
 def make_policy(name: str, **options) -> SchedulingPolicy:
     """Build a registered policy; `options` go to its constructor (e.g. `make_policy("bros",
     cost_model=CostModel.load(path), default_slo=SLO(0.4, 0.2))`)."""
-    import services.worker.engine.scheduling.fcfs  # noqa: F401  (registers built-in policies)
+    import services.worker.engine.scheduling.bros  # noqa: F401  (registers built-in policies)
+    import services.worker.engine.scheduling.fcfs  # noqa: F401
     import services.worker.engine.scheduling.rr  # noqa: F401
 
     try:
