@@ -20,6 +20,7 @@ _CPU_RUNTIME_DEFAULTS = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores", "OMP_W
 _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_generate", "add_parser"),
     ("services.worker.cli_chat", "add_parser"),
+    ("services.worker.cli_profile", "add_parser"),
     ("loadgen.bench.cli", "add_parser"),
     ("loadgen.cli", "add_parser"),
     ("services.gateway.cli", "add_parser"),

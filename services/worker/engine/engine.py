@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -52,6 +52,10 @@ class EngineStats:
     def schedule_overhead(self) -> float:
         """Scheduler time as a fraction of step time (the paper's Fig. 14 metric)."""
         return self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "mean_schedule_time_s": self.mean_schedule_time_s,
+                "schedule_overhead": self.schedule_overhead}
 
 
 class LLMEngine:

@@ -37,8 +37,12 @@ PROFILE_VERSION = "1"
 _REPEATS = 3
 
 
+def profile_path(engine: "LLMEngine", source, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / "profiles" / f"{profile_key(engine, source)}.json"
+
+
 def profile_cached(engine: "LLMEngine", source, cache_dir: Path | None = None) -> CostModel:
-    path = (cache_dir or default_cache_dir()) / "profiles" / f"{profile_key(engine, source)}.json"
+    path = profile_path(engine, source, cache_dir)
     if path.exists():
         try:
             return CostModel.load(path)
@@ -98,8 +102,13 @@ def _decode_grid(engine: "LLMEngine") -> list[tuple[int, int]]:
 
 
 def _mixed_grid(engine: "LLMEngine") -> list[tuple[int, int, int]]:
-    top = min(engine.config.max_num_batched_tokens, 256)
-    return [(n, b, 128) for n in (64, top) for b in (4, 16) if n + b <= engine.config.max_num_batched_tokens]
+    cfg, bs = engine.config, engine.config.block_size
+    top = min(cfg.max_num_batched_tokens, 256, engine.max_model_len - 1)
+    context = min(128, engine.max_model_len // 2)
+    capacity = engine.kv.capacity_tokens() - bs * 8
+    grid = {(n, min(b, cfg.max_num_seqs - 1), context) for n in (64, top) for b in (4, 16)}
+    return sorted((n, b, c) for n, b, c in grid
+                  if b >= 1 and n + b <= cfg.max_num_batched_tokens and n + bs + b * (c + bs) <= capacity)
 
 
 def _mixed_mape(model: CostModel, mixed: list[tuple[list, list, float]]) -> float:
