@@ -74,6 +74,7 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--num-threads", type=int, default=None, help="inproc: torch threads (default: as is)")
     e.add_argument("--cost-model", default=None,
                    help="cost-model JSON (from `tandem profile`) or a shipped profile name "
                         "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb")

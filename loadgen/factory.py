@@ -59,7 +59,8 @@ def engine_config(args: argparse.Namespace, policy: str):
     from services.worker.engine import EngineConfig
 
     cfg = {"model": args.model, "dtype": args.dtype, "policy": policy, "seed": args.seed}
-    for name in ("kv_cache_gib", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+    for name in ("kv_cache_gib", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "num_threads"):
         if getattr(args, name, None) is not None:
             cfg[name] = getattr(args, name)
     return EngineConfig(**cfg)

@@ -39,6 +39,7 @@ def run_once(args: argparse.Namespace, policy: str, scale: "_SloScale", rate: fl
     bundle = _target(args, policy, scale)
     try:
         cfg = workload_config(args, max_len=bundle.max_len, slo_scale=scale.value(bundle), rate=rate)
+        _install_policy(bundle, policy, cfg)
         count = (lambda text: len(bundle.tokenizer.encode(text))) if bundle.tokenizer is not None else None
         workload = build_workload(cfg, count) if count else build_workload(cfg)
         return Driver(bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout,
@@ -56,6 +57,25 @@ def _target(args: argparse.Namespace, policy: str, scale: "_SloScale") -> Target
     if args.target != "inproc":
         raise ValueError(f"unknown target {args.target!r}: inproc, sim or http://HOST:PORT")
     return inproc_target(args, policy, SLO(*slo) if slo else None)
+
+
+def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:
+    """Give a policy that takes default RT SLOs the run's (scaled) ones, and the target's cost
+    model; built after calibration because `--slo-scale auto` is known only then."""
+    from services.worker.engine.scheduling import SLO, make_policy
+    from loadgen.factory import policy_options
+    from loadgen.workloads.build import rt_profile
+
+    slo = rt_profile(cfg).slo
+    target = bundle.target
+    schedulers = [target.engine.scheduler] if hasattr(target, "engine") else [
+        w.scheduler for w in target.workers.values()]
+    cost = getattr(getattr(target, "engine", None), "cost_model", None) or getattr(
+        next(iter(getattr(target, "workers", {}).values()), None), "cost", None)
+    opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s))
+    if "default_slo" in opts:
+        for scheduler in schedulers:
+            scheduler.policy = make_policy(policy, **opts)
 
 
 def _search(args: argparse.Namespace, policy: str, scale: "_SloScale"):

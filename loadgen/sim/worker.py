@@ -41,7 +41,8 @@ class SimWorker:
     def __init__(self, worker_id: str, spec: WorkerSpec, cost: CostModel, policy: str,
                  policy_options: dict | None = None) -> None:
         self.worker_id, self.spec, self.cost = worker_id, spec, cost
-        self.kv = KVCacheManager(BlockPool(spec.num_blocks, spec.enable_prefix_caching), spec.block_size)
+        self.kv = KVCacheManager(BlockPool(spec.num_blocks, spec.enable_prefix_caching), spec.block_size,
+                                 bytes_per_token=spec.kv_bytes_per_token)
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
         self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))
         self.batch: ScheduledBatch | None = None  # the step in flight

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from loadgen.sim.step_time import step_seconds
+from loadgen.sim.step_time import batch_rows, step_seconds
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
 
 
@@ -59,7 +59,9 @@ class InprocTarget(StepTarget):
     def __init__(self, engine, clock: WallClock | None = None) -> None:
         self.engine = engine
         self.clock = clock or WallClock()
-        self._batch_rows = None
+        self.step_log: list[tuple[list, list, float]] = []  # (prefill rows, decode rows, wall seconds)
+        self._rows = None
+        self._prev_end: float | None = None
         self._wrap_scheduler()
 
     @classmethod
@@ -82,6 +84,7 @@ class InprocTarget(StepTarget):
             self._last_batch = batch
             if batch:
                 self._priced = self._price(batch)
+                self._rows = batch_rows(batch.items)  # before the step advances progress
             return batch
 
         self._last_batch = None
@@ -116,7 +119,14 @@ class InprocTarget(StepTarget):
             self.clock.wait_until(until_s)
             return []
         self._last_batch = None
+        start = time.perf_counter()
         outputs = self.engine.step()
+        if self._last_batch:
+            # back-to-back steps: charge the loop's own time between them to the step too
+            end = time.perf_counter()
+            begin = self._prev_end if self._prev_end is not None and start - self._prev_end < 0.05 else start
+            self.step_log.append((*self._rows, end - begin))
+            self._prev_end = end
         if not self._last_batch:  # nothing could run: let time pass (a model clock would stall)
             self.clock.wait_until(until_s)
         elif isinstance(self.clock, ModelClock):
@@ -139,4 +149,13 @@ class InprocTarget(StepTarget):
         return {"target": "inproc", "model": cfg.model, "policy": cfg.policy, "dtype": cfg.dtype,
                 "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                 "kv_blocks": self.engine.kv.pool.num_blocks, "block_size": cfg.block_size,
-                "clock": "model" if isinstance(self.clock, ModelClock) else "wall"}
+                "clock": "model" if isinstance(self.clock, ModelClock) else "wall",
+                "engine_stats": _stats(self.engine), "steps_logged": len(self.step_log),
+                "cost_model_meta": getattr(getattr(self.engine, "cost_model", None), "meta", None)}
+
+
+def _stats(engine) -> dict | None:
+    import dataclasses
+
+    stats = getattr(engine, "stats", None)
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None

@@ -63,7 +63,7 @@ def build_workload(cfg: WorkloadConfig, count_tokens: Callable[[str], int] = est
     elif cfg.name == "sessions":
         sources = _sessions(cfg, rng)
     elif cfg.name != "be":
-        open_loop, sources = _single_turn(cfg, _rt_profile(cfg), rng)
+        open_loop, sources = _single_turn(cfg, rt_profile(cfg), rng)
     be_batch = cfg.be_batch or (16 if cfg.name in ("rt-be", "be") else 0)
     if be_batch:
         sources.append(BEBacklog(_profile(cfg, "be"), be_batch, cfg.be_refill, np.random.default_rng([cfg.seed, 1]),
@@ -80,7 +80,7 @@ def _profile(cfg: WorkloadConfig, name: str) -> LengthProfile:
     return prof
 
 
-def _rt_profile(cfg: WorkloadConfig) -> LengthProfile:
+def rt_profile(cfg: WorkloadConfig) -> LengthProfile:
     return _profile(cfg, cfg.name if cfg.name in SINGLE_TURN else cfg.rt_profile)
 
 
