@@ -92,14 +92,17 @@ class KafkaClient:
         return await self.producer.send(topic, message.encode(), key=None if key is None else key.encode(),
                                         partition=partition)
 
-    async def consumer(self, *topics: str, group: str | None, from_latest: bool = False,
+    async def consumer(self, *topics: str, group: str | None, from_latest: bool = False, hot: bool = False,
                        **kwargs) -> AIOKafkaConsumer:
-        """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`."""
+        """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`.
+
+        `hot`: on the request/token path, so empty fetches return after `kafka_fetch_wait_ms`.
+        """
         c = AIOKafkaConsumer(
             *topics if group else (), bootstrap_servers=self.bootstrap, client_id=self.client_id,
             group_id=group, enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
-            fetch_max_wait_ms=kwargs.pop("fetch_max_wait_ms", 20),
+            fetch_max_wait_ms=self.settings.kafka_fetch_wait_ms if hot else 100,
             # Short group timers: a replaced member (restart after a crash) is evicted in seconds.
             session_timeout_ms=6000, heartbeat_interval_ms=1000, rebalance_timeout_ms=3000, **kwargs,
         )

@@ -16,6 +16,10 @@ class ServiceSettings(BaseSettings):
     topic_prefix: str = "tandem"  # lets several deployments share one Kafka cluster
     log_level: str = "INFO"
     log_json: bool = False  # one JSON object per line (for log shippers) instead of text
+    # How long the broker may hold a fetch that finds no data, for consumers on the token path.
+    # Apache Kafka answers a waiting fetch as soon as data arrives; the embedded tansu broker only
+    # at this deadline, so there it bounds each hop's latency (at the cost of more idle fetches).
+    kafka_fetch_wait_ms: int = 2
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost

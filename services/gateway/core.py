@@ -39,7 +39,7 @@ class GatewayCore:
 
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
-        results = await self.kafka.consumer(group=None, fetch_max_wait_ms=100)
+        results = await self.kafka.consumer(group=None, hot=True)
         await self.kafka.assign_all(results, self.topics.results.name, from_end=True,
                                     partitions=[self.reply_partition])
         heartbeats = await self.kafka.consumer(group=None)

@@ -74,7 +74,7 @@ class SchedulerService:
         self._tel = await self._tail(self.topics.telemetry.name)
         self._ctl = await self._tail(self.topics.control.name)
         self._req = await self.kafka.consumer(self.topics.rt_requests.name, self.topics.be_requests.name,
-                                              group="tandem-scheduler")
+                                              group="tandem-scheduler", hot=True)
         self.metrics.serve(self.settings.metrics_port)
         loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
                  self._placement_loop(), self._housekeeping_loop())

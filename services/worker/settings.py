@@ -17,4 +17,5 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None = None
     num_threads: int | None = None
     telemetry_interval_s: float = 1.0
+    gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
