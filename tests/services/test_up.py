@@ -1,0 +1,71 @@
+"""`tandem up`: one command starts broker, scheduler, worker and gateway; Ctrl-C stops them; a
+crashed child is reported, not silently restarted."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from services.broker import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _start(model_dir, port: int) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--dtype", "float32",
+         "--kv-cache-gib", "0.05", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "ready: http://" in line:
+            return proc, lines
+    proc.kill()
+    raise AssertionError("tandem up did not become ready:\n" + "".join(lines[-40:]))
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ)
+    env.pop("KAFKA_BOOTSTRAP", None)  # `up` must start its own broker
+    return env
+
+
+def test_up_serves_and_stops_cleanly(tiny_model_dir):
+    port = free_port()
+    proc, lines = _start(tiny_model_dir("llama"), port)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 4  # broker, scheduler, worker, gateway
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "temperature": 0})
+    if r.status_code == 404:  # the served name is the model directory's name
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    prefixes = {ln.split("|")[0].strip() for ln in lines if "|" in ln}
+    assert {"broker", "scheduler", "worker-0", "gateway", "up"} <= prefixes
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_up_reports_a_crashed_child_and_exits_nonzero(tiny_model_dir):
+    port = free_port()
+    proc, _ = _start(tiny_model_dir("llama"), port)
+    worker = next(c for c in psutil.Process(proc.pid).children() if "worker" in " ".join(c.cmdline()))
+    worker.kill()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "worker-0 exited unexpectedly with code -9" in out
