@@ -6,6 +6,7 @@ and resumes with the same table: requests already placed are not placed twice.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -44,6 +45,11 @@ class AssignmentTable:
     async def add(self, a: Assignment) -> None:
         self.by_request[a.request_id] = a
         await self._kafka.send(self._topic, a, key=a.request_id)
+
+    async def add_nowait(self, a: Assignment) -> asyncio.Future:
+        """Record and queue the write; the returned future resolves on the broker's ack."""
+        self.by_request[a.request_id] = a
+        return await self._kafka.send_nowait(self._topic, a, key=a.request_id)
 
     async def remove(self, request_id: str) -> Assignment | None:
         a = self.by_request.pop(request_id, None)

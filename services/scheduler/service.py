@@ -176,8 +176,12 @@ class SchedulerService:
         a = Assignment(request_id=req.request_id, attempt=req.attempt, worker_id=worker_id,
                        gateway_id=req.gateway_id, reply_partition=req.reply_partition, req_class=req.req_class,
                        assigned_at=time.time())
-        await self.assignments.add(a)  # state first: a restart never places it twice
-        await self.kafka.send(self.topics.dispatch(worker_id).name, req, key=req.request_id)
+        # State and dispatch are written concurrently (one round trip, not two); the request's
+        # offset is committed only after both are acknowledged, so a crash in between redelivers
+        # it, and a restarted scheduler that finds the state record does not place it twice.
+        state_ack = await self.assignments.add_nowait(a)
+        dispatch_ack = await self.kafka.send_nowait(self.topics.dispatch(worker_id).name, req, key=req.request_id)
+        await asyncio.gather(state_ack, dispatch_ack)
         self.offsets.done(p.tp, p.offset)
         self.m_placed.labels(req.req_class).inc()
         log.debug("placed on %s", worker_id, extra={"request_id": req.request_id})
