@@ -51,12 +51,13 @@ def run_once(args: argparse.Namespace, policy: str, scale: "_SloScale", rate: fl
 def _target(args: argparse.Namespace, policy: str, scale: "_SloScale") -> TargetBundle:
     from services.worker.engine.scheduling import SLO
 
-    slo = scale.default_slo(args)
+    given = scale.default_slo(args)
+    slo = SLO(*given) if given else None
     if _is_sim(args):
         return sim_target(args, policy, slo)
     if args.target != "inproc":
         raise ValueError(f"unknown target {args.target!r}: inproc, sim or http://HOST:PORT")
-    return inproc_target(args, policy, SLO(*slo) if slo else None)
+    return inproc_target(args, policy, slo)
 
 
 def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:

@@ -62,3 +62,16 @@ def test_bad_input_is_a_clear_error():
     assert res.returncode == 2 and "tandem: error:" in res.stderr
     res = tandem("sim", "--cost-model", "no-such-profile", "--duration", "5")
     assert res.returncode == 2 and "no-such-profile" in res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sim_bros_with_explicit_slos(tmp_path):
+    """BROS takes default SLOs and the cost model: both reach it through the simulator's workers."""
+    out = tmp_path / "bros"
+    res = tandem("sim", "--workload", "rt-be", "--rate", "2", "--duration", "20", "--policies", "fcfs,bros",
+                 "--slo-ttft", "0.4", "--slo-tpot", "0.2", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((out / "results.json").read_text())
+    bros, fcfs = doc["summary"]["bros"]["rt"], doc["summary"]["fcfs"]["rt"]
+    assert bros["completed"] == bros["requests"] == fcfs["requests"]
+    assert bros["ttft_attainment"] > fcfs["ttft_attainment"]  # slack scheduling puts RT first
