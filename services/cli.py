@@ -29,6 +29,8 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.broker", "add_parser"),
     ("services.up", "add_parser"),
     ("services.cli_topics", "add_parser"),
+    ("services.queue.cli", "add_parser"),
+    ("services.queue.cli_batch", "add_parser"),
 ]
 
 

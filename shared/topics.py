@@ -10,6 +10,7 @@
 | `<p>.telemetry`            | 1          | worker id       | workers → scheduler                      |
 | `<p>.heartbeats`           | 1          | worker id       | workers → scheduler, gateways            |
 | `<p>.scheduler.state`      | 1, compact | request id      | scheduler → scheduler (restart recovery) |
+| `<p>.be.capacity`          | 1          | scheduler id    | scheduler → queue (BE flow control)      |
 
 Results are produced to an explicit partition that the gateway chose and wrote into the request
 (`reply_partition`): each gateway replica reads only its own partition, so a stream reaches the
@@ -67,7 +68,11 @@ class Topics:
     def scheduler_state(self) -> TopicSpec:
         return self._t("scheduler.state", 1, "request id", compacted=True)
 
+    @property
+    def be_capacity(self) -> TopicSpec:
+        return self._t("be.capacity", 1, "scheduler id")
+
     def static(self) -> list[TopicSpec]:
         """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
         return [self.rt_requests, self.be_requests, self.results, self.control, self.telemetry,
-                self.heartbeats, self.scheduler_state]
+                self.heartbeats, self.scheduler_state, self.be_capacity]

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
+from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError
 from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
@@ -47,6 +48,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
+    register_batch_api(app)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
     return app
 
 

@@ -64,6 +64,10 @@ class PlacementPolicy(ABC):
     def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> str | None:
         """The worker id to run `request` on, or None to hold it."""
 
+    def be_slots(self, workers: Sequence[WorkerLoad]) -> int:
+        """BE requests these workers can hold at once right now (the queue service's release budget)."""
+        return 0
+
 
 class LeastLoaded(PlacementPolicy):
     name = "least-loaded"
@@ -87,6 +91,10 @@ class LeastLoaded(PlacementPolicy):
         if not ok:
             return None
         return min(ok, key=lambda w: (w.be, w.kv_usage, w.worker_id)).worker_id
+
+    def be_slots(self, workers: Sequence[WorkerLoad]) -> int:
+        live = [w for w in workers if not w.draining]
+        return sum(self.limits.be_per_worker for w in live if self._has_rt_headroom(w))
 
     def _rt_score(self, w: WorkerLoad) -> float:
         # BE counts a little: it shares the step, but the worker's policy can put RT first.

@@ -24,6 +24,7 @@ from services.scheduler.registry import WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
 from shared.kafka import KafkaClient, OffsetTracker
 from shared.metrics import ServiceMetrics
+from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import ResultBatch, Rerouted
@@ -77,7 +78,7 @@ class SchedulerService:
                                               group="tandem-scheduler", hot=True)
         self.metrics.serve(self.settings.metrics_port)
         loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
-                 self._placement_loop(), self._housekeeping_loop())
+                 self._placement_loop(), self._housekeeping_loop(), self._capacity_loop())
         self._tasks = [asyncio.create_task(c) for c in loops]
 
     async def _tail(self, topic: str):
@@ -201,6 +202,22 @@ class SchedulerService:
             self._req.pause(*be_parts)
         else:
             self._req.resume(*be_parts)
+
+    async def _capacity_loop(self) -> None:
+        """Tell the queue service how much BE the workers can absorb (its release budget)."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self.kafka.send(self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id)
+            except Exception:  # noqa: BLE001 (the broker may be briefly away; the next round retries)
+                log.warning("BE capacity not published", exc_info=True)
+
+    def _be_capacity(self) -> BECapacity:
+        models = {w.heartbeat.model for w in self.registry.live()}
+        by_model = {m: self.placement.be_slots(self._loads(m)) for m in sorted(models)}
+        in_flight = sum(n for (_, cls), n in self.assignments.counts().items() if cls == "be")
+        return BECapacity(source=self.settings.scheduler_id, sent_at=time.time(), slots=sum(by_model.values()),
+                          in_flight=in_flight, pending=len(self.pending["be"]), by_model=by_model)
 
     # -- failure handling ------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ class Stack:
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = {**os.environ, "KAFKA_BOOTSTRAP": bootstrap, "TANDEM_TOPIC_PREFIX": prefix,
                     "TANDEM_LOG_LEVEL": "INFO", "TANDEM_HEARTBEAT_INTERVAL_S": "0.25",
-                    "TANDEM_WORKER_TIMEOUT_S": "1.5", **{k: str(v) for k, v in env.items()}}
+                    "TANDEM_WORKER_TIMEOUT_S": "1.5", "TANDEM_DATA_DIR": str(log_dir / "data"),
+                    **{k: str(v) for k, v in env.items()}}
         self.gateway_urls: dict[str, str] = {}
         self.stopped: set[str] = set()  # children the test stopped on purpose
 
@@ -49,6 +50,10 @@ class Stack:
         self.spawn(name, "gateway", "--port", str(port), "--gateway-id", f"{self.prefix}-{name}", **env)
         self.gateway_urls[name] = f"http://127.0.0.1:{port}"
         return self.gateway_urls[name]
+
+    def queue(self, name: str = "queue", **env) -> None:
+        """The batch queue service; it shares the stack's data dir (or TANDEM_DATABASE_URL) with the gateway."""
+        self.spawn(name, "queue", "--queue-id", f"{self.prefix}-queue", **env)
 
     @property
     def url(self) -> str:

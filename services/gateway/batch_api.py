@@ -1,0 +1,173 @@
+"""The OpenAI Files and Batches API (`/v1/files`, `/v1/batches`) on the gateway.
+
+The gateway reads and writes the batch store (the database the queue service owns the schema
+of) directly: creating a batch is one row in status `validating`, a cancel one conditional
+update to `cancelling`; the queue service does the rest (see docs/batch.md for why the two
+share the database instead of talking over Kafka).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from services.gateway.errors import APIError
+from services.queue.objects import batch_object, file_object, list_page
+from services.queue.settings import StoreSettings
+from services.queue.store import BatchStore
+from services.queue.validation import ENDPOINTS
+
+FILE_PURPOSES = ("batch",)  # what clients may upload
+MAX_WINDOW_S = 24 * 3600
+_WINDOW = re.compile(r"^(\d+)([smh])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_window(window: str) -> int:
+    """`24h` (OpenAI's only value); shorter windows (`90s`, `30m`, `2h`) are a Tandem extension."""
+    m = _WINDOW.match(window or "")
+    seconds = int(m.group(1)) * _UNITS[m.group(2)] if m else 0
+    if not 0 < seconds <= MAX_WINDOW_S:
+        raise ValueError(f"completion_window must be '24h' (or a shorter duration like '30m'), not {window!r}")
+    return seconds
+
+
+def register_batch_api(app: FastAPI, settings: StoreSettings | None = None) -> None:
+    api = _BatchAPI(settings or StoreSettings())
+    app.post("/v1/files")(api.upload)
+    app.get("/v1/files")(api.list_files)
+    app.get("/v1/files/{file_id}")(api.get_file)
+    app.get("/v1/files/{file_id}/content")(api.file_content)
+    app.delete("/v1/files/{file_id}")(api.delete_file)
+    app.post("/v1/batches")(api.create_batch)
+    app.get("/v1/batches")(api.list_batches)
+    app.get("/v1/batches/{batch_id}")(api.get_batch)
+    app.post("/v1/batches/{batch_id}/cancel")(api.cancel_batch)
+
+
+class _BatchAPI:
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self._store: BatchStore | None = None
+        self._lock = asyncio.Lock()
+
+    async def store(self) -> BatchStore:
+        """Opened on first use, so a gateway nobody sends batches to never touches the data directory."""
+        async with self._lock:
+            if self._store is None:
+                store = BatchStore(self.settings.resolved_database_url())
+                await store.start()
+                self._store = store
+        return self._store
+
+    # -- files -----------------------------------------------------------------------------
+
+    async def upload(self, request: Request) -> dict:
+        limit = self.settings.max_file_bytes
+        if int(request.headers.get("content-length") or 0) > limit + 64 * 1024:
+            raise APIError(413, f"file exceeds {limit} bytes", code="file_too_large")
+        form = await request.form()
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose not in FILE_PURPOSES:
+            raise APIError(400, f"purpose must be one of {list(FILE_PURPOSES)}, not {purpose!r}", param="purpose",
+                           code="invalid_value")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "a multipart 'file' part is required", param="file", code="missing_required_parameter")
+        content = await upload.read()
+        if len(content) > limit:
+            raise APIError(413, f"file exceeds {limit} bytes", code="file_too_large")
+        row = await (await self.store()).add_file(content, upload.filename or "upload.jsonl", purpose)
+        return file_object(row)
+
+    async def list_files(self, purpose: str | None = None, limit: int = 100, after: str | None = None) -> dict:
+        rows, more = await (await self.store()).list_files(purpose, _limit(limit, 10_000), after)
+        return list_page([file_object(r) for r in rows], more)
+
+    async def get_file(self, file_id: str) -> dict:
+        return file_object(await self._file(file_id))
+
+    async def file_content(self, file_id: str) -> Response:
+        return Response((await self._file(file_id)).content, media_type="application/jsonl")
+
+    async def delete_file(self, file_id: str) -> dict:
+        if not await (await self.store()).delete_file(file_id):
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def _file(self, file_id: str):
+        row = await (await self.store()).get_file(file_id)
+        if row is None:
+            raise APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
+        return row
+
+    # -- batches ---------------------------------------------------------------------------
+
+    async def create_batch(self, request: Request) -> dict:
+        body = await _json_object(request)
+        endpoint, window = body.get("endpoint"), body.get("completion_window")
+        if endpoint not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}, not {endpoint!r}", param="endpoint",
+                           code="invalid_value")
+        try:
+            window_s = parse_window(window)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16
+                                         and all(isinstance(v, str) for v in metadata.values())):
+            raise APIError(400, "metadata must be an object of at most 16 string values", param="metadata",
+                           code="invalid_value")
+        f = await self._input_file(body.get("input_file_id"))
+        row = await (await self.store()).add_batch(f.id, endpoint, window, window_s, metadata)
+        return batch_object(row)
+
+    async def _input_file(self, file_id):
+        if not isinstance(file_id, str):
+            raise APIError(400, "input_file_id is required", param="input_file_id", code="missing_required_parameter")
+        row = await (await self.store()).get_file(file_id)
+        if row is None:
+            raise APIError(404, f"No such File object: {file_id}", param="input_file_id", code="not_found")
+        if row.purpose != "batch":
+            raise APIError(400, f"file {file_id} has purpose {row.purpose!r}, not 'batch'", param="input_file_id",
+                           code="invalid_value")
+        return row
+
+    async def get_batch(self, batch_id: str) -> dict:
+        return batch_object(await self._batch(batch_id))
+
+    async def list_batches(self, limit: int = 20, after: str | None = None) -> dict:
+        rows, more = await (await self.store()).list_batches(_limit(limit, 100), after)
+        return list_page([batch_object(r) for r in rows], more)
+
+    async def cancel_batch(self, batch_id: str) -> dict:
+        store = await self.store()
+        row = await self._batch(batch_id)
+        if not await store.request_cancel(batch_id):
+            row = await self._batch(batch_id)
+            if row.status not in ("cancelling", "cancelled"):
+                raise APIError(409, f"cannot cancel a batch with status {row.status!r}", code="batch_not_cancellable")
+        return batch_object(await self._batch(row.id))
+
+    async def _batch(self, batch_id: str):
+        row = await (await self.store()).get_batch(batch_id)
+        if row is None:
+            raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
+        return row
+
+
+def _limit(limit: int, most: int) -> int:
+    if not 1 <= limit <= most:
+        raise APIError(400, f"limit must be between 1 and {most}", param="limit", code="invalid_value")
+    return limit
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body

@@ -1,0 +1,118 @@
+"""The batch store's tables (SQLAlchemy 2 ORM) and the async engine.
+
+SQLite (WAL) by default, PostgreSQL through `TANDEM_DATABASE_URL`. On SQLite every transaction
+starts with `BEGIN IMMEDIATE`: the gateway and the queue service write the same file from two
+processes, and a deferred transaction that reads and then writes can fail with SQLITE_BUSY
+instead of waiting; taking the write lock up front makes the busy timeout apply.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Index, Integer, LargeBinary, String, Text, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SQLITE_BUSY_TIMEOUT_S = 30
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class FileRow(Base):
+    __tablename__ = "tandem_files"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # list order
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class BatchRow(Base):
+    __tablename__ = "tandem_batches"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    metadata_json: Mapped[str] = mapped_column(Text, default="null")
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    errors_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[int] = mapped_column(Integer)
+    in_progress_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    finalizing_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    completed_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    failed_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    expired_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    cancelling_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    cancelled_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class ItemRow(Base):
+    """One input line. (batch_id, custom_id) is the key results are recorded under, once."""
+
+    __tablename__ = "tandem_batch_items"
+    __table_args__ = (Index("ix_items_batch_status_line", "batch_id", "status", "line"),
+                      Index("ix_items_status", "status"))
+
+    batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer)  # 1-based line in the input file
+    request_id: Mapped[str] = mapped_column(String(128))
+    body_json: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16))  # queued | in_flight | done | failed | cancelled | expired
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    result_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # the output line, once finished
+    finished_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+def make_engine(url: str) -> AsyncEngine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_async_engine(url, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+    _sqlite_wal_and_immediate(engine)
+    return engine
+
+
+def _sqlite_wal_and_immediate(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:
+        dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes in WAL mode
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+async def create_tables(engine: AsyncEngine) -> None:
+    """Idempotent; safe when the gateway and the queue service start together."""
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+    except Exception:  # noqa: BLE001 (PostgreSQL: the other process created them first)
+        async with engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+
+
+def sessions(engine: AsyncEngine) -> async_sessionmaker:
+    return async_sessionmaker(engine, expire_on_commit=False)

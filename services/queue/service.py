@@ -1,0 +1,302 @@
+"""The queue service: turns batch jobs into BE requests and their results into output files.
+
+Every `tick_interval_s` (or sooner, when something finished) it validates new batches, handles
+cancels and expiry, releases queued items while fewer than the scheduler's published BE
+capacity are in flight, and finalises batches whose items are all done. Results come back on its
+own results partition, like a gateway's; each item's events are assembled in memory and its
+outcome recorded once in the database. Nothing that matters lives only in memory: after a crash,
+items that were in flight are queued again as a new attempt (a late result of the old attempt
+is ignored), so every custom_id ends with exactly one result.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+
+from services.gateway.workers import WorkerDirectory
+from services.queue.db import BatchRow, ItemRow
+from services.queue.items import ItemRun, item_request_id, to_request, unfinished_line
+from services.queue.objects import errors_object
+from services.queue.settings import QueueSettings
+from services.queue.store import BatchStore, Finished, now
+from services.queue.validation import validate_input
+from shared.kafka import KafkaClient
+from shared.metrics import ServiceMetrics
+from shared.schemas.capacity import BECapacity
+from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.results import ResultBatch, Rerouted
+from shared.schemas.telemetry import Heartbeat
+from shared.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+class QueueService:
+    def __init__(self, settings: QueueSettings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.queue_id = settings.queue_id
+        partitions = self.topics.results.partitions
+        self.partition = (settings.queue_reply_partition if settings.queue_reply_partition is not None
+                          else zlib.crc32(self.queue_id.encode()) % partitions)
+        self.kafka = KafkaClient(settings, self.queue_id)
+        self.store = BatchStore(settings.resolved_database_url())
+        self.workers = WorkerDirectory(settings.worker_timeout_s)
+        self.runs: dict[str, ItemRun] = {}  # request id -> item in flight
+        self.capacity: BECapacity | None = None
+        self.capacity_seen = 0.0  # monotonic time of the last report
+        self.started = time.monotonic()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics = ServiceMetrics("queue")
+        self.m_in_flight = m.gauge("queue_items_in_flight", "batch items released and not finished")
+        self.m_budget = m.gauge("queue_be_budget", "BE items the scheduler says the workers can hold")
+        self.m_finished = m.counter("queue_items_finished_total", "batch items finished", ("outcome",))
+        self.m_rerun = m.counter("queue_items_rerun_total", "items re-run after a worker loss")
+        self.m_batches = m.counter("queue_batches_total", "batches that reached a final status", ("status",))
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.start()
+        requeued = await self.store.requeue_in_flight()
+        if requeued:
+            log.info("re-queued %d items that were in flight before the restart", requeued)
+        await self.kafka.start(self.topics.static())
+        results = await self._tail(self.topics.results.name, hot=True, partitions=[self.partition])
+        heartbeats = await self._tail(self.topics.heartbeats.name)
+        capacity = await self._tail(self.topics.be_capacity.name)
+        self.metrics.serve(self.settings.metrics_port)
+        self.started = time.monotonic()
+        loops = (self._results_loop(results), self._heartbeat_loop(heartbeats), self._capacity_loop(capacity),
+                 self._tick_loop())
+        self._tasks = [asyncio.create_task(c) for c in loops]
+        log.info("queue %s reading results partition %d", self.queue_id, self.partition)
+
+    async def _tail(self, topic: str, hot: bool = False, partitions: list[int] | None = None):
+        c = await self.kafka.consumer(group=None, hot=hot)
+        await self.kafka.assign_all(c, topic, from_end=True, partitions=partitions)
+        return c
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kafka.stop()
+        await self.store.close()
+
+    # -- inputs ----------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self, consumer) -> None:
+        while True:
+            m = await consumer.getone()
+            try:
+                self.workers.on_heartbeat(Heartbeat.decode(m.value))
+            except ValueError:
+                log.exception("undecodable heartbeat dropped")
+
+    async def _capacity_loop(self, consumer) -> None:
+        while True:
+            m = await consumer.getone()
+            try:
+                self.capacity = BECapacity.decode(m.value)
+            except ValueError:
+                log.exception("undecodable capacity report dropped")
+                continue
+            self.capacity_seen = time.monotonic()
+            self.m_budget.set(self.capacity.slots)
+            self._wake.set()
+
+    def budget(self) -> int:
+        """Items that may be in flight now: the scheduler's BE slots, or 0 when it has gone quiet."""
+        fresh = time.monotonic() - self.capacity_seen <= self.settings.capacity_stale_s
+        return self.capacity.slots if self.capacity is not None and fresh else 0
+
+    async def _results_loop(self, consumer) -> None:
+        while True:
+            finished: list[ItemRun] = []
+            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
+                for m in msgs:
+                    try:
+                        batch = ResultBatch.decode(m.value)
+                    except ValueError:
+                        log.exception("undecodable result batch dropped")
+                        continue
+                    finished.extend(await self._on_events(batch))
+            if finished:
+                await self._record(finished)
+
+    async def _on_events(self, batch: ResultBatch) -> list[ItemRun]:
+        finished = []
+        for event in batch.events:
+            run = self.runs.get(event.request_id)
+            if run is None or run.finished or event.attempt != run.request.attempt:
+                continue  # not ours, already done, or a stale attempt
+            if isinstance(event, Rerouted):
+                await self._rerun(run, event.reason)
+                continue
+            run.apply(event)
+            if run.finished:
+                finished.append(run)
+        return finished
+
+    async def _rerun(self, run: ItemRun, reason: str) -> None:
+        """Its worker was lost: run the item again from scratch as the next attempt."""
+        attempt = run.request.attempt
+        rid = run.request.request_id
+        if not await self._db(self.store.bump_attempt, run.batch_id, run.custom_id, attempt):
+            self.runs.pop(rid, None)  # cancelled or expired meanwhile
+            return
+        run.restart(run.request.model_copy(update={"attempt": attempt + 1, "created_at": time.time()}))
+        self.m_rerun.inc()
+        log.warning("re-running as attempt %d: %s", attempt + 1, reason, extra={"request_id": rid})
+        await self.kafka.send(self.topics.be_requests.name, run.request, key=rid)
+
+    async def _record(self, runs: list[ItemRun]) -> None:
+        results = [Finished(r.batch_id, r.custom_id, r.request.attempt, r.succeeded, r.output_line()) for r in runs]
+        recorded = await self._db(self.store.record, results)
+        for r in runs:
+            self.runs.pop(r.request.request_id, None)
+        for r in recorded:
+            self.m_finished.labels("completed" if r.succeeded else "failed").inc()
+        self.m_in_flight.set(len(self.runs))
+        self._wake.set()
+
+    async def _db(self, fn, *args, attempts: int = 5):
+        """A database call, retried a few times (a busy SQLite file, a PostgreSQL restart)."""
+        for i in range(attempts):
+            try:
+                return await fn(*args)
+            except Exception:  # noqa: BLE001
+                if i == attempts - 1:
+                    raise
+                log.warning("database call failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5 * (i + 1))
+        raise AssertionError("unreachable")
+
+    # -- the periodic work -------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.tick_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 (the database or broker hiccuped: the next tick retries)
+                log.exception("queue tick failed")
+
+    async def tick(self) -> None:
+        await self._validate_new()
+        await self._handle_cancels()
+        await self._expire()
+        await self._release()
+        await self._finalize_done()
+
+    async def _validate_new(self) -> None:
+        for batch in await self.store.batches_in("validating"):
+            if time.monotonic() - self.started < self.settings.worker_timeout_s:
+                return  # learn which models the live workers serve first
+            await self._validate(batch)
+
+    async def _validate(self, batch: BatchRow) -> None:
+        f = await self.store.get_file(batch.input_file_id)
+        if f is None:
+            errors = [{"code": "file_not_found", "message": f"input file {batch.input_file_id} no longer exists",
+                       "param": "input_file_id", "line": None}]
+            await self.store.fail_validation(batch.id, errors_object(errors, 1))
+            return
+        models = set(self.workers.models()) or None  # no live worker: the model cannot be checked yet
+        s = self.settings
+        v = await asyncio.to_thread(validate_input, f.content, batch.endpoint, max_lines=s.max_batch_lines,
+                                    max_errors=s.max_batch_errors, models=models)
+        if v.error_count:
+            await self.store.fail_validation(batch.id, errors_object(v.errors, v.error_count))
+            self.m_batches.labels("failed").inc()
+            log.info("batch %s failed validation with %d errors", batch.id, v.error_count)
+            return
+        ids = [item_request_id(batch.id, ln.line) for ln in v.lines]
+        if await self.store.start_batch(batch, v.lines, ids):
+            log.info("batch %s in progress: %d items", batch.id, len(v.lines))
+
+    async def _handle_cancels(self) -> None:
+        for batch in await self.store.batches_in("cancelling"):
+            await self._stop_items(batch, "cancelled")
+            await self._finish(batch, "cancelling", "cancelled", cancelled_at=now())
+
+    async def _expire(self) -> None:
+        t = now()
+        for batch in await self.store.batches_in("validating", "in_progress"):
+            if t >= batch.expires_at:
+                await self._stop_items(batch, "expired")
+                await self._finish(batch, batch.status, "expired", expired_at=t)
+
+    async def _stop_items(self, batch: BatchRow, status: str) -> None:
+        """Stop releasing the batch's items and end those in flight on their workers."""
+        for rid in await self.store.stop_items(batch.id, status):
+            self.runs.pop(rid, None)
+            await self.kafka.send(self.topics.control.name, ControlEnvelope(message=Cancel(request_id=rid)), key=rid)
+        self.m_in_flight.set(len(self.runs))
+
+    async def _release(self) -> None:
+        claimed = await self.store.claim(self.budget() - len(self.runs))
+        acks = []
+        for item, endpoint in claimed:
+            req = to_request(endpoint, json.loads(item.body_json), item.request_id, item.attempt, self.queue_id,
+                             self.partition, item.batch_id, item.custom_id)
+            self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req,
+                                                service_tier=json.loads(item.body_json).get("service_tier"))
+            acks.append((item, await self.kafka.send_nowait(self.topics.be_requests.name, req, key=req.request_id)))
+        for item, ack in acks:
+            try:
+                await ack
+            except Exception:  # noqa: BLE001 (not published: queue it again as a new attempt)
+                log.warning("release failed; re-queued", exc_info=True, extra={"request_id": item.request_id})
+                self.runs.pop(item.request_id, None)
+                await self.store.requeue(item.batch_id, item.custom_id, item.attempt)
+        self.m_in_flight.set(len(self.runs))
+
+    async def _finalize_done(self) -> None:
+        for batch in await self.store.batches_in("in_progress", "finalizing"):
+            if batch.status == "in_progress":
+                if batch.completed + batch.failed < batch.total:
+                    continue
+                await self.store.move(batch.id, "in_progress", "finalizing", finalizing_at=now())
+            await self._finish(batch, "finalizing", "completed", completed_at=now())
+
+    async def _finish(self, batch: BatchRow, old: str, new: str, **values) -> None:
+        items = await self.store.items_of(batch.id)
+        outputs = _output_files(items)
+        if await self.store.finish_batch(batch.id, old, new, outputs, **values):
+            self.m_batches.labels(new).inc()
+            log.info("batch %s %s (%d items)", batch.id, new, len(items))
+
+
+_UNFINISHED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request finished"),
+               "expired": ("batch_expired", "the batch expired before this request finished")}
+
+
+def _output_files(items: list[ItemRow]) -> dict[str, bytes]:
+    out, err = [], []
+    for item in items:
+        if item.status == "done":
+            out.append(item.result_json)
+        elif item.status == "failed":
+            err.append(item.result_json)
+        elif item.status in _UNFINISHED:
+            code, message = _UNFINISHED[item.status]
+            err.append(json.dumps(unfinished_line(item.request_id, item.custom_id, code, message)))
+    files = {}
+    if out:
+        files["output"] = ("\n".join(out) + "\n").encode()
+    if err:
+        files["error"] = ("\n".join(err) + "\n").encode()
+    return files
