@@ -145,3 +145,116 @@ def test_200_line_job_completes_under_flow_control_with_bodies_equal_to_sync(sta
         assert resp["status_code"] == 200
         assert comparable(resp["body"]) == comparable(sync)
         assert resp["body"]["usage"]["completion_tokens"] == 8
+
+
+def test_every_validation_failure_fails_the_batch_with_line_numbers_and_runs_nothing(stack, client):
+    lines = [line("ok-1", chat_body("fine")),
+             "{not json",
+             {"method": "POST", "url": "/v1/chat/completions", "body": chat_body("no id")},
+             line("ok-1", chat_body("same id again")),
+             line("wrong-url", {"model": "tiny", "prompt": "x"}, url="/v1/completions"),
+             line("bad-body", {"model": "tiny", "messages": [], "max_tokens": 4}),
+             line("bad-tokens", chat_body("x", max_tokens=-3)),
+             line("unknown-model", {**chat_body("x"), "model": "nope"}),
+             line("streaming", chat_body("x", stream=True))]
+    done = wait_final(client, submit(client, lines).id, timeout=60)
+    assert done.status == "failed" and done.failed_at
+    errors = [(e.line, e.code) for e in done.errors.data]
+    assert errors == [(2, "invalid_json_line"), (3, "missing_required_parameter"), (4, "duplicate_custom_id"),
+                      (5, "invalid_url"), (6, "invalid_request"), (7, "invalid_request"), (8, "model_not_found"),
+                      (9, "invalid_request")]
+    assert "messages" in done.errors.data[4].message and done.errors.data[5].param == "body.max_tokens"
+    assert done.request_counts.total == 0 and done.output_file_id is None
+    with sqlite3.connect(_db(stack)) as conn:  # nothing was expanded, so nothing can have run
+        assert conn.execute("SELECT count(*) FROM tandem_batch_items WHERE batch_id = ?", (done.id,)).fetchone()[0] == 0
+
+
+def test_size_and_line_limits_and_bad_requests(stack, client):
+    too_many = wait_final(client, submit(client, chat_lines(301)).id, timeout=60)  # TANDEM_MAX_BATCH_LINES=300
+    assert too_many.status == "failed" and too_many.errors.data[0].code == "too_many_lines"
+    assert "at most 300" in too_many.errors.data[0].message
+    with pytest.raises(openai.APIStatusError) as e:  # TANDEM_MAX_FILE_BYTES=200000
+        client.files.create(file=("big.jsonl", b"x" * 250_000), purpose="batch")
+    assert e.value.status_code == 413 and "200000" in e.value.message
+    f = client.files.create(file=("in.jsonl", jsonl(chat_lines(2))), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="48h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch-missing")
+    r = httpx.post(f"{stack.url}/v1/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+
+
+def test_files_api_and_batch_list_pagination(stack, client):
+    content = jsonl(chat_lines(3, prefix="files"))
+    f = client.files.create(file=("mine.jsonl", content), purpose="batch")
+    assert f.object == "file" and f.bytes == len(content) and f.filename == "mine.jsonl" and f.purpose == "batch"
+    assert client.files.retrieve(f.id).id == f.id
+    assert client.files.content(f.id).content == content
+    assert f.id in [x.id for x in client.files.list(purpose="batch")]
+    ids = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 metadata={"n": str(i)}).id for i in range(3)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more  # newest first
+    rest = client.batches.list(limit=2, after=page.data[-1].id)
+    assert rest.data[0].id == ids[0] and rest.data[0].metadata == {"n": "0"}
+    assert [b.id for b in client.batches.list(limit=100).data][:3] == ids[::-1]  # auto-pagination agrees
+    for b in ids:
+        assert wait_final(client, b, stack=stack).status == "completed"
+    with pytest.raises(openai.APIStatusError) as e:
+        client.batches.cancel(ids[0])
+    assert e.value.status_code == 409
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def _running_batch_items(stack, prefix: str) -> set[str]:
+    """Batch item ids the workers say they hold right now (from their heartbeats, via the broker)."""
+    from tests.services.test_streaming_cluster import _worker_state
+    import asyncio
+
+    running = set()
+    for w in ("w0", "w1"):
+        hb = asyncio.run(_worker_state(stack, w))
+        running |= {k for k in hb.running_ids if k.startswith(prefix)}
+    return running
+
+
+def test_cancel_stops_releasing_and_ends_in_flight_items(stack, client):
+    lines = chat_lines(60, max_tokens=300, prefix="cancel")
+    batch = submit(client, lines)
+    wait_until(client, batch.id, 1)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = wait_final(client, batch.id, timeout=60, stack=stack)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    c = done.request_counts
+    assert c.total == 60 and 1 <= c.completed < 60 and c.completed + c.failed == 60
+    out, err = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert len(out) == c.completed and len(err) == 60 - c.completed
+    assert {e["error"]["code"] for e in err} == {"batch_cancelled"}
+    assert {o["custom_id"] for o in out} | {e["custom_id"] for e in err} == {ln["custom_id"] for ln in lines}
+    deadline = time.monotonic() + 20  # in-flight items were ended on their workers (their KV freed)
+    while _running_batch_items(stack, batch.id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running_batch_items(stack, batch.id)
+    assert client.batches.cancel(done.id).status == "cancelled"  # cancelling again changes nothing
+
+
+def test_expiry_keeps_what_finished(stack, client):
+    lines = (chat_lines(4, max_tokens=4, prefix="exp-short")
+             + chat_lines(60, max_tokens=400, prefix="exp-long"))
+    batch = submit(client, lines, window="4s")
+    done = wait_final(client, batch.id, timeout=60, stack=stack)
+    assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 4
+    c = done.request_counts
+    assert 4 <= c.completed < 64 and c.completed + c.failed == 64
+    out, err = read_lines(client, done.output_file_id), read_lines(client, done.error_file_id)
+    assert {o["custom_id"] for o in out} >= {f"exp-short-{i}" for i in range(4)}
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    assert len(err) == 64 - c.completed and {e["error"]["code"] for e in err} == {"batch_expired"}

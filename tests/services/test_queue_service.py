@@ -1,0 +1,133 @@
+"""The queue service under failure and load: a worker or the queue service itself SIGKILLed mid-job
+loses and duplicates nothing; RT requests keep priority over a running batch; `tandem batch submit`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from shared.kafka import KafkaClient
+from shared.schemas.capacity import BECapacity
+from shared.settings import ServiceSettings
+from shared.topics import Topics
+from tests.services.conftest import chat_body
+from tests.services.test_batch_api import (attempts, chat_lines, comparable, jsonl, read_lines, submit, wait_final,
+                                           wait_until)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def stack(make_stack):
+    s = make_stack(TANDEM_BE_PER_WORKER=6)
+    s.scheduler()
+    s.worker("w0")
+    s.worker("w1")
+    s.gateway()
+    s.queue()
+    s.wait_workers(2)
+    return s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+
+
+def _exactly_once(client, done, lines) -> dict[str, dict]:
+    """Every input has exactly one output line, and it succeeded."""
+    assert done.status == "completed", done
+    c = done.request_counts
+    assert (c.total, c.completed, c.failed) == (len(lines), len(lines), 0)
+    out = read_lines(client, done.output_file_id)
+    ids = [o["custom_id"] for o in out]
+    assert sorted(ids) == sorted(ln["custom_id"] for ln in lines)  # none lost, none twice
+    assert all(o["response"]["status_code"] == 200 for o in out)
+    return {o["custom_id"]: o["response"]["body"] for o in out}
+
+
+def _same_as_sync(stack, lines, bodies: dict[str, dict], n: int = 4) -> None:
+    for ln in lines[:n]:
+        sync = httpx.post(f"{stack.url}/v1/chat/completions", json=ln["body"], timeout=120).json()
+        assert comparable(bodies[ln["custom_id"]]) == comparable(sync)
+
+
+def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client):
+    lines = chat_lines(40, max_tokens=120, prefix="wk")
+    batch = submit(client, lines)
+    wait_until(client, batch.id, 3)
+    stack.kill("w1", signal.SIGKILL)
+    done = wait_final(client, batch.id, stack=stack)
+    bodies = _exactly_once(client, done, lines)
+    assert max(attempts(stack, batch.id).values()) >= 1  # the killed worker's items ran again
+    _same_as_sync(stack, lines, bodies)  # greedy: re-run items give the uninterrupted text
+    stack.worker("w2")
+    stack.wait_workers(2)
+
+
+def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client):
+    lines = chat_lines(40, max_tokens=120, prefix="qk")
+    batch = submit(client, lines)
+    wait_until(client, batch.id, 3)
+    stack.kill("queue", signal.SIGKILL)
+    during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
+    assert during.status == "in_progress" and during.request_counts.completed < 40
+    time.sleep(1.0)  # results of in-flight items arrive while no queue service runs
+    stack.queue("queue-2")
+    done = wait_final(client, batch.id, stack=stack)
+    bodies = _exactly_once(client, done, lines)
+    assert max(attempts(stack, batch.id).values()) >= 1  # what was in flight was released again
+    _same_as_sync(stack, lines, bodies)
+
+
+async def _capacity_reports(stack, seconds: float) -> list[BECapacity]:
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-capacity-probe")
+    consumer = await kafka.consumer(group=None)
+    out = []
+    try:
+        await kafka.assign_all(consumer, Topics(stack.prefix).be_capacity.name, from_end=True)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for msgs in (await consumer.getmany(timeout_ms=200)).values():
+                out.extend(BECapacity.decode(m.value) for m in msgs)
+    finally:
+        await kafka.stop()
+    return out
+
+
+def test_rt_requests_complete_while_a_batch_runs(stack, client):
+    reports = asyncio.run(_capacity_reports(stack, 1.0))
+    assert reports and reports[-1].slots == 2 * 6 and reports[-1].by_model == {"tiny": 12}
+    batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
+    wait_until(client, batch.id, 1)
+    for i in range(4):  # interactive requests are served while the batch holds the BE slots
+        r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True),
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
+    assert wait_final(client, batch.id, stack=stack).request_counts.completed == 30
+
+
+def test_batch_submit_cli_waits_and_writes_the_output(stack, tmp_path):
+    lines = chat_lines(12, max_tokens=6, prefix="cli")
+    src = tmp_path / "jobs.jsonl"
+    src.write_bytes(jsonl(lines))
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "batch", "submit", str(src), "--wait", "--url",
+                           stack.url, "--poll-interval", "0.2", "--metadata", "team=qa"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(x) for x in (tmp_path / "jobs.output.jsonl").read_text().splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(ln["custom_id"] for ln in lines)
+    assert "12 completed, 0 failed of 12" in proc.stderr and "req" in proc.stderr  # the progress bar ran
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\n')
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "batch", "submit", str(bad), "--wait", "--url",
+                           stack.url, "--poll-interval", "0.2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "line 1: invalid_request" in proc.stderr
