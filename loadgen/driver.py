@@ -52,6 +52,8 @@ class Driver:
         self._load: list[LoadSample] = []
         self._hint_count = 0
         self._closing = False  # aborting at the end: sources must not refill
+        self._open_rt = 0  # counters, not scans: the loop runs once per step
+        self._done = 0
 
     def run(self) -> RunResult:
         for sub in self.workload.open_loop:
@@ -81,8 +83,9 @@ class Driver:
             for ev in events:
                 self._on_event(ev)
             self._sample_load()
-            bar.update(min(self.target.now(), self.duration_s) - bar.n)
-            bar.set_postfix_str(self._postfix(), refresh=False)
+            if not bar.disable:
+                bar.update(min(self.target.now(), self.duration_s) - bar.n)
+                bar.set_postfix_str(f"done {self._done} open {len(self._open)}", refresh=False)
 
     def _finished(self, now: float, hard_stop: float) -> bool:
         """Due submissions at or past `duration_s` are never sent, so the run ends when the
@@ -96,7 +99,7 @@ class Driver:
         return not self._open and not self._due
 
     def _rt_open(self) -> bool:
-        return any(self._records[r].req_class == "rt" for r in self._open)
+        return self._open_rt > 0
 
     def _next_due(self) -> float:
         t = self._due[0][0] if self._due else math.inf
@@ -125,6 +128,7 @@ class Driver:
             self._prompt_ids[spec.request_id] = ids
             self._output_ids[spec.request_id] = []
         self._open.add(spec.request_id)
+        self._open_rt += spec.req_class == "rt"
         try:
             self.target.submit(PreparedRequest(spec.request_id, spec.req_class, ids, spec.max_tokens, sub.at_s,
                                                spec.slo.ttft_s, spec.slo.tpot_s, spec.session_id))
@@ -152,7 +156,10 @@ class Driver:
 
     def _close(self, rid: str, now: float, reason: str) -> None:
         rec = self._records[rid]
-        self._open.discard(rid)
+        if rid in self._open:
+            self._open.discard(rid)
+            self._open_rt -= rec.req_class == "rt"
+        self._done += 1
         rec.finish_s, rec.finish_reason = now, reason
         if rec.session_id and reason not in ("abort", "error"):
             self._history[rec.session_id] = self._prompt_ids.pop(rid) + self._output_ids.pop(rid)
@@ -167,10 +174,6 @@ class Driver:
         if self._load and self.target.now() - self._load[-1].time_s < self.sample_every_s:
             return
         self._load.append(self.target.load())
-
-    def _postfix(self) -> str:
-        done = sum(1 for r in self._records.values() if r.finish_s is not None)
-        return f"done {done} open {len(self._open)}"
 
 
 def _progress_bar(total_s: float, enabled: bool):
