@@ -1,7 +1,7 @@
 """`tandem up`: the whole stack on one machine, one command.
 
-Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the workers
-and the gateway as child processes, prefixes each child's log lines with its name, waits until
+Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the workers,
+the batch queue service and the gateway as child processes, prefixes each child's log lines with its name, waits until
 the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM) stops the children in reverse
 order, each with SIGTERM first. Nothing is restarted silently: if a child exits, `up` says which
 one and with what code, stops the rest and exits non-zero.
@@ -69,6 +69,7 @@ class _Up:
             if a.device == "cpu":
                 argv += ["--num-threads", str(threads)]
             self.children.append(Child(f"worker-{i}", argv))
+        self.children.append(Child("queue", _cli("queue")))  # batch jobs; shares the default data dir with the gateway
         self.children.append(Child("gateway", _cli("gateway", "--host", a.host, "--port", str(a.port))))
 
     async def main(self) -> int:

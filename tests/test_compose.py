@@ -9,13 +9,19 @@ import yaml
 
 from services.cli import build_parser
 from services.gateway.settings import GatewaySettings
+from services.queue.settings import QueueSettings, StoreSettings
 from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
 from shared.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"gateway": GatewaySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings,
-            "topics": ServiceSettings}
+
+class GatewayWithBatchStore(GatewaySettings, StoreSettings):
+    """The gateway process reads both: its own settings and the batch store's (services/gateway/batch_api.py)."""
+
+
+SETTINGS = {"gateway": GatewayWithBatchStore, "scheduler": SchedulerSettings, "worker": WorkerSettings,
+            "topics": ServiceSettings, "queue": QueueSettings}
 NOT_OURS = {"HF_HUB_OFFLINE"}  # read by libraries, not by our settings
 
 
@@ -35,6 +41,9 @@ def test_topology(compose):
     assert "kafka-data" in compose["volumes"]
     commands = [s["command"][0] for s in _tandem_services(compose).values()]
     assert commands.count("worker") == 2 and "gateway" in commands and "scheduler" in commands
+    assert "queue" in commands and services["postgres"]["image"].startswith("postgres")
+    for name in ("gateway", "queue"):  # both reach the same batch store
+        assert services[name]["environment"]["TANDEM_DATABASE_URL"].startswith("postgresql+asyncpg://")
     for name, s in _tandem_services(compose).items():
         if s["command"][0] == "worker":
             devices = s["deploy"]["resources"]["reservations"]["devices"]

@@ -37,9 +37,28 @@ def _start(model_dir, port: int) -> tuple[subprocess.Popen, list[str]]:
 def _env() -> dict:
     import os
 
+    import tempfile
+
     env = dict(os.environ)
     env.pop("KAFKA_BOOTSTRAP", None)  # `up` must start its own broker
+    env["TANDEM_DATA_DIR"] = tempfile.mkdtemp(prefix="tandem-up-")  # the batch store, not the user's
     return env
+
+
+def _batch_completes(url: str, model: str) -> None:
+    """`up` runs the queue service: a small batch job goes through."""
+    import json
+
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": "hi", "max_tokens": 2}}
+    f = httpx.post(f"{url}/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", json.dumps(line))}).json()
+    batch = httpx.post(f"{url}/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                               "completion_window": "24h"}).json()
+    deadline = time.monotonic() + 60
+    while batch["status"] != "completed" and time.monotonic() < deadline:
+        time.sleep(0.3)
+        batch = httpx.get(f"{url}/batches/{batch['id']}").json()
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 1, batch
 
 
 def test_up_serves_and_stops_cleanly(tiny_model_dir):
@@ -55,7 +74,8 @@ def test_up_serves_and_stops_cleanly(tiny_model_dir):
                        json={"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
     prefixes = {ln.split("|")[0].strip() for ln in lines if "|" in ln}
-    assert {"broker", "scheduler", "worker-0", "gateway", "up"} <= prefixes
+    assert {"broker", "scheduler", "worker-0", "queue", "gateway", "up"} <= prefixes
+    _batch_completes(f"http://127.0.0.1:{port}/v1", r.json()["model"])
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
