@@ -250,10 +250,10 @@ class QueueService:
         claimed = await self.store.claim(self.budget() - len(self.runs))
         acks = []
         for item, endpoint in claimed:
-            req = to_request(endpoint, json.loads(item.body_json), item.request_id, item.attempt, self.queue_id,
-                             self.partition, item.batch_id, item.custom_id)
-            self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req,
-                                                service_tier=json.loads(item.body_json).get("service_tier"))
+            body = json.loads(item.body_json)
+            req = to_request(endpoint, body, item.request_id, item.attempt, self.queue_id, self.partition,
+                             item.batch_id, item.custom_id)
+            self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req, body.get("service_tier"))
             acks.append((item, await self.kafka.send_nowait(self.topics.be_requests.name, req, key=req.request_id)))
         for item, ack in acks:
             try:

@@ -118,7 +118,7 @@ class BatchStore:
             return list((await s.execute(q)).scalars())
 
     async def fail_validation(self, batch_id: str, errors: dict) -> bool:
-        return await self._move(batch_id, "validating", "failed", failed_at=now(), errors_json=json.dumps(errors))
+        return await self.move(batch_id, "validating", "failed", failed_at=now(), errors_json=json.dumps(errors))
 
     async def start_batch(self, batch: BatchRow, lines: Sequence[BatchLine], request_ids: Sequence[str]) -> bool:
         """Insert the items and move validating -> in_progress, in one transaction."""
@@ -132,14 +132,12 @@ class BatchStore:
                       for ln, rid in zip(lines, request_ids))
         return True
 
-    async def _move(self, batch_id: str, old: str, new: str, **values) -> bool:
+    async def move(self, batch_id: str, old: str, new: str, **values) -> bool:
+        """old -> new status (and timestamps); False when the batch was no longer `old`."""
         async with self.session.begin() as s:
             res = await s.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status == old)
                                   .values(status=new, **values))
             return res.rowcount > 0
-
-    async def move(self, batch_id: str, old: str, new: str, **values) -> bool:
-        return await self._move(batch_id, old, new, **values)
 
     # -- items -----------------------------------------------------------------------------
 
@@ -241,7 +239,3 @@ class BatchStore:
             if ids:
                 await s.execute(update(BatchRow).where(BatchRow.id == batch_id).values(**ids))
         return True
-
-
-def open_store(url: str) -> BatchStore:
-    return BatchStore(url)
