@@ -61,7 +61,8 @@ def _check(engine: LLMEngine, batch_items) -> None:
     kv.check_invariants()
     assert len(batch_items) <= d.cap
     k = len(d.rt_scheduled) + len(d.replaced)
-    assert d.rt_scheduled + d.replaced[::-1] == d.rt_order[:k]
+    eligible = [r for r in d.rt_order if r not in d.skipped]  # skipped: no memory / admission held
+    assert d.rt_scheduled + d.replaced[::-1] == eligible[:k]
     assert all(kv.is_resident(r) for r in batch_items)
 
 

@@ -52,6 +52,16 @@ class BidirectionalMixin:
         table = self._tables.get(request.request_id)
         return 0 if table is None else sum(b is not None for b in table.blocks)
 
+    def blocks_needed(self, request: "Request", num_tokens: int) -> int:
+        """Device blocks a restore plus room for `num_tokens` tokens in all would take (a
+        lower bound for a request that is not admitted: prefix-cache hits may cover some)."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return -(-num_tokens // self.block_size)
+        grow = -(-num_tokens // self.block_size) - len(table)
+        return max(grow, 0) + sum(b is None for b in table.blocks) + sum(
+            1 for e in table.host if table.blocks[e] is not None)
+
     def slot(self, request: "Request", position: int) -> int:
         """Physical device slot of a token position (it must be resident)."""
         table = self._tables[request.request_id]

@@ -11,18 +11,18 @@ class HostPool:
         if num_blocks < 0:
             raise ValueError(f"host swap space must be >= 0 blocks (got {num_blocks})")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # an ordered set: O(1) both ways
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+        return self._free.popitem()[0] if self._free else None
 
     def release(self, host_block: int) -> None:
-        self._free.append(host_block)
+        self._free[host_block] = None
 
     def unrelease(self, host_block: int) -> None:
         """Undo of `release`: take the block back out of the free list."""
-        self._free.remove(host_block)
+        del self._free[host_block]

@@ -48,6 +48,7 @@ class Decision:
     num_saveable: int = 0
     rt_scheduled: list[Request] = field(default_factory=list)
     replaced: list[Request] = field(default_factory=list)  # dropped from the back for BE
+    skipped: list[Request] = field(default_factory=list)  # passed over: no memory, or held by admission control
     be_scheduled: list[Request] = field(default_factory=list)
     budget_s: float = math.inf
     estimate_s: float = 0.0
@@ -139,15 +140,36 @@ class _Step:
 
     def _pack_rt(self) -> None:
         d = self.decision
+        parked = self._parked_rt()
         for r in d.rt_order:
             if len(self.pack) >= d.cap or self.pack.tokens_left <= 0:
                 break
-            outcome = self._try(r, be=False, force=not self.pack.items)
+            if parked and not self.kv.holds(r):
+                d.skipped.append(r)  # admission control: admitted RT requests on host are restored first
+                continue
+            outcome = self._try(r, be=False, force=not self.pack.items, evict_rt=self._is_growing(r))
             if outcome is _Outcome.COST:
                 d.early_exit = True
-            if outcome is not _Outcome.OK:
                 break
-            d.rt_scheduled.append(r)
+            if outcome is _Outcome.OK:
+                d.rt_scheduled.append(r)
+            else:
+                d.skipped.append(r)  # first-fit: a resident request behind it may still run
+        if not self.pack.items and d.rt_order:  # nothing fit: the head runs, evicting whatever it must
+            if self._try(d.rt_order[0], be=False, force=True, evict_rt=True) is _Outcome.OK:
+                d.rt_scheduled.append(d.rt_order[0])
+                if d.rt_order[0] in d.skipped:
+                    d.skipped.remove(d.rt_order[0])
+
+    def _is_growing(self, r: Request) -> bool:
+        """A resident admitted request: only its growth may push other RT requests to host."""
+        return self.kv.holds(r) and self.kv.is_resident(r)
+
+    def _parked_rt(self) -> bool:
+        """Whether some admitted RT request has KV on host. New RT requests then wait: taking
+        memory for a prefill while decoding requests sit swapped out starves them (they turn
+        late, get demoted behind every new arrival) and thrashes under memory overload."""
+        return any(r.req_class is RequestClass.RT and not self.kv.is_resident(r) for r in self.state.running)
 
     # -- phase 2 ------------------------------------------------------------------------
 
@@ -195,14 +217,14 @@ class _Step:
 
     # -- one candidate ------------------------------------------------------------------
 
-    def _try(self, r: Request, *, be: bool, force: bool, deferred=None) -> _Outcome:
+    def _try(self, r: Request, *, be: bool, force: bool, deferred=None, evict_rt: bool = False) -> _Outcome:
         """Reserve KV for `r`, check the step time, keep or roll back."""
         prefix, base = self._prefix(r)
         n_full = r.num_tokens - base
         if not self.state.limits.enable_chunked_prefill and n_full > self.pack.tokens_left and self.pack.items:
             return _Outcome.COST
         n_full = min(n_full, max(self.pack.tokens_left, 1))
-        mark = self._make_room(r, n_full, prefix, be, force)
+        mark = self._make_room(r, n_full, prefix, be, force, evict_rt)
         if mark is None:
             return _Outcome.MEMORY
         n = self._fit(r, base, n_full, deferred)
@@ -250,31 +272,55 @@ class _Step:
 
     # -- memory ---------------------------------------------------------------------------
 
-    def _make_room(self, r: Request, n: int, prefix: list[Block], be: bool, force: bool) -> int | None:
+    def _make_room(self, r: Request, n: int, prefix: list[Block], be: bool, force: bool,
+                   evict_rt: bool = False) -> int | None:
         """Restore and reserve under a fresh undo mark, evicting victims between attempts.
         Returns the mark (the caller may roll back to it) or None when nothing is left to evict."""
         victims = None
+        if self._hopeless_fit(r, n, be, force, evict_rt):
+            return None
         while True:
             mark = self.kv.undo.mark()
             if (self.kv.is_resident(r) or self.kv.restore(r, be=be)) and self.kv.reserve(r, n, prefix, be=be):
                 return mark
             self.kv.undo.rollback(mark)
             if victims is None:
-                victims = iter(self._victims(r, be, force))
+                victims = iter(self._victims(r, be, force, evict_rt))
             victim = next(victims, None)
             if victim is None:
                 return None
             self._evict(victim)
 
-    def _victims(self, r: Request, be: bool, force: bool) -> list[Request]:
+    def _hopeless_fit(self, r: Request, n: int, be: bool, force: bool, evict_rt: bool) -> bool:
+        """Cheap check that a reservation cannot succeed, so no tentative restore is built and
+        rolled back for nothing (under memory pressure most candidates fail)."""
+        if evict_rt or (be and force):
+            return False
+        available = self.kv.pool.num_free
+        if not be:
+            available += len(self.kv.steal_index) + self._be_device_blocks()
+        base = r.num_computed_tokens if self.kv.holds(r) else 0
+        return self.kv.blocks_needed(r, base + n) > available
+
+    def _be_device_blocks(self) -> int:
+        """Device blocks held by BE requests (an upper bound on what evicting BE frees)."""
+        return sum(self.kv.device_blocks(x) for x in self.state.running if x.req_class is RequestClass.BE)
+
+    def _victims(self, r: Request, be: bool, force: bool, evict_rt: bool) -> list[Request]:
         """BE requests first (most checkpointed, latest arrival), then RT by most slack; never
         a request in the batch. A BE candidate evicts only to guarantee progress (empty
-        batch), and only BE requests behind it in BE order."""
+        batch), and only BE requests behind it in BE order. Only the growth of a resident RT
+        request (or the head when nothing else could run) evicts other RT requests: a prefill
+        or a restore that pushed decoding requests out would be pushed out in turn next step
+        (the evicted ones become the most urgent), and memory-bound load turns into swap
+        thrash instead of finishing requests."""
         keep = set(self.pack.items) | set(self.decision.replaced) | {r}
         held = [x for x in self.state.running if x not in keep and self.kv.device_blocks(x)]
         be_victims = sorted((x for x in held if x.req_class is RequestClass.BE), key=self._be_key, reverse=True)
         if be:
             return [x for x in be_victims if self._be_key(x) > self._be_key(r)] if force else []
+        if not evict_rt:
+            return be_victims
         rt_victims = [x for x in held if x.req_class is RequestClass.RT]
         rt_victims.sort(key=lambda x: deadline(x, self.slo), reverse=True)
         return be_victims + rt_victims

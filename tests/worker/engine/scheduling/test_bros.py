@@ -67,7 +67,8 @@ def _check_step(s: Scheduler, batch, before: dict[int, str]) -> None:
     assert batch.num_tokens <= s.limits.max_num_batched_tokens
     # RT set: a prefix of the slack order, minus the ones replaced from its back
     k = len(d.rt_scheduled) + len(d.replaced)
-    assert d.rt_scheduled + d.replaced[::-1] == d.rt_order[:k]
+    eligible = [r for r in d.rt_order if r not in d.skipped]  # skipped: no memory / admission held
+    assert d.rt_scheduled + d.replaced[::-1] == eligible[:k]
     assert [it.request for it in batch.items if it.request.req_class is RT] == d.rt_scheduled
     # memory: scheduled requests are resident, and no two requests own one slot
     live = _live_slots(kv, s.requests.values())
