@@ -18,6 +18,7 @@ from shared.schemas.capacity import BECapacity
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body
+from tests.services.test_streaming_cluster import _worker_state
 from tests.services.test_batch_api import (attempts, chat_lines, comparable, jsonl, read_lines, submit, wait_final,
                                            wait_until)
 
@@ -59,11 +60,20 @@ def _same_as_sync(stack, lines, bodies: dict[str, dict], n: int = 4) -> None:
         assert comparable(bodies[ln["custom_id"]]) == comparable(sync)
 
 
+def _wait_running_on(stack, worker: str, batch_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hb = asyncio.run(_worker_state(stack, worker))
+        if any(k.startswith(batch_id) for k in hb.running_ids):
+            return
+    raise TimeoutError(f"no item of {batch_id} ran on {worker}")
+
+
 def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client):
-    lines = chat_lines(40, max_tokens=120, prefix="wk")
+    lines = chat_lines(24, max_tokens=300, prefix="wk")
     batch = submit(client, lines)
-    wait_until(client, batch.id, 3)
-    stack.kill("w1", signal.SIGKILL)
+    _wait_running_on(stack, "w1", batch.id)
+    stack.kill("w1", signal.SIGKILL)  # mid-item: its items are re-run on w0
     done = wait_final(client, batch.id, stack=stack)
     bodies = _exactly_once(client, done, lines)
     assert max(attempts(stack, batch.id).values()) >= 1  # the killed worker's items ran again
