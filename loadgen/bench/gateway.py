@@ -14,9 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -99,41 +96,13 @@ async def _inproc(args, model: str) -> dict:
 async def _through_stack(args, model: str) -> dict:
     import httpx
 
-    from services.broker import free_port
+    from loadgen.bench.stack import running_stack
 
-    port = free_port()
-    env = {**os.environ, "TANDEM_TOPIC_PREFIX": f"bench{port}"}
-    env.pop("KAFKA_BOOTSTRAP", None)
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--dtype", "float32",
-                             "--kv-cache-gib", "0.25", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
+    async with running_stack(model) as (url, name):
         async with httpx.AsyncClient(timeout=120) as client:
-            name = await _wait_ready(client, url, proc)
             seq = await _sequential(client, url, name, args)
             sustained = await _sustained(client, url, name, args)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return {"sequential": seq, "sustained": sustained}
-
-
-async def _wait_ready(client, url: str, proc) -> str:
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError("tandem up exited before the gateway was ready")
-        try:
-            r = await client.get(f"{url}/health")
-            if r.status_code == 200:
-                return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        except Exception:  # noqa: BLE001 (not listening yet)
-            pass
-        await asyncio.sleep(0.25)
-    raise RuntimeError("gateway not ready")
 
 
 async def _sequential(client, url: str, model: str, args) -> dict:
