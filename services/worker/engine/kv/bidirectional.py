@@ -1,12 +1,16 @@
-"""Two-ended KV blocks (BROS §5): RT fills blocks from the left, BE from the right.
+"""Two-ended KV blocks (BROS §5), mirrored: BE fills blocks from the left, and an RT request
+that takes over a BE block's free end fills it from the right. The paper puts RT on the left;
+either way the two occupants grow towards each other, and this way round every exclusive
+block (nearly all of them) is forward, so attention only pays for reversal in stolen blocks.
 
 Rules (decisions for the paper's gaps are argued in docs/bros.md):
-- An RT request takes a free block, or else the stealable BE block with the most empty
-  slots (`StealIndex`). Growing into its peer's slots checkpoints exactly the BE slots about
-  to be overwritten to host (lazy checkpointing) and records them in the share.
-- A BE request only takes free blocks; it grows its last block leftward into empty slots and,
-  when the RT end is in the way, *relocates* that logical block to a free block (a
-  device-to-device copy), so BE never overwrites RT.
+- An RT request takes a free block (forward), or else the right end of the stealable BE block
+  with the most empty slots (`StealIndex`; the entry is reversed). Growing into its peer's
+  slots checkpoints exactly the BE slots about to be overwritten to host (lazy checkpointing)
+  and records them in the share.
+- A BE request only takes free blocks; it grows its last block into empty slots and, when the
+  RT end is in the way, *relocates* that logical block to a free block (a device-to-device
+  copy), so BE never overwrites RT.
 - A request runs only when fully resident. `restore` brings back every logical block with
   KV on host into a fresh block (resident part copied device-to-device, the rest
   host-to-device); the old block stays with the RT request that took it.
@@ -116,26 +120,27 @@ class BidirectionalMixin:
     def _reserve_rt(self, rid: str, table: "BlockTable", target: int) -> bool:
         bs = self.block_size
         while len(table) * bs < target:
-            block = self._rt_block(rid, len(table))
-            if block is None:
+            taken = self._rt_block(rid, len(table))
+            if taken is None:
                 return False
-            self._append_entry(table, block, rev=False)
+            self._append_entry(table, *taken)
         if not self._rt_claim(table, table.claimed, target):
             return False
         self._set_claimed(table, target)
         return True
 
-    def _rt_block(self, rid: str, entry: int) -> Block | None:
-        """A free block, else the left end of the stealable BE block with the most empty slots."""
+    def _rt_block(self, rid: str, entry: int) -> tuple[Block, bool] | None:
+        """(block, reversed): a free block, else the right end of the stealable BE block with
+        the most empty slots."""
         if self.pool.num_free:
-            return self._take_free()
+            return self._take_free(), False
         share = self.steal_index.best()
         if share is None:
             return None
         block = self.pool.blocks[share.block_id]
         self._acquire(block)
         self._share_set(share, rt_id=rid, rt_entry=entry)
-        return block
+        return block, True
 
     def _rt_claim(self, table: "BlockTable", start: int, end: int) -> bool:
         """Own positions [start, end) of an RT table; checkpoint BE slots in the way."""
@@ -145,7 +150,7 @@ class BidirectionalMixin:
             if share is None:
                 continue
             lo, hi = max(start - e * bs, 0), min(end - e * bs, bs)
-            overlap = hi - (bs - share.be_fill)  # RT slots [bs - be_fill, hi) hold BE data
+            overlap = hi - (bs - share.be_fill)  # the RT end's offsets [bs - be_fill, hi) meet BE data
             if overlap > 0 and not self._checkpoint(share, overlap):
                 return False
         return True
@@ -161,7 +166,7 @@ class BidirectionalMixin:
                 return False
             he = self._set_host(be_table, share.be_entry, host_block, share.be_fill)
         offsets = range(share.be_fill - count, share.be_fill)  # highest offsets sit innermost
-        self._emit(CopyKind.D2H, [share.block_id * bs + bs - 1 - o for o in offsets],
+        self._emit(CopyKind.D2H, [share.block_id * bs + o for o in offsets],
                    [he.host_block * bs + o for o in offsets], "checkpoint", share.be_id)
         fill = share.be_fill - count
         self._set_host(be_table, share.be_entry, he.host_block, fill)
@@ -175,7 +180,8 @@ class BidirectionalMixin:
 
     def _reserve_be(self, rid: str, table: "BlockTable", target: int) -> bool:
         bs = self.block_size
-        if table.claimed % bs and table.rev[-1]:
+        last = self.shares.get(table.ids[-1]) if table.claimed % bs else None
+        if last is not None and last.be_id == rid:
             e = len(table) - 1
             if not self._grow_be_last(rid, table, e, min(target - e * bs, bs)):
                 return False
@@ -184,7 +190,7 @@ class BidirectionalMixin:
                 return False
             e = len(table)
             block = self._take_free()
-            self._append_entry(table, block, rev=True)
+            self._append_entry(table, block, rev=False)
             self._add_share(Share(block.block_id, rid, e, 0, 0))
         for e in range(table.claimed // bs, len(table)):
             share = self.shares.get(table.ids[e])
@@ -214,8 +220,8 @@ class BidirectionalMixin:
         bs = self.block_size
         block = self._take_free()
         old = share.block_id
-        self._emit(CopyKind.D2D, [old * bs + bs - 1 - o for o in range(resident)],
-                   [block.block_id * bs + bs - 1 - o for o in range(resident)], "relocate", rid)
+        self._emit(CopyKind.D2D, [old * bs + o for o in range(resident)],
+                   [block.block_id * bs + o for o in range(resident)], "relocate", rid)
         self._leave_share(table, share)
         self._set_entry(table, e, block)
         self._add_share(Share(block.block_id, rid, e, resident, resident))
@@ -238,15 +244,16 @@ class BidirectionalMixin:
                 self._add_share(Share(block.block_id, rid, e, 0, 0))
             share = self.shares[table.ids[e]]
             self._share_set(share, be_fill=length, be_len=length)
-            dst = [table.ids[e] * bs + bs - 1 - o for o in range(he.resident, length)]
+            dst = [table.ids[e] * bs + o for o in range(he.resident, length)]
         else:
-            block = self._rt_block(rid, e)
-            if block is None:
+            taken = self._rt_block(rid, e)
+            if taken is None:
                 return False
-            self._set_entry(table, e, block)
+            block, rev = taken
+            self._set_entry(table, e, block, rev)
             if not self._rt_claim(table, e * bs, e * bs + length):
                 return False
-            dst = [block.block_id * bs + o for o in range(he.resident, length)]
+            dst = [block.block_id * bs + (bs - 1 - o if rev else o) for o in range(he.resident, length)]
         self._emit(CopyKind.H2D, [he.host_block * bs + o for o in range(he.resident, length)], dst, "restore", rid)
         self._release_host(table, e)
         return True
@@ -271,7 +278,7 @@ class BidirectionalMixin:
 
     def _detach(self, rid: str, table: "BlockTable", e: int, share: Share | None) -> None:
         """Drop the request's hold on entry e's block (its end of a shared block)."""
-        if share is not None and share.be_id == rid and table.rev[e]:
+        if share is not None and share.be_id == rid and share.be_entry == e:
             self._leave_share(table, share)
             return
         if share is not None and share.rt_id == rid:
@@ -333,14 +340,17 @@ class BidirectionalMixin:
             table.blocks.append(block), table.ids.append(0), table.rev.append(rev)
         self.undo.push(undo)
 
-    def _set_entry(self, table: "BlockTable", e: int, block: Block | None) -> None:
-        old = table.blocks[e]
+    def _set_entry(self, table: "BlockTable", e: int, block: Block | None, rev: bool | None = None) -> None:
+        old, old_rev = table.blocks[e], table.rev[e]
         table.blocks[e] = block
         table.ids[e] = 0 if block is None else block.block_id
+        if rev is not None:
+            table.rev[e] = rev
 
         def undo() -> None:
             table.blocks[e] = old
             table.ids[e] = 0 if old is None else old.block_id
+            table.rev[e] = old_rev
         self.undo.push(undo)
 
     def _set_claimed(self, table: "BlockTable", claimed: int) -> None:
@@ -441,14 +451,14 @@ class BidirectionalMixin:
                     continue
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
                 share = self.shares.get(block.block_id)
-                if table.rev[e]:
-                    assert share is not None and share.be_id == rid and share.be_entry == e, (rid, e)
+                if share is not None and share.be_id == rid and share.be_entry == e:  # a BE end
+                    assert not table.rev[e], (rid, e)
                     assert share.be_len == self._entry_len(table, e), (rid, e)
                     assert (he.resident if he else share.be_len) == share.be_fill, (rid, e)
                 else:
                     assert he is None, (rid, e)
-                    if share is not None:
-                        assert share.rt_id == rid and share.rt_entry == e, (rid, e)
+                    if share is not None:  # the RT end of a BE block (stays reversed once the BE leaves)
+                        assert share.rt_id == rid and share.rt_entry == e and table.rev[e], (rid, e)
         for block_id, share in self.shares.items():
             assert 0 < share.be_fill <= share.be_len <= bs, share
             assert self._rt_fill(share) + share.be_fill <= bs, share
