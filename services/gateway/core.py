@@ -59,6 +59,7 @@ class GatewayCore:
     async def submit(self, request: GenerateRequest) -> None:
         topic = self.topics.rt_requests if request.req_class == "rt" else self.topics.be_requests
         await self.kafka.send(topic.name, request, key=request.request_id)
+        log.debug("submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
 
     def cancel_soon(self, request_id: str) -> None:
         """Publish a cancel without awaiting it (called from cleanup paths that may be cancelled)."""
@@ -82,6 +83,9 @@ class GatewayCore:
                     except ValueError:
                         log.exception("undecodable result batch dropped")
                         continue
+                    if log.isEnabledFor(logging.DEBUG):
+                        for e in batch.events:
+                            log.debug("event %s", e.type, extra={"request_id": e.request_id})
                     await self.streams.on_batch(batch)
 
     async def _heartbeat_loop(self, consumer) -> None:

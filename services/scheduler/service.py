@@ -117,6 +117,7 @@ class SchedulerService:
             self.offsets.done(tp, offset)  # redelivered after a restart: already placed
             return
         self.pending[req.req_class].append(Pending(req, tp, offset))
+        log.debug("received", extra={"request_id": req.request_id})
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -185,7 +186,7 @@ class SchedulerService:
         await asyncio.gather(state_ack, dispatch_ack)
         self.offsets.done(p.tp, p.offset)
         self.m_placed.labels(req.req_class).inc()
-        log.debug("placed on %s", worker_id, extra={"request_id": req.request_id})
+        log.debug("dispatched to %s", worker_id, extra={"request_id": req.request_id})
 
     async def _commit(self) -> None:
         offsets = self.offsets.committable()

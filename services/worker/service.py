@@ -132,6 +132,7 @@ class WorkerService:
             log.exception("undecodable dispatch message dropped")
             return
         key = f"{req.request_id}:{req.attempt}"
+        log.debug("dispatch received", extra={"request_id": req.request_id})
         if key in self._seen:
             return
         self._remember(key)
@@ -165,6 +166,8 @@ class WorkerService:
         index = len(er.resumed_output_ids)
         async for d in self.llm.generate(er.key, er.prompt_token_ids, er.params, req_class=er.req_class,
                                          slo=er.slo, resumed_output_ids=er.resumed_output_ids):
+            if index == len(er.resumed_output_ids):
+                log.debug("first delta", extra={"request_id": req.request_id})
             self.telemetry.add_tokens(len(d.token_ids))
             final = d.metrics
             self.outbox.put(req.reply_partition, Delta(
