@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from aiokafka import TopicPartition
 
+from services.scheduler.affinity import LastWorkerAffinity, SessionAffinity
 from services.scheduler.assignments import AssignmentTable
 from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
 from services.scheduler.registry import WorkerInfo, WorkerRegistry
@@ -51,6 +52,7 @@ class SchedulerService:
         self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
         self.placement = make_placement(settings.placement, PlacementLimits(
             kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker))
+        self.affinity: SessionAffinity = LastWorkerAffinity()
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()
         self.started = time.monotonic()
@@ -162,12 +164,16 @@ class SchedulerService:
             queue = self.pending[cls]
             while queue:
                 p = queue[0]
-                worker = self.placement.place(_placement_request(p.request), self._loads(p.request.model))
+                worker = self.placement.place(self._placement_request(p.request), self._loads(p.request.model))
                 if worker is None:
                     break  # FIFO within a class: nothing behind it fits either
                 queue.popleft()
                 await self._dispatch(p, worker)
             self.m_pending.labels(cls).set(len(queue))
+
+    def _placement_request(self, req: GenerateRequest) -> PlacementRequest:
+        return PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id,
+                                preferred_worker=self.affinity.preferred(req.session_id))
 
     def _loads(self, model: str) -> list[WorkerLoad]:
         counts = self.assignments.counts()
@@ -185,6 +191,7 @@ class SchedulerService:
         dispatch_ack = await self.kafka.send_nowait(self.topics.dispatch(worker_id).name, req, key=req.request_id)
         await asyncio.gather(state_ack, dispatch_ack)
         self.offsets.done(p.tp, p.offset)
+        self.affinity.placed(req.session_id, worker_id)
         self.m_placed.labels(req.req_class).inc()
         log.debug("dispatched to %s", worker_id, extra={"request_id": req.request_id})
 
@@ -258,10 +265,6 @@ class SchedulerService:
                               partition=a.reply_partition)
         self.m_rerouted.inc()
         log.info("rerouting: %s", reason, extra={"request_id": a.request_id})
-
-
-def _placement_request(req: GenerateRequest) -> PlacementRequest:
-    return PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id)
 
 
 def _worker_load(w: WorkerInfo, counts: dict[tuple[str, str], int]) -> WorkerLoad:
