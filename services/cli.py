@@ -47,9 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    for key, value in _CPU_RUNTIME_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # no subcommand imports torch while parsing
+    if args.command != "up":  # `up` chooses its children's settings itself (see services/up.py)
+        for key, value in _CPU_RUNTIME_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     try:
         rc = args.func(args)
     except KeyboardInterrupt:

@@ -57,6 +57,10 @@ class _Up:
         self.args = args
         self.children: list[Child] = []
         self.env = dict(os.environ)
+        # Workers share the cores with the broker, gateway and scheduler here: spinning OpenMP
+        # threads (the engine's default) starve them. Passive waiting measured ~30% better on
+        # both batch throughput and RT TTFT with the whole stack on 2 cores. A user setting wins.
+        self.env.setdefault("OMP_WAIT_POLICY", "passive")
         self.shutdown = asyncio.Event()
 
     def _plan(self) -> None:

@@ -19,6 +19,7 @@ async def running_stack(model: str, dtype: str = "float32", kv_cache_gib: float 
     port = free_port()
     env = {**os.environ, "TANDEM_TOPIC_PREFIX": f"bench{port}"}
     env.pop("KAFKA_BOOTSTRAP", None)
+    env.pop("OMP_WAIT_POLICY", None)  # the bench process's own default; let `tandem up` choose
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--dtype", dtype,
                              "--kv-cache-gib", str(kv_cache_gib), "--port", str(port)], env=env,
