@@ -22,6 +22,7 @@ from shared.topics import TopicSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=WireModel)
 
 
 async def with_backoff(what: str, fn: Callable[[], Awaitable[T]], *, attempts: int = 30,
@@ -139,6 +140,18 @@ class KafkaClient:
             except Exception:  # noqa: BLE001
                 log.exception("producer stop")
             self.producer = None
+
+
+async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: int = 1000) -> list[M]:
+    """The next batch of messages decoded as `cls`; undecodable ones are logged and dropped."""
+    out = []
+    for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
+        for m in msgs:
+            try:
+                out.append(cls.decode(m.value))
+            except ValueError:
+                log.exception("undecodable %s dropped", cls.__name__)
+    return out
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:

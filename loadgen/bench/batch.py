@@ -12,11 +12,10 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import random
 import time
 
-from loadgen.bench.common import percentile
+from loadgen.bench.common import percentile, write_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = uvloop.run(_bench(args))
     _print(result)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
 
-from loadgen.bench.common import percentile
+from loadgen.bench.common import percentile, write_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,10 +37,7 @@ def run(args: argparse.Namespace) -> int:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model
         result = uvloop.run(_bench(args, model))
     _print(result)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return 0
 
 

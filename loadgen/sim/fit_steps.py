@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from services.worker.engine.cost_model import CostModel, PhaseFit, phase_sums
+from services.worker.engine.cost_model import CostModel, PhaseFit, nonneg_lstsq, phase_sums
 
 StepLog = Sequence[tuple[list[tuple[int, int]], list[tuple[int, int]], float]]
 
@@ -28,23 +28,10 @@ def fit_steps(steps: StepLog, swap_bytes_per_s: float = 1e10, meta: dict | None 
         raise ValueError(f"need at least 5 logged steps to fit, got {len(steps)}")
     x = np.array([[*phase_sums(p), *phase_sums(d), 1.0] for p, d, _ in steps], dtype=np.float64)
     y = np.array([t for _, _, t in steps], dtype=np.float64)
-    coef = _nonneg_lstsq(x, y, 1.0 / np.maximum(y, 1e-9))
+    coef = nonneg_lstsq(x, y, 1.0 / np.maximum(y, 1e-9))
     cost = CostModel(PhaseFit(coef[0], coef[1], coef[4]), PhaseFit(coef[2], coef[3], coef[4]), swap_bytes_per_s,
                      {"source": "fitted to logged engine steps", "num_steps": len(steps), **(meta or {})})
     pred = np.array([cost.estimate(p, d) for p, d, _ in steps])
     cost.meta["step_mape"] = float(np.mean(np.abs(pred - y) / y))
     return cost
 
-
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> list[float]:
-    active = list(range(x.shape[1]))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        negative = [a for a, c in zip(active, coef) if c < 0]
-        if not negative or len(active) == 1:
-            break
-        active.remove(negative[0])
-    full = [0.0] * x.shape[1]
-    for a, c in zip(active, coef):
-        full[a] = max(float(c), 0.0)
-    return full

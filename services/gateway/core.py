@@ -10,7 +10,7 @@ import zlib
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRegistry
 from services.gateway.workers import WorkerDirectory
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
@@ -76,17 +76,11 @@ class GatewayCore:
 
     async def _results_loop(self, consumer) -> None:
         while True:
-            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
-                for m in msgs:
-                    try:
-                        batch = ResultBatch.decode(m.value)
-                    except ValueError:
-                        log.exception("undecodable result batch dropped")
-                        continue
-                    if log.isEnabledFor(logging.DEBUG):
-                        for e in batch.events:
-                            log.debug("event %s", e.type, extra={"request_id": e.request_id})
-                    await self.streams.on_batch(batch)
+            for batch in await fetch_decoded(consumer, ResultBatch):
+                if log.isEnabledFor(logging.DEBUG):
+                    for e in batch.events:
+                        log.debug("event %s", e.type, extra={"request_id": e.request_id})
+                await self.streams.on_batch(batch)
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:

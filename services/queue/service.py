@@ -23,7 +23,7 @@ from services.queue.objects import errors_object
 from services.queue.settings import QueueSettings
 from services.queue.store import BatchStore, Finished, now
 from services.queue.validation import validate_input
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
@@ -121,14 +121,8 @@ class QueueService:
     async def _results_loop(self, consumer) -> None:
         while True:
             finished: list[ItemRun] = []
-            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
-                for m in msgs:
-                    try:
-                        batch = ResultBatch.decode(m.value)
-                    except ValueError:
-                        log.exception("undecodable result batch dropped")
-                        continue
-                    finished.extend(await self._on_events(batch))
+            for batch in await fetch_decoded(consumer, ResultBatch):
+                finished.extend(await self._on_events(batch))
             if finished:
                 await self._record(finished)
 

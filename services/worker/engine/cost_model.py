@@ -84,18 +84,24 @@ def fit(samples: Iterable[Sample | tuple[float, float, float]]) -> PhaseFit:
         raise ValueError(f"need at least 3 samples to fit a phase, got {len(rows)}")
     x = np.array([[r.ln, r.work, 1.0] for r in rows], dtype=np.float64)
     y = np.array([r.seconds for r in rows], dtype=np.float64)
-    w = 1.0 / np.maximum(y, 1e-9)
-    active = [0, 1, 2]
+    return PhaseFit(*nonneg_lstsq(x, y, 1.0 / np.maximum(y, 1e-9)))
+
+
+def nonneg_lstsq(x, y, w) -> list[float]:
+    """Weighted least squares with non-negative coefficients: drop a negative term and refit."""
+    import numpy as np
+
+    active = list(range(x.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         negative = [a for a, c in zip(active, coef) if c < 0]
         if not negative or len(active) == 1:
             break
         active.remove(negative[0])
-    full = [0.0, 0.0, 0.0]
+    full = [0.0] * x.shape[1]
     for a, c in zip(active, coef):
         full[a] = max(float(c), 0.0)
-    return PhaseFit(*full)
+    return full
 
 
 def mape(phase: PhaseFit, samples: Iterable[Sample]) -> float:

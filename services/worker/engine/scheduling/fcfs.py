@@ -29,22 +29,12 @@ class FCFSPolicy(SchedulingPolicy):
         while i < len(state.running) and budget > 0:
             request = state.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(state, batch, request, n):
+            if not allocate_or_preempt(state, batch, request, n):
                 break
             batch.add(request, n)
             budget -= n
             i += 1
         return budget
-
-    @staticmethod
-    def _allocate_or_preempt(state: SchedulerState, batch: ScheduledBatch, request: Request, n: int) -> bool:
-        while not state.kv.allocate(request, n):
-            victim = state.running[-1]
-            state.preempt(victim)
-            batch.preempted.append(victim)
-            if victim is request:
-                return False
-        return True
 
     @staticmethod
     def _admit_waiting(state: SchedulerState, batch: ScheduledBatch, budget: int) -> None:
@@ -63,3 +53,18 @@ class FCFSPolicy(SchedulingPolicy):
             state.admit(request, num_cached)
             batch.add(request, n)
             budget -= n
+
+
+def allocate_or_preempt(state: SchedulerState, batch: ScheduledBatch, request: Request, n: int) -> bool:
+    """Allocate, evicting the most recently admitted request until it fits.
+
+    Requests already in this batch come earlier in admission order than `request`, so the
+    victim (`running[-1]`) is never one of them; at worst it is `request` itself.
+    """
+    while not state.kv.allocate(request, n):
+        victim = state.running[-1]
+        state.preempt(victim)
+        batch.preempted.append(victim)
+        if victim is request:
+            return False
+    return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 from services.worker.engine.scheduling.policy import (
     ScheduledBatch, SchedulerState, SchedulingPolicy, register_policy,
 )
+from services.worker.engine.scheduling.fcfs import allocate_or_preempt
 from services.worker.engine.scheduling.request import Request, RequestClass
 
 _OTHER = {RequestClass.RT: RequestClass.BE, RequestClass.BE: RequestClass.RT}
@@ -45,7 +46,7 @@ class RoundRobinPolicy(SchedulingPolicy):
             if request not in state.running:  # preempted as a victim of an earlier request
                 continue
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not _allocate_or_preempt(state, batch, request, n):
+            if not allocate_or_preempt(state, batch, request, n):
                 break
             batch.add(request, n)
             budget -= n
@@ -69,17 +70,3 @@ class RoundRobinPolicy(SchedulingPolicy):
             batch.add(request, n)
             budget -= n
 
-
-def _allocate_or_preempt(state: SchedulerState, batch: ScheduledBatch, request: Request, n: int) -> bool:
-    """Allocate, evicting the most recently admitted request until it fits (FCFS's rule).
-
-    Requests already in this batch come earlier in admission order than `request`, so the
-    victim (`running[-1]`) is never one of them; at worst it is `request` itself.
-    """
-    while not state.kv.allocate(request, n):
-        victim = state.running[-1]
-        state.preempt(victim)
-        batch.preempted.append(victim)
-        if victim is request:
-            return False
-    return True
