@@ -17,6 +17,10 @@ import httpx
 import pytest
 
 from services.broker import free_port
+from shared.kafka import KafkaClient
+from shared.schemas.telemetry import Heartbeat
+from shared.settings import ServiceSettings
+from shared.topics import Topics
 
 
 class Stack:
@@ -119,3 +123,23 @@ def make_stack(kafka_bootstrap, tiny_model_dir, tmp_path_factory, request):
 def chat_body(content: str, max_tokens: int = 16, **extra) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, **extra}
+
+
+def openai_client(stack: Stack):
+    import openai
+
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+
+
+async def worker_heartbeat(stack, worker_id: str) -> Heartbeat:
+    """The next heartbeat of a worker, read straight from the broker."""
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
+    consumer = await kafka.consumer(group=None)
+    try:
+        await kafka.assign_all(consumer, Topics(stack.prefix).heartbeats.name, from_end=True)
+        while True:
+            hb = Heartbeat.decode((await consumer.getone()).value)
+            if hb.worker_id == worker_id:
+                return hb
+    finally:
+        await kafka.stop()

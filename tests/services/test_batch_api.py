@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.services.conftest import chat_body
+from tests.services.conftest import chat_body, openai_client, worker_heartbeat
 
 pytestmark = pytest.mark.timeout(600)
 BE_PER_WORKER = 8
@@ -35,7 +32,7 @@ def stack(make_stack):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(stack)
 
 
 def _db(stack) -> Path:
@@ -215,12 +212,11 @@ def test_files_api_and_batch_list_pagination(stack, client):
 
 def _running_batch_items(stack, prefix: str) -> set[str]:
     """Batch item ids the workers say they hold right now (from their heartbeats, via the broker)."""
-    from tests.services.test_streaming_cluster import _worker_state
     import asyncio
 
     running = set()
     for w in ("w0", "w1"):
-        hb = asyncio.run(_worker_state(stack, w))
+        hb = asyncio.run(worker_heartbeat(stack, w))
         running |= {k for k in hb.running_ids if k.startswith(prefix)}
     return running
 

@@ -13,8 +13,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import openai
 import pytest
+
+from tests.services.conftest import openai_client
 
 from services.broker import free_port
 from tests.services.test_batch_api import chat_lines, read_lines, submit, wait_final, wait_until
@@ -68,7 +69,7 @@ def stack(make_stack, postgres_url):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(stack)
 
 
 def test_job_completes_on_postgresql(stack, client):

@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
-from tests.services.conftest import chat_body
+from tests.services.conftest import chat_body, openai_client
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,7 +23,7 @@ def stack(make_stack):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(stack)
 
 
 def test_models_and_health(stack, client):

@@ -10,15 +10,13 @@ import sys
 import time
 
 import httpx
-import openai
 import pytest
 
 from shared.kafka import KafkaClient
 from shared.schemas.capacity import BECapacity
 from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import chat_body
-from tests.services.test_streaming_cluster import _worker_state
+from tests.services.conftest import chat_body, openai_client, worker_heartbeat
 from tests.services.test_batch_api import (attempts, chat_lines, comparable, jsonl, read_lines, submit, wait_final,
                                            wait_until)
 
@@ -39,7 +37,7 @@ def stack(make_stack):
 
 @pytest.fixture(scope="module")
 def client(stack):
-    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(stack)
 
 
 def _exactly_once(client, done, lines) -> dict[str, dict]:
@@ -63,7 +61,7 @@ def _same_as_sync(stack, lines, bodies: dict[str, dict], n: int = 4) -> None:
 def _wait_running_on(stack, worker: str, batch_id: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        hb = asyncio.run(_worker_state(stack, worker))
+        hb = asyncio.run(worker_heartbeat(stack, worker))
         if any(k.startswith(batch_id) for k in hb.running_ids):
             return
     raise TimeoutError(f"no item of {batch_id} ran on {worker}")

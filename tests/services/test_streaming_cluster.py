@@ -9,11 +9,7 @@ import time
 import httpx
 import pytest
 
-from shared.kafka import KafkaClient
-from shared.schemas.telemetry import Heartbeat
-from shared.settings import ServiceSettings
-from shared.topics import Topics
-from tests.services.conftest import chat_body
+from tests.services.conftest import chat_body, worker_heartbeat
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -82,20 +78,6 @@ def test_fifty_concurrent_streams_across_two_workers(stack):
     assert [r["text"] for r in results[:10]] == reference
 
 
-async def _worker_state(stack, worker_id: str) -> Heartbeat:
-    """The next heartbeat of a worker, read straight from the broker."""
-    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
-    consumer = await kafka.consumer(group=None)
-    try:
-        await kafka.assign_all(consumer, Topics(stack.prefix).heartbeats.name, from_end=True)
-        while True:
-            hb = Heartbeat.decode((await consumer.getone()).value)
-            if hb.worker_id == worker_id:
-                return hb
-    finally:
-        await kafka.stop()
-
-
 def test_client_disconnect_cancels_and_frees_kv(stack):
     body = chat_body("never ending", max_tokens=450, stream=True, ignore_eos=True)
 
@@ -111,7 +93,7 @@ def test_client_disconnect_cancels_and_frees_kv(stack):
                         break  # leave: the connection closes mid-stream
         during = None
         for _ in range(100):  # the worker drops it within a few heartbeats
-            hb = await _worker_state(stack, worker)
+            hb = await worker_heartbeat(stack, worker)
             during = during or hb
             if not any(k.startswith(rid) for k in hb.running_ids):
                 return rid, hb
