@@ -121,7 +121,7 @@ class Driver:
         ids = self.prompts.prompt(spec, history)
         self._records[spec.request_id] = RequestRecord(
             spec.request_id, spec.req_class, sub.at_s, len(ids), spec.max_tokens, spec.slo.ttft_s, spec.slo.tpot_s,
-            spec.session_id)
+            spec.session_id, turn=spec.turn)
         if src is not None:
             self._owner[spec.request_id] = (src, spec)
         if spec.session_id:

@@ -41,6 +41,9 @@ class RequestRecord:
     slo_tpot_s: float | None = None
     session_id: str | None = None
     worker: str | None = None
+    turn: int = 0  # a session's turn index (0 for single-turn requests)
+    usage_prompt_tokens: int | None = None  # what the server counted (HTTP targets)
+    cached_tokens: int | None = None  # prompt tokens whose KV the server reused (OpenAI usage field)
     token_times_s: list[float] = field(default_factory=list)  # one entry per output token
     finish_s: float | None = None
     finish_reason: str | None = None

@@ -47,6 +47,8 @@ class StreamResult:
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     worker: str | None = None
 
 
@@ -62,8 +64,11 @@ def parse_sse_line(line: str) -> dict | None | str:
 
 def apply_chunk(result: StreamResult, chunk: dict, now: float) -> None:
     """Fold one streamed chunk into `result`, timestamping chunks that carry a new token."""
-    if chunk.get("usage"):
-        result.completion_tokens = chunk["usage"].get("completion_tokens")
+    usage = chunk.get("usage")
+    if usage:
+        result.completion_tokens = usage.get("completion_tokens")
+        result.prompt_tokens = usage.get("prompt_tokens")
+        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     for choice in chunk.get("choices") or []:
         # the gateway sends one chunk per engine delta (one token per step): every chunk but the
         # chat role chunk carries a token, even when its text is held back ({} delta)
@@ -250,7 +255,7 @@ class HttpRun:
     async def _one(self, sub: Submission, src: Source | None) -> None:
         spec = sub.spec
         rec = RequestRecord(spec.request_id, spec.req_class, sub.at_s, spec.prompt_len, spec.max_tokens,
-                            spec.slo.ttft_s, spec.slo.tpot_s, spec.session_id)
+                            spec.slo.ttft_s, spec.slo.tpot_s, spec.session_id, turn=spec.turn)
         self.records[spec.request_id] = rec
         messages = self._messages(spec)
         path, body, headers = self.client.body(spec, messages, self.seed)
@@ -258,6 +263,7 @@ class HttpRun:
             res = await self.client.stream(path, body, headers)
             rec.token_times_s = [t - self.t0 for t in res.token_times]
             rec.finish_s, rec.finish_reason, rec.worker = self.now(), res.finish_reason or "length", res.worker
+            rec.usage_prompt_tokens, rec.cached_tokens = res.prompt_tokens, res.cached_tokens
             if spec.session_id and messages is not None:
                 self.messages[spec.session_id] = messages + [{"role": "assistant", "content": res.text}]
         except asyncio.CancelledError:

@@ -13,7 +13,7 @@ import numpy as np
 from loadgen.arrivals import ArrivalSpec, open_loop_times
 from loadgen.workloads.datasets import LengthProfile, get_profile
 from loadgen.workloads.jsonl import estimate_tokens, load_jsonl
-from loadgen.workloads.sources import BEBacklog, ClosedUser, HumanSpeeds, Session, Source
+from loadgen.workloads.sources import BEBacklog, ClosedUser, HumanSpeeds, Session, SessionUser, Source
 from loadgen.workloads.spec import RequestSpec, SLOSpec, Submission
 
 SINGLE_TURN = ("sharegpt", "lmsys", "code", "summarisation")
@@ -106,9 +106,11 @@ def _sessions(cfg: WorkloadConfig, rng) -> list[Source]:
         raise ValueError(f"turns per session must average >= 1, got {cfg.turns_mean}")
     prof = _profile(cfg, cfg.rt_profile)
     if cfg.arrival.kind == "closed":
-        starts = [0.0] * max(1, cfg.arrival.users)
-    else:
-        starts = open_loop_times(cfg.arrival, cfg.duration_s, rng)
+        if cfg.arrival.users < 1:
+            raise ValueError("closed-loop sessions need --users N (N >= 1)")
+        return [SessionUser(f"u{i}", cfg.turns_mean, prof, cfg.speeds, np.random.default_rng([cfg.seed, 1000 + i]),
+                            cfg.duration_s, cfg.max_len) for i in range(cfg.arrival.users)]
+    starts = open_loop_times(cfg.arrival, cfg.duration_s, rng)
     turns = rng.geometric(1.0 / cfg.turns_mean, size=len(starts))
     return [Session(f"s{i}", t, int(n), prof, cfg.speeds, np.random.default_rng([cfg.seed, 1000 + i]),
                     cfg.duration_s, cfg.max_len) for i, (t, n) in enumerate(zip(starts, turns))]

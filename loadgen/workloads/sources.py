@@ -74,6 +74,40 @@ class Session(Source):
         return RequestSpec(f"{self.session_id}-t{turn}", "rt", p, o, self.profile.slo, self.session_id, turn)
 
 
+class SessionUser(Source):
+    """One of a fixed number of concurrent chat users, holding one session at a time.
+
+    When a session's last turn is answered the user reads it and starts a new session, so the
+    number of live sessions stays at the user count (the closed-loop reading of Symphony's
+    trace generator). Session k of user i is `u{i}-s{k}`.
+    """
+
+    def __init__(self, user_id: str, turns_mean: float, profile: LengthProfile, speeds: HumanSpeeds,
+                 rng: np.random.Generator, stop_s: float, max_len: int | None) -> None:
+        self.user_id, self.turns_mean, self.profile, self.speeds = user_id, turns_mean, profile, speeds
+        self.rng, self.stop_s, self.max_len = rng, stop_s, max_len
+        self.count = 0
+        self.session: Session | None = None
+
+    def start(self) -> list[Submission]:
+        return self._new_session(0.0)
+
+    def on_finish(self, spec: RequestSpec, finish_s: float, output_tokens: int) -> list[Submission]:
+        out = self.session.on_finish(spec, finish_s, output_tokens)
+        if out or finish_s >= self.stop_s:
+            return out
+        return self._new_session(finish_s + self.speeds.reading_s(output_tokens))
+
+    def _new_session(self, at: float) -> list[Submission]:
+        turns = int(self.rng.geometric(1.0 / self.turns_mean))
+        sid = f"{self.user_id}-s{self.count}"
+        self.count += 1
+        self.session = Session(sid, at, turns, self.profile, self.speeds, self.rng, self.stop_s, self.max_len)
+        spec = self.session.start()[0].spec
+        sent = at + self.speeds.typing_s(spec.prompt_len)  # typing starts at `at`; the request follows it
+        return [Submission(sent, spec, at)] if sent < self.stop_s else []
+
+
 class ClosedUser(Source):
     """One of a fixed number of concurrent users: the next request goes out when the last returns."""
 

@@ -84,6 +84,28 @@ def test_sessions_turns_wait_for_reading_and_typing():
     assert nxt.spec.session_id == first.spec.session_id and nxt.spec.turn == 1
 
 
+def _walk_user(user, n: int) -> list[tuple[str, int, int, float]]:
+    """A user's first n requests, each answered 1 s after it is sent with 20 tokens."""
+    sub, out = user.start()[0], []
+    for _ in range(n):
+        out.append((sub.spec.session_id, sub.spec.turn, sub.spec.prompt_len, sub.typing_at_s))
+        sub = user.on_finish(sub.spec, sub.at_s + 1.0, output_tokens=20)[0]
+    return out
+
+
+def test_closed_session_users_start_a_new_session_after_the_last_turn():
+    cfg = WorkloadConfig("sessions", ArrivalSpec("closed", users=3), 10_000.0, seed=4, turns_mean=2)
+    users = build_workload(cfg).sources
+    assert len(users) == 3
+    first = users[0].start()[0]
+    assert first.typing_at_s == 0.0 and first.at_s > 0.0  # typing starts at once, the request follows it
+    seen = _walk_user(build_workload(cfg).sources[0], 12)
+    firsts = [sid for sid, turn, _, _ in seen if turn == 0]
+    assert firsts[:2] == ["u0-s0", "u0-s1"]
+    assert all(t == pt + 1 for (s, t, _, _), (ps, pt, _, _) in zip(seen[1:], seen) if s == ps)
+    assert seen == _walk_user(build_workload(cfg).sources[0], 12)  # deterministic given the seed
+
+
 def test_be_backlog_refills_by_batch():
     w = build_workload(WorkloadConfig("be", ArrivalSpec(), 100.0, be_batch=3))
     src = w.sources[0]
