@@ -15,6 +15,7 @@ from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError
+from services.gateway.page import register_chat_page
 from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream
@@ -49,6 +50,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     register_batch_api(app)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
+    register_chat_page(app)  # the chat page at / (services/gateway/static)
     return app
 
 
