@@ -11,11 +11,16 @@
 | `<p>.heartbeats`           | 1          | worker id       | workers → scheduler, gateways            |
 | `<p>.scheduler.state`      | 1, compact | request id      | scheduler → scheduler (restart recovery) |
 | `<p>.be.capacity`          | 1          | scheduler id    | scheduler → queue (BE flow control)      |
+| `<p>.advisory`             | 4          | session id      | gateway → advisory (typing hints)        |
+| `<p>.sessions.directory`   | 4, compact | session id      | workers → advisory, scheduler            |
+| `<p>.sessions.placement`   | 4, compact | session id      | advisory → scheduler                     |
 
 Results are produced to an explicit partition that the gateway chose and wrote into the request
 (`reply_partition`): each gateway replica reads only its own partition, so a stream reaches the
 replica holding the client's connection. Dispatch is one topic per worker so a worker reads only
 its own work and a dead worker's backlog is simply abandoned (the scheduler re-places it).
+The two session topics are compacted: a restarted advisory service or scheduler reads them from
+the start and has the latest location and placement of every session (docs/sessions.md).
 """
 from __future__ import annotations
 
@@ -72,7 +77,20 @@ class Topics:
     def be_capacity(self) -> TopicSpec:
         return self._t("be.capacity", 1, "scheduler id")
 
+    @property
+    def advisory(self) -> TopicSpec:
+        return self._t("advisory", 4, "session id")
+
+    @property
+    def sessions_directory(self) -> TopicSpec:
+        return self._t("sessions.directory", 4, "session id", compacted=True)
+
+    @property
+    def sessions_placement(self) -> TopicSpec:
+        return self._t("sessions.placement", 4, "session id", compacted=True)
+
     def static(self) -> list[TopicSpec]:
         """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
         return [self.rt_requests, self.be_requests, self.results, self.control, self.telemetry,
-                self.heartbeats, self.scheduler_state, self.be_capacity]
+                self.heartbeats, self.scheduler_state, self.be_capacity, self.advisory,
+                self.sessions_directory, self.sessions_placement]

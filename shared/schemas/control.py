@@ -1,4 +1,4 @@
-"""`control`: commands every worker and the scheduler read."""
+"""`control`: commands every worker and the scheduler read (`Prefetch` is in `sessions.py`)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -6,6 +6,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field
 
 from shared.schemas.base import WireModel
+from shared.schemas.sessions import Prefetch
 
 
 class Cancel(WireModel):
@@ -22,7 +23,7 @@ class Drain(WireModel):
     worker_id: str
 
 
-ControlMessage = Annotated[Union[Cancel, Drain], Field(discriminator="type")]
+ControlMessage = Annotated[Union[Cancel, Drain, Prefetch], Field(discriminator="type")]
 
 
 class ControlEnvelope(WireModel):

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.schemas.base import WireModel
+from shared.schemas.sessions import KVSourceRef
 
 RequestClassName = Literal["rt", "be"]
 
@@ -63,6 +64,9 @@ class GenerateRequest(WireModel):
     req_class: RequestClassName = "rt"
     slo: SLOTargets = SLOTargets()
     session_id: str | None = None
+    # Set by the scheduler when a session turn goes to a worker that may not hold its KV: where
+    # to pull it from (the worker pulls or recomputes, whichever its cost model says is faster).
+    kv_source: KVSourceRef | None = None
     created_at: float  # wall-clock seconds at the gateway (time.time())
     resume_token_ids: list[int] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. batch id / custom_id for batch items

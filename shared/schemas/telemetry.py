@@ -19,6 +19,7 @@ class Heartbeat(WireModel):
     started_at: float
     sent_at: float
     draining: bool = False
+    kv_url: str | None = None  # base URL of its KV server (peers pull sessions' KV from it)
     running_ids: list[str] = Field(default_factory=list)  # "request_id:attempt" held by the engine
     finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
 

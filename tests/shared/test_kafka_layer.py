@@ -52,7 +52,9 @@ def test_offset_tracker_commits_only_below_unfinished_work():
 def test_topic_catalogue_is_complete():
     names = {t.name for t in Topics("p").static()}
     assert {"p.requests.rt", "p.requests.be", "p.results", "p.control", "p.telemetry", "p.heartbeats",
-            "p.scheduler.state", "p.be.capacity"} == names
+            "p.scheduler.state", "p.be.capacity", "p.advisory", "p.sessions.directory",
+            "p.sessions.placement"} == names
+    assert Topics("p").sessions_directory.compacted and Topics("p").sessions_placement.compacted
     assert Topics("p").scheduler_state.compacted and Topics("p").dispatch("w1").name == "p.dispatch.w1"
 
 
