@@ -9,7 +9,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Benchmarks. All share the same random-token workload arguments.")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
-    from loadgen.bench import batch, compare, engine, gateway, policies
+    from loadgen.bench import batch, compare, engine, gateway, policies, sessions
     from loadgen.baselines import hf_bench
 
     engine.add_parser(bsub)
@@ -17,4 +17,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     policies.add_parser(bsub)
     gateway.add_parser(bsub)
     batch.add_parser(bsub)
+    sessions.add_parser(bsub)
     hf_bench.add_parser(bsub)

@@ -88,9 +88,12 @@ def apply_chunk(result: StreamResult, chunk: dict, now: float) -> None:
 
 
 class HttpClient:
-    def __init__(self, base_url: str, model: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str | None = None, send_session_ids: bool = True) -> None:
+        """`send_session_ids=False` still resends each session's history, but anonymously: the
+        server cannot tie turns together (the recompute-every-turn baseline)."""
         import httpx
 
+        self.send_session_ids = send_session_ids
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(600.0, connect=10.0))
         self.model = model
@@ -113,7 +116,7 @@ class HttpClient:
             body["tandem"] = {k: v * 1e3 for k, v in (("ttft_ms", spec.slo.ttft_s), ("tpot_ms", spec.slo.tpot_s))
                               if v is not None}
         headers = {"X-Tandem-Class": spec.req_class}
-        if spec.session_id:
+        if spec.session_id and self.send_session_ids:
             headers["X-Session-Id"] = spec.session_id
         if spec.prompt_text is not None and messages is None:
             return "/v1/completions", {**body, "prompt": spec.prompt_text}, headers
@@ -178,8 +181,8 @@ class HttpRun:
     """The asyncio counterpart of `loadgen.driver.Driver` for a live gateway."""
 
     def __init__(self, client: HttpClient, workload: Workload, seed: int, drain_timeout_s: float | None,
-                 progress: bool, be_via_batch_api: bool = False) -> None:
-        self.be_via_batch_api = be_via_batch_api
+                 progress: bool, be_via_batch_api: bool = False, send_hints: bool = True) -> None:
+        self.be_via_batch_api, self.send_hints = be_via_batch_api, send_hints
         self.client, self.workload, self.seed = client, workload, seed
         self.duration_s = workload.config.duration_s
         self.drain_timeout_s = max(30.0, self.duration_s) if drain_timeout_s is None else drain_timeout_s
@@ -242,7 +245,7 @@ class HttpRun:
 
     def _push(self, sub: Submission, src: Source | None) -> None:
         heapq.heappush(self._due, (sub.at_s, next(self._seq), sub, src))
-        if sub.typing_at_s is not None and sub.spec.session_id:
+        if sub.typing_at_s is not None and sub.spec.session_id and self.send_hints:
             asyncio.get_running_loop().call_later(max(0.0, sub.typing_at_s - self.now()), self._hint,
                                                   sub.spec.session_id)
         self._wake.set()

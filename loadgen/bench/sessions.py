@@ -1,0 +1,236 @@
+"""`tandem bench sessions`: multi-turn chat with and without kept KV (Symphony, issue 6).
+
+Each mode runs its own stack (`tandem up --workers 2`) and the same closed-loop sessions
+workload at several user counts: every user holds one ShareGPT-like session at a time, reads
+each answer and types the next prompt at human speeds (sped up by `--speedup` so a run takes
+minutes, not hours), and starts a new session after the last turn.
+
+Modes, compared in one run:
+- `recompute`: no session ids and no prefix cache: every turn prefills the whole conversation,
+  placed least-loaded (vLLM's default serving of multi-turn chat behind a load balancer).
+- `sticky`: session ids, no hints: each turn goes to the worker holding the session's KV.
+- `hints`: session ids plus typing hints: the advisory service places the coming turn by load
+  and the target prefetches (or pulls) the KV while the user types.
+
+Reported per mode and user count: the load generator's summary, next-turn (turn >= 1) TTFT
+p50/p99 and TPOT, prompt tokens recomputed vs reused (from the OpenAI `usage` the gateway
+returns), KV bytes moved between tiers and workers (the workers' session stats), and load
+imbalance (max/mean of prefill tokens computed per worker). Then, per mode, the most users
+whose next-turn p99 TTFT stays within `--ttft-p99-target`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from loadgen.bench.common import percentile, write_json
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    session_ids: bool  # send X-Session-Id
+    hints: bool  # send typing hints
+    env: dict = field(default_factory=dict)  # settings for every service of the stack
+
+
+MODES = {
+    "recompute": Mode("recompute", False, False, {"TANDEM_ENABLE_PREFIX_CACHING": "false"}),
+    "sticky": Mode("sticky", True, False, {"TANDEM_SESSION_ROUTING": "sticky"}),
+    "hints": Mode("hints", True, True, {}),
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sessions", help="multi-turn sessions: recompute vs sticky vs typing hints with migration")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds per (mode, user count) run")
+    p.add_argument("--users", default="2,4,8", help="comma-separated concurrent users (sessions) to sweep")
+    p.add_argument("--modes", default="recompute,sticky,hints", help=f"some of {', '.join(MODES)}")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--kv-cache-gib", type=float, default=0.25)
+    p.add_argument("--turns-mean", type=float, default=4.0)
+    p.add_argument("--length-scale", type=float, default=1.0, help="scale ShareGPT prompt/output lengths")
+    p.add_argument("--speedup", type=float, default=10.0, help="human reading/typing speed multiplier")
+    p.add_argument("--ttft-p99-target", type=float, default=2.0, help="seconds: the latency bar for capacity")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="keep each stack's log here")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    modes = [_mode(m) for m in args.modes.split(",") if m]
+    levels = sorted({int(u) for u in args.users.split(",") if u})
+    if not modes or not levels or min(levels) < 1:
+        raise ValueError("need at least one mode and user counts >= 1")
+    result = uvloop.run(_bench(args, modes, levels))
+    print(format_result(result))
+    write_json(result, args.json)
+    return 0
+
+
+def _mode(name: str) -> Mode:
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; choose from {', '.join(MODES)}")
+    return MODES[name]
+
+
+async def _bench(args: argparse.Namespace, modes: list[Mode], levels: list[int]) -> dict:
+    from loadgen.bench.common import host_info
+
+    out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "host": host_info(), "modes": {}}
+    for mode in modes:
+        out["modes"][mode.name] = await _run_mode(args, mode, levels)
+    out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
+    return out
+
+
+async def _run_mode(args: argparse.Namespace, mode: Mode, levels: list[int]) -> dict:
+    from loadgen.bench.stack import running_stack
+
+    with tempfile.TemporaryDirectory(prefix=f"tandem-sessions-{mode.name}-") as data_dir:
+        env = {**mode.env, "TANDEM_DATA_DIR": data_dir}
+        log = os.path.join(args.log_dir, f"sessions-{mode.name}.log") if args.log_dir else None
+        async with running_stack(args.model, args.dtype, args.kv_cache_gib, log, args.workers, env) as (url, name):
+            runs = []
+            for users in levels:
+                runs.append(await _run_level(args, mode, url, name, users))
+                print(f"  {mode.name:9s} users={users:3d}  {_one_line(runs[-1])}", flush=True)
+    return {"levels": runs, "max_users_at_target": max_users_at(runs, args.ttft_p99_target)}
+
+
+async def _run_level(args: argparse.Namespace, mode: Mode, url: str, name: str, users: int) -> dict:
+    from loadgen.arrivals import ArrivalSpec
+    from loadgen.metrics import summarize
+    from loadgen.targets.http import HttpClient, HttpRun
+    from loadgen.workloads.build import WorkloadConfig, build_workload
+    from loadgen.workloads.sources import HumanSpeeds
+
+    speeds = HumanSpeeds(250.0 * args.speedup, 40.0 * args.speedup)
+    cfg = WorkloadConfig("sessions", ArrivalSpec("closed", users=users), args.duration, seed=args.seed + users,
+                         length_scale=args.length_scale, turns_mean=args.turns_mean, speeds=speeds, max_len=2048)
+    workload = build_workload(cfg)
+    client = HttpClient(url, name, send_session_ids=mode.session_ids)
+    before = await worker_stats(client.client)
+    try:
+        res = await HttpRun(client, workload, cfg.seed, None, False, send_hints=mode.hints).run()
+        after = await worker_stats(client.client)
+    finally:
+        await client.close()
+    level = {"users": users, "summary": summarize(res.records, res.elapsed_s)["rt"], "typing_hints": res.typing_hints}
+    level.update(session_figures(res.records))
+    level["kv_moved"] = stats_delta(before, after)
+    return level
+
+
+async def worker_stats(client) -> dict:
+    """The gateway's view of every worker's session counters (`GET /v1/sessions/stats`)."""
+    try:
+        r = await client.get("/v1/sessions/stats")
+        return r.json() if r.status_code == 200 else {}
+    except Exception:  # older gateways: the bench still reports everything the client measures
+        return {}
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Counter growth during a run, summed over workers."""
+    total: dict[str, float] = {}
+    for worker, counters in (after.get("workers") or {}).items():
+        base = (before.get("workers") or {}).get(worker, {})
+        for key, value in counters.items():
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0) + value - base.get(key, 0)
+    return total
+
+
+def session_figures(records) -> dict:
+    """Next-turn latency, recomputed vs reused prompt tokens, migrations and per-worker balance."""
+    from loadgen.metrics import tpot, ttft
+
+    done = [r for r in records if r.completed]
+    later = [r for r in done if r.turn >= 1]
+    prev = _previous_turn_workers(done)
+    moved = [r for r in later if prev.get(r.request_id) not in (None, r.worker)]
+    stayed = [r for r in later if prev.get(r.request_id) == r.worker]
+    prompt = sum(r.usage_prompt_tokens or 0 for r in done)
+    cached = sum(r.cached_tokens or 0 for r in done)
+    return {
+        "next_turn_requests": len(later),
+        "next_turn_ttft_p50_s": percentile([ttft(r) for r in later], 50),
+        "next_turn_ttft_p99_s": percentile([ttft(r) for r in later], 99),
+        "next_turn_tpot_p50_s": percentile([v for v in (tpot(r) for r in later) if v is not None], 50),
+        "first_turn_ttft_p50_s": percentile([ttft(r) for r in done if r.turn == 0], 50),
+        "next_turn_same_worker": {"count": len(stayed), "ttft_p50_s": percentile([ttft(r) for r in stayed], 50)},
+        "next_turn_moved_worker": {"count": len(moved), "ttft_p50_s": percentile([ttft(r) for r in moved], 50)},
+        "prompt_tokens": prompt,
+        "prompt_tokens_reused": cached,
+        "prompt_tokens_recomputed": prompt - cached,
+        "per_worker": per_worker(done),
+    }
+
+
+def _previous_turn_workers(records) -> dict[str, str | None]:
+    """request id -> the worker that served the same session's previous turn."""
+    by_turn = {(r.session_id, r.turn): r.worker for r in records if r.session_id}
+    return {r.request_id: by_turn.get((r.session_id, r.turn - 1)) for r in records if r.session_id}
+
+
+def per_worker(records) -> dict:
+    work: dict[str, dict] = {}
+    for r in records:
+        w = work.setdefault(r.worker or "?", {"requests": 0, "prefill_tokens": 0})
+        w["requests"] += 1
+        w["prefill_tokens"] += (r.usage_prompt_tokens or 0) - (r.cached_tokens or 0)
+    loads = [w["prefill_tokens"] for w in work.values()]
+    mean = sum(loads) / len(loads) if loads else 0
+    return {"workers": work, "imbalance": (max(loads) / mean) if mean else None}
+
+
+def max_users_at(levels: list[dict], target_s: float) -> int | None:
+    """The most users whose next-turn p99 TTFT is within the target (None: not even the fewest)."""
+    ok = [lv["users"] for lv in levels if (lv["next_turn_ttft_p99_s"] or float("inf")) <= target_s]
+    return max(ok) if ok else None
+
+
+def compare_modes(modes: dict, target_s: float) -> dict:
+    """The issue's two goals: hinted next-turn TTFT vs on-device (sticky at the lowest load), and
+    sessions held at the latency bar relative to recompute-every-turn."""
+    out: dict = {"ttft_p99_target_s": target_s}
+    hints, sticky, rec = modes.get("hints"), modes.get("sticky"), modes.get("recompute")
+    if hints and sticky:
+        h, s = hints["levels"][0]["next_turn_ttft_p50_s"], sticky["levels"][0]["next_turn_ttft_p50_s"]
+        out["hint_vs_on_device_ttft_p50"] = (h / s) if h and s else None
+    for name, mode in modes.items():
+        out[f"{name}_max_users"] = mode["max_users_at_target"]
+    if rec and hints and rec["max_users_at_target"] and hints["max_users_at_target"]:
+        out["hints_vs_recompute_users"] = hints["max_users_at_target"] / rec["max_users_at_target"]
+    return out
+
+
+def _one_line(lv: dict) -> str:
+    f = lambda v: "-" if v is None else f"{v * 1e3:.0f}ms"  # noqa: E731
+    return (f"next-turn TTFT p50 {f(lv['next_turn_ttft_p50_s'])} p99 {f(lv['next_turn_ttft_p99_s'])}  "
+            f"TPOT {f(lv['next_turn_tpot_p50_s'])}  recomputed {lv['prompt_tokens_recomputed']} / "
+            f"{lv['prompt_tokens']} prompt tokens  imbalance {lv['per_worker']['imbalance'] or 0:.2f}")
+
+
+def format_result(res: dict) -> str:
+    lines = ["| mode | users | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens | KV bytes moved "
+             "| imbalance |", "|---|---|---|---|---|---|---|---|"]
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
+    for name, mode in res["modes"].items():
+        for lv in mode["levels"]:
+            moved = sum(v for k, v in lv["kv_moved"].items() if k.startswith("bytes_"))
+            lines.append(f"| {name} | {lv['users']} | {ms(lv['next_turn_ttft_p50_s'])} | "
+                         f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
+                         f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {moved / 2**20:.1f} MiB | "
+                         f"{lv['per_worker']['imbalance'] or 0:.2f} |")
+    lines.append("")
+    lines.append(" ".join(f"{k}={v}" for k, v in res["comparison"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""The sessions benchmark's figures, on hand-made request records."""
+from __future__ import annotations
+
+import pytest
+
+from loadgen.bench.sessions import compare_modes, max_users_at, session_figures, stats_delta
+from loadgen.metrics import RequestRecord
+
+
+def _rec(sid: str, turn: int, worker: str, ttft: float, prompt: int, cached: int) -> RequestRecord:
+    r = RequestRecord(f"{sid}-t{turn}", "rt", 10.0 * turn, prompt, 4, session_id=sid, worker=worker, turn=turn)
+    r.token_times_s = [r.arrival_s + ttft + 0.1 * i for i in range(4)]
+    r.finish_s, r.finish_reason = r.token_times_s[-1], "length"
+    r.usage_prompt_tokens, r.cached_tokens = prompt, cached
+    return r
+
+
+def test_session_figures_split_next_turns_by_worker_and_count_recomputed_tokens():
+    recs = [_rec("a", 0, "w0", 0.5, 100, 0), _rec("a", 1, "w0", 0.2, 300, 240),
+            _rec("b", 0, "w1", 0.6, 80, 0), _rec("b", 1, "w0", 0.4, 200, 160)]
+    f = session_figures(recs)
+    assert f["next_turn_requests"] == 2
+    assert f["next_turn_ttft_p50_s"] == pytest.approx(0.3)
+    assert f["next_turn_same_worker"] == {"count": 1, "ttft_p50_s": pytest.approx(0.2)}
+    assert f["next_turn_moved_worker"] == {"count": 1, "ttft_p50_s": pytest.approx(0.4)}
+    assert (f["prompt_tokens"], f["prompt_tokens_reused"], f["prompt_tokens_recomputed"]) == (680, 400, 280)
+    work = f["per_worker"]["workers"]
+    assert work["w0"] == {"requests": 3, "prefill_tokens": 100 + 60 + 40} and work["w1"]["prefill_tokens"] == 80
+    assert f["per_worker"]["imbalance"] == pytest.approx(200 / 140)
+
+
+def test_capacity_is_the_most_users_within_the_latency_bar():
+    levels = [{"users": 2, "next_turn_ttft_p99_s": 0.5}, {"users": 4, "next_turn_ttft_p99_s": 1.9},
+              {"users": 8, "next_turn_ttft_p99_s": 3.0}, {"users": 16, "next_turn_ttft_p99_s": None}]
+    assert max_users_at(levels, 2.0) == 4
+    assert max_users_at(levels, 0.1) is None
+    modes = {"recompute": {"levels": [{"next_turn_ttft_p50_s": 1.0}], "max_users_at_target": 2},
+             "sticky": {"levels": [{"next_turn_ttft_p50_s": 0.20}], "max_users_at_target": 4},
+             "hints": {"levels": [{"next_turn_ttft_p50_s": 0.21}], "max_users_at_target": 8}}
+    cmp = compare_modes(modes, 2.0)
+    assert cmp["hint_vs_on_device_ttft_p50"] == pytest.approx(1.05)
+    assert cmp["hints_vs_recompute_users"] == 4
+
+
+def test_stats_delta_sums_counter_growth_over_workers():
+    before = {"workers": {"w0": {"bytes_pulled": 10, "tier": "x"}}}
+    after = {"workers": {"w0": {"bytes_pulled": 30, "tier": "x"}, "w1": {"bytes_pulled": 5}}}
+    assert stats_delta(before, after) == {"bytes_pulled": 25}
