@@ -25,6 +25,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("loadgen.cli", "add_parser"),
     ("services.gateway.cli", "add_parser"),
     ("services.scheduler.cli", "add_parser"),
+    ("services.advisory.cli", "add_parser"),
     ("services.worker.cli_worker", "add_parser"),
     ("services.broker", "add_parser"),
     ("services.up", "add_parser"),

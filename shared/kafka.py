@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
@@ -152,6 +152,23 @@ async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: in
             except ValueError:
                 log.exception("undecodable %s dropped", cls.__name__)
     return out
+
+
+async def read_to_end(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None]) -> None:
+    """Apply every message up to the current end of the consumer's assigned partitions (rebuilding
+    state from a compacted topic); the consumer then tails from there."""
+    end = await consumer.end_offsets(list(consumer.assignment()))
+    while not await _caught_up(consumer, end):
+        for msgs in (await consumer.getmany(timeout_ms=200)).values():
+            for m in msgs:
+                on_message(m)
+
+
+async def _caught_up(consumer: AIOKafkaConsumer, end_offsets: dict) -> bool:
+    for tp, end in end_offsets.items():
+        if await consumer.position(tp) < end:
+            return False
+    return True
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:

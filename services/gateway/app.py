@@ -17,10 +17,12 @@ from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError
 from services.gateway.page import register_chat_page
 from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
+from services.gateway.sessions_api import register_sessions_api
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
+from shared.schemas.sessions import check_session_id
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -50,6 +52,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
     register_batch_api(app)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
+    register_sessions_api(app, core)  # typing hints (docs/sessions.md)
     register_chat_page(app)  # the chat page at / (services/gateway/static)
     return app
 
@@ -133,6 +136,8 @@ class _Handlers:
     def _build(self, body, kind: str, req_class: str, request: Request) -> GenerateRequest:
         core = self.core
         session = request.headers.get("x-session-id") or (body.tandem.session_id if body.tandem else None)
+        if session is not None:
+            check_session_id(session)
         slo = body.slo()
         if req_class == "rt" and slo.ttft_ms is None and slo.tpot_ms is None:
             slo = slo.model_copy(update={"ttft_ms": core.settings.rt_ttft_ms, "tpot_ms": core.settings.rt_tpot_ms})

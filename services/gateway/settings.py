@@ -15,3 +15,4 @@ class GatewaySettings(ServiceSettings):
     first_event_timeout_s: float = 60.0  # no worker accepted it this long: 503
     rt_ttft_ms: float | None = None  # class-default SLOs sent with requests (per-request `tandem` overrides)
     rt_tpot_ms: float | None = None
+    typing_debounce_s: float = 2.0  # per session, at most one typing hint this often (a burst is one hint)

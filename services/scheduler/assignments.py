@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections import Counter
 
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, read_to_end
 from shared.schemas.scheduler import Assignment
 
 
@@ -24,12 +24,8 @@ class AssignmentTable:
         """Rebuild from the state topic (last value per key wins; tombstones delete)."""
         consumer = await self._kafka.consumer(group=None)
         try:
-            tps = await self._kafka.assign_all(consumer, self._topic, from_end=False)
-            end = await consumer.end_offsets(tps)
-            while not await _caught_up(consumer, end):
-                for msgs in (await consumer.getmany(timeout_ms=200)).values():
-                    for m in msgs:
-                        self._apply(m.key.decode(), m.value)
+            await self._kafka.assign_all(consumer, self._topic, from_end=False)
+            await read_to_end(consumer, lambda m: self._apply(m.key.decode(), m.value))
         finally:
             await consumer.stop()
 
@@ -68,9 +64,3 @@ class AssignmentTable:
         cutoff = time.time() - seconds
         return [a for a in self.by_request.values() if a.assigned_at < cutoff]
 
-
-async def _caught_up(consumer, end_offsets: dict) -> bool:
-    for tp, end in end_offsets.items():
-        if await consumer.position(tp) < end:
-            return False
-    return True

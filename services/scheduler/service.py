@@ -18,18 +18,19 @@ from dataclasses import dataclass
 
 from aiokafka import TopicPartition
 
-from services.scheduler.affinity import LastWorkerAffinity, SessionAffinity
+from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_affinity
 from services.scheduler.assignments import AssignmentTable
 from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
 from services.scheduler.registry import WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
-from shared.kafka import KafkaClient, OffsetTracker
+from shared.kafka import KafkaClient, OffsetTracker, read_to_end
 from shared.metrics import ServiceMetrics
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import ResultBatch, Rerouted
 from shared.schemas.scheduler import Assignment
+from shared.schemas.sessions import SessionLocation, SessionPlacement
 from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.topics import Topics
 
@@ -52,7 +53,8 @@ class SchedulerService:
         self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
         self.placement = make_placement(settings.placement, PlacementLimits(
             kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker))
-        self.affinity: SessionAffinity = LastWorkerAffinity()
+        self.affinity: SessionAffinity = make_affinity(settings.session_affinity, AffinityLimits(
+            holder_room=settings.holder_room, kv_high_water=settings.kv_high_water))
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()
         self.started = time.monotonic()
@@ -66,6 +68,9 @@ class SchedulerService:
         self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
         self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
         self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
+        self.m_sessions = m.counter("scheduler_session_turns_total",
+                                    "session turns by route: placement, holder, moved (with a KV source), other",
+                                    ("route",))
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -76,16 +81,26 @@ class SchedulerService:
         self._hb = await self._tail(self.topics.heartbeats.name)
         self._tel = await self._tail(self.topics.telemetry.name)
         self._ctl = await self._tail(self.topics.control.name)
+        self._dir = await self._replay(self.topics.sessions_directory.name, self._on_location)
+        self._plc = await self._replay(self.topics.sessions_placement.name, self._on_placement)
         self._req = await self.kafka.consumer(self.topics.rt_requests.name, self.topics.be_requests.name,
                                               group="tandem-scheduler", hot=True)
         self.metrics.serve(self.settings.metrics_port)
         loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
-                 self._placement_loop(), self._housekeeping_loop(), self._capacity_loop())
+                 self._placement_loop(), self._housekeeping_loop(), self._capacity_loop(),
+                 self._session_loop(self._dir, self._on_location), self._session_loop(self._plc, self._on_placement))
         self._tasks = [asyncio.create_task(c) for c in loops]
 
     async def _tail(self, topic: str):
         c = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(c, topic, from_end=True)
+        return c
+
+    async def _replay(self, topic: str, apply):
+        """A compacted session topic, applied from its start (restart recovery), then tailed."""
+        c = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, topic, from_end=False)
+        await read_to_end(c, apply)
         return c
 
     async def stop(self) -> None:
@@ -143,6 +158,25 @@ class SchedulerService:
             if isinstance(cmd, Cancel):
                 self._drop_pending(cmd.request_id)
 
+    async def _session_loop(self, consumer, apply) -> None:
+        while True:
+            for msgs in (await consumer.getmany(timeout_ms=100)).values():
+                for m in msgs:
+                    apply(m)
+
+    def _on_location(self, m) -> None:
+        if m.value is not None:
+            try:
+                self.affinity.on_location(SessionLocation.decode(m.value))
+            except ValueError:
+                log.exception("undecodable session location dropped")
+
+    def _on_placement(self, m) -> None:
+        try:
+            self.affinity.on_placement(m.key.decode(), None if m.value is None else SessionPlacement.decode(m.value))
+        except ValueError:
+            log.exception("undecodable session placement dropped")
+
     def _drop_pending(self, request_id: str) -> None:
         for queue in self.pending.values():
             for p in [p for p in queue if p.request.request_id == request_id]:
@@ -164,23 +198,32 @@ class SchedulerService:
             queue = self.pending[cls]
             while queue:
                 p = queue[0]
-                worker = self.placement.place(self._placement_request(p.request), self._loads(p.request.model))
+                loads = self._loads(p.request.model)
+                worker = self._choose(p.request, loads)
                 if worker is None:
                     break  # FIFO within a class: nothing behind it fits either
                 queue.popleft()
-                await self._dispatch(p, worker)
+                await self._dispatch(p, worker, {w.worker_id for w in loads})
             self.m_pending.labels(cls).set(len(queue))
 
-    def _placement_request(self, req: GenerateRequest) -> PlacementRequest:
-        return PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id,
-                                preferred_worker=self.affinity.preferred(req.session_id))
+    def _choose(self, req: GenerateRequest, loads: list[WorkerLoad]) -> str | None:
+        """A session's RT turn goes where its affinity says (placement or holder), else by load."""
+        if req.req_class == "rt":
+            routed = self.affinity.route(req.session_id, loads)
+            if routed is not None:
+                return routed
+        return self.placement.place(PlacementRequest(request_id=req.request_id, req_class=req.req_class,
+                                                     session_id=req.session_id), loads)
 
     def _loads(self, model: str) -> list[WorkerLoad]:
         counts = self.assignments.counts()
         return [_worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
 
-    async def _dispatch(self, p: Pending, worker_id: str) -> None:
+    async def _dispatch(self, p: Pending, worker_id: str, live: set[str]) -> None:
         req = p.request
+        kv_source = self.affinity.kv_source(req.session_id, worker_id, live)
+        if kv_source is not None or req.kv_source is not None:
+            req = req.model_copy(update={"kv_source": kv_source})  # where this worker can pull the KV
         a = Assignment(request_id=req.request_id, attempt=req.attempt, worker_id=worker_id,
                        gateway_id=req.gateway_id, reply_partition=req.reply_partition, req_class=req.req_class,
                        assigned_at=time.time())
@@ -191,9 +234,23 @@ class SchedulerService:
         dispatch_ack = await self.kafka.send_nowait(self.topics.dispatch(worker_id).name, req, key=req.request_id)
         await asyncio.gather(state_ack, dispatch_ack)
         self.offsets.done(p.tp, p.offset)
+        self._count_session_turn(req, worker_id, live)
         self.affinity.placed(req.session_id, worker_id)
         self.m_placed.labels(req.req_class).inc()
-        log.debug("dispatched to %s", worker_id, extra={"request_id": req.request_id})
+        log.debug("dispatched to %s%s", worker_id, f" (KV from {kv_source.worker_id})" if kv_source else "",
+                  extra={"request_id": req.request_id})
+
+    def _count_session_turn(self, req: GenerateRequest, worker_id: str, live: set[str]) -> None:
+        if req.session_id is None:
+            return
+        placement = self.affinity.placements.live(req.session_id)
+        if placement is not None and placement.worker_id == worker_id:
+            route = "placement"
+        elif self.affinity.holder(req.session_id, live) == worker_id:
+            route = "holder"
+        else:
+            route = "moved" if req.kv_source is not None else "other"
+        self.m_sessions.labels(route).inc()
 
     async def _commit(self) -> None:
         offsets = self.offsets.committable()

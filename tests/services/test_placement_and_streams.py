@@ -75,18 +75,3 @@ def _drain(q: asyncio.Queue) -> list:
     while not q.empty():
         out.append(q.get_nowait())
     return out
-
-
-def test_last_worker_affinity_prefers_the_previous_turns_worker_and_forgets_old_sessions():
-    from services.scheduler.affinity import LastWorkerAffinity
-
-    a = LastWorkerAffinity(max_sessions=2)
-    assert a.preferred("s1") is None and a.preferred(None) is None
-    a.placed("s1", "w0")
-    a.placed("s2", "w1")
-    a.placed("s1", "w2")  # the latest turn wins, and s1 becomes the most recent
-    a.placed("s3", "w0")  # evicts the least recent, s2
-    assert (a.preferred("s1"), a.preferred("s2"), a.preferred("s3")) == ("w2", None, "w0")
-    p = LeastLoaded()
-    workers = [WorkerLoad("w0", running_rt=30), WorkerLoad("w2", running_rt=40), WorkerLoad("w1")]
-    assert p.place(PlacementRequest("r", "rt", session_id="s1", preferred_worker=a.preferred("s1")), workers) == "w2"

@@ -1,0 +1,163 @@
+"""The advisory service (`tandem advisory`): typing hints in, placements and prefetches out.
+
+Inputs: `advisory` (hints, consumer group `tandem-advisory`), `sessions.directory` (read from the
+start: the directory is rebuilt after a restart), `sessions.placement` (read back once at start,
+so live placements keep counting as pending load), heartbeats and telemetry (live workers, load),
+and the request topics (a session's request arriving ends its advised turn's pending load).
+Outputs: `SessionPlacement` on `sessions.placement` (the scheduler routes the turn by it),
+`Prefetch` on `control` (the target promotes or pulls the KV), and tombstones for placements
+whose turn did not come within their TTL. The target releases its prefetch pin on its own after
+`Prefetch.ttl_s` (no release message: a lost message could otherwise pin KV forever).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiokafka import ConsumerRecord
+
+from services.advisory.advisor import Advice, Advisor, AdvisorLimits
+from services.advisory.settings import AdvisorySettings
+from services.advisory.targets import make_target_policy
+from services.advisory.workers import WorkerView
+from shared.kafka import KafkaClient, fetch_decoded, read_to_end
+from shared.metrics import ServiceMetrics
+from shared.schemas.control import ControlEnvelope
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.sessions import SessionLocation, SessionPlacement, TypingHint
+from shared.schemas.telemetry import Heartbeat, Telemetry
+from shared.topics import Topics
+
+log = logging.getLogger(__name__)
+_EXPIRY_INTERVAL_S = 0.5
+
+
+class AdvisoryService:
+    def __init__(self, settings: AdvisorySettings) -> None:
+        self.settings = settings
+        self.topics = Topics(settings.topic_prefix)
+        self.kafka = KafkaClient(settings, settings.advisory_id)
+        limits = AdvisorLimits(settings.placement_ttl_s, settings.max_placement_ttl_s, settings.hint_max_age_s)
+        self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
+        self.workers = WorkerView(settings.worker_timeout_s)
+        self._tasks: list[asyncio.Task] = []
+        self._init_metrics()
+
+    def _init_metrics(self) -> None:
+        m = self.metrics = ServiceMetrics("advisory")
+        self.m_hints = m.counter("advisory_hints_total", "hints by outcome", ("outcome",))
+        self.m_placements = m.gauge("advisory_live_placements", "placements not yet expired")
+        self.m_sessions = m.gauge("advisory_directory_sessions", "sessions with a known KV copy")
+
+    # -- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.kafka.start(self.topics.static())
+        await self._restore_placements()
+        directory = await self._from_start(self.topics.sessions_directory.name)
+        await read_to_end(directory, self._on_location)
+        log.info("directory rebuilt: %d sessions, %d live placements", len(self.advisor.directory),
+                 len(self.advisor.pending))
+        tails = [await self._from_end(t.name) for t in
+                 (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)]
+        hints = await self.kafka.consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
+        self.metrics.serve(self.settings.metrics_port)
+        loops = (self._directory_loop(directory), self._heartbeat_loop(tails[0]), self._telemetry_loop(tails[1]),
+                 self._request_loop(tails[2]), self._request_loop(tails[3]), self._hint_loop(hints),
+                 self._expiry_loop())
+        self._tasks = [asyncio.create_task(c) for c in loops]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.kafka.stop()
+
+    async def _from_start(self, topic: str):
+        c = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, topic, from_end=False)
+        return c
+
+    async def _from_end(self, topic: str):
+        c = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, topic, from_end=True)
+        return c
+
+    async def _restore_placements(self) -> None:
+        consumer = await self._from_start(self.topics.sessions_placement.name)
+        now = time.time()
+
+        def apply(m: ConsumerRecord) -> None:
+            value = None if m.value is None else SessionPlacement.decode(m.value)
+            self.advisor.restore_placement(m.key.decode(), value, now)
+
+        await read_to_end(consumer, apply)
+        await consumer.stop()
+
+    # -- input loops ---------------------------------------------------------------------
+
+    def _on_location(self, m: ConsumerRecord) -> None:
+        if m.value is None:
+            return
+        try:
+            self.advisor.on_location(SessionLocation.decode(m.value))
+        except ValueError:
+            log.exception("undecodable session location dropped")
+
+    async def _directory_loop(self, consumer) -> None:
+        while True:
+            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
+                for m in msgs:
+                    self._on_location(m)
+            self.m_sessions.set(len(self.advisor.directory))
+
+    async def _heartbeat_loop(self, consumer) -> None:
+        while True:
+            for hb in await fetch_decoded(consumer, Heartbeat):
+                self.workers.on_heartbeat(hb)
+
+    async def _telemetry_loop(self, consumer) -> None:
+        while True:
+            for t in await fetch_decoded(consumer, Telemetry):
+                self.workers.on_telemetry(t)
+
+    async def _request_loop(self, consumer) -> None:
+        while True:
+            for req in await fetch_decoded(consumer, GenerateRequest):
+                self.advisor.on_turn(req.session_id)
+
+    async def _hint_loop(self, consumer) -> None:
+        while True:
+            hints = await fetch_decoded(consumer, TypingHint, timeout_ms=100)
+            for hint in hints:
+                await self._on_hint(hint)
+            if hints:
+                await consumer.commit()
+
+    async def _on_hint(self, hint: TypingHint) -> None:
+        advice = self.advisor.on_hint(hint, self.workers.live())
+        if isinstance(advice, str):
+            self.m_hints.labels(advice).inc()
+            log.debug("hint for session %s: %s", hint.session_id, advice)
+            return
+        await self._publish(advice)
+        self.m_hints.labels("refreshed" if advice.refreshed else "placed").inc()
+        log.info("session %s -> %s (%s)", hint.session_id, advice.placement.worker_id,
+                 f"pull from {advice.prefetch.source_worker}" if advice.prefetch.source_worker else "local")
+
+    async def _publish(self, advice: Advice) -> None:
+        # The prefetch first: the transfer starts while the placement travels to the scheduler.
+        sid = advice.placement.session_id
+        await self.kafka.send(self.topics.control.name, ControlEnvelope(message=advice.prefetch), key=sid)
+        await self.kafka.send(self.topics.sessions_placement.name, advice.placement, key=sid)
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_EXPIRY_INTERVAL_S)
+            for sid in self.advisor.expire():
+                try:
+                    await self.kafka.send(self.topics.sessions_placement.name, None, key=sid)
+                except Exception:  # noqa: BLE001 (the scheduler ignores expired placements anyway)
+                    log.warning("placement tombstone not sent", exc_info=True)
+            self.m_placements.set(len(self.advisor.placements))

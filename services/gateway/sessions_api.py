@@ -1,0 +1,134 @@
+"""Typing hints over HTTP and WebSocket: `POST /v1/sessions/{id}/typing` and
+`/v1/sessions/{id}/events`. Both feed `HintPublisher` (debounced, one hint per burst).
+
+HTTP body: `{"expected_arrival_s": float}` or empty → 202 `{"session_id", "hint": "sent"|"debounced"}`.
+WebSocket: the client sends `{"type": "keystroke"|"typing", "expected_arrival_s"?: float}` frames;
+each gets `{"type": "hint", "status": "sent"|"debounced"}`; a bad frame gets
+`{"type": "error", "message": ...}` and the socket stays open.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.gateway.core import GatewayCore
+from services.gateway.errors import APIError
+from services.gateway.hints import HintPublisher
+from shared.schemas.sessions import check_session_id
+
+log = logging.getLogger(__name__)
+MAX_HINT_BODY_BYTES = 4096
+
+
+class TypingBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    expected_arrival_s: float | None = Field(None, ge=0, le=3600)
+
+
+class TypingEvent(TypingBody):
+    type: str
+
+    def check(self) -> None:
+        if self.type not in ("keystroke", "typing"):
+            raise ValueError(f"type must be 'keystroke' or 'typing', not {self.type!r}")
+
+
+def register_sessions_api(app: FastAPI, core: GatewayCore) -> None:
+    api = _SessionsAPI(core)
+    # `:path` so an id with an encoded '/' still reaches the handler (and gets a proper error).
+    app.post("/v1/sessions/{session_id:path}/typing", status_code=202)(api.typing)
+    app.websocket("/v1/sessions/{session_id:path}/events")(api.events)
+
+
+class _SessionsAPI:
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        self.publisher = HintPublisher(core.kafka, core.topics.advisory.name, core.settings.typing_debounce_s)
+        self.m_hints = core.metrics.counter("gateway_typing_hints_total", "typing events received",
+                                            ("source", "status"))
+
+    async def typing(self, session_id: str, request: Request) -> JSONResponse:
+        sid = _session_id(session_id)
+        body = _parse_body(await request.body())
+        status = await self._hint(sid, body.expected_arrival_s, "http")
+        return JSONResponse({"session_id": sid, "hint": status}, status_code=202)
+
+    async def events(self, websocket: WebSocket, session_id: str) -> None:
+        await websocket.accept()
+        try:
+            sid = check_session_id(session_id)
+        except ValueError as exc:
+            await websocket.send_json({"type": "error", "message": str(exc)})
+            await websocket.close(code=1008)
+            return
+        try:
+            while True:
+                frame = await websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    return
+                await websocket.send_json(await self._on_frame(sid, frame.get("text")))
+        except WebSocketDisconnect:
+            return
+
+    async def _on_frame(self, sid: str, text: str | None) -> dict:
+        if text is None:
+            return {"type": "error", "message": "send JSON text frames, not binary ones"}
+        try:
+            event = TypingEvent.model_validate(json.loads(text))
+            event.check()
+        except (json.JSONDecodeError, ValidationError, ValueError) as exc:
+            return {"type": "error", "message": _message(exc)}
+        try:
+            return {"type": "hint", "status": await self._hint(sid, event.expected_arrival_s, "websocket")}
+        except APIError as exc:
+            return {"type": "error", "message": exc.message}
+
+    async def _hint(self, sid: str, expected_arrival_s: float | None, source: str) -> str:
+        try:
+            status = await self.publisher.hint(sid, expected_arrival_s, source)
+        except Exception:  # noqa: BLE001 (the broker is away: the client may retry)
+            log.warning("typing hint not published", exc_info=True)
+            raise APIError(503, "the hint could not be published; retry later", code="unavailable") from None
+        self.m_hints.labels(source, status).inc()
+        return status
+
+
+def _session_id(session_id: str) -> str:
+    try:
+        return check_session_id(session_id)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="session_id", code="invalid_value") from None
+
+
+def _parse_body(raw: bytes) -> TypingBody:
+    if len(raw) > MAX_HINT_BODY_BYTES:
+        raise APIError(413, f"request body exceeds {MAX_HINT_BODY_BYTES} bytes", code="request_too_large")
+    if not raw.strip():
+        return TypingBody()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return TypingBody.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not valid JSON: {exc}"
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        return f"{loc}: {err['msg']}" if loc else err["msg"]
+    return str(exc)
