@@ -55,6 +55,10 @@ class Stack:
         self.gateway_urls[name] = f"http://127.0.0.1:{port}"
         return self.gateway_urls[name]
 
+    def advisory(self, name: str = "advisory", **env) -> None:
+        """The advisory service (typing hints -> session placements and prefetches)."""
+        self.spawn(name, "advisory", **env)
+
     def queue(self, name: str = "queue", **env) -> None:
         """The batch queue service; it shares the stack's data dir (or TANDEM_DATABASE_URL) with the gateway."""
         self.spawn(name, "queue", "--queue-id", f"{self.prefix}-queue", **env)
