@@ -144,6 +144,8 @@ function select(conv) {
   }
   els.sessionId.textContent = conv.sessionId;
   els.hintStatus.textContent = "";
+  delete els.hintStatus.dataset.status;
+  delete els.hintStatus.dataset.via;
   els.send.disabled = conv.busy;
   els.input.focus();
 }
