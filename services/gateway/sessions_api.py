@@ -1,5 +1,6 @@
 """Typing hints over HTTP and WebSocket: `POST /v1/sessions/{id}/typing` and
 `/v1/sessions/{id}/events`. Both feed `HintPublisher` (debounced, one hint per burst).
+`GET /v1/sessions/stats`: the workers' kept-KV counters, as their heartbeats report them.
 
 HTTP body: `{"expected_arrival_s": float}` or empty → 202 `{"session_id", "hint": "sent"|"debounced"}`.
 WebSocket: the client sends `{"type": "keystroke"|"typing", "expected_arrival_s"?: float}` frames;
@@ -43,6 +44,7 @@ def register_sessions_api(app: FastAPI, core: GatewayCore) -> None:
     # `:path` so an id with an encoded '/' still reaches the handler (and gets a proper error).
     app.post("/v1/sessions/{session_id:path}/typing", status_code=202)(api.typing)
     app.websocket("/v1/sessions/{session_id:path}/events")(api.events)
+    app.get("/v1/sessions/stats")(api.stats)
 
 
 class _SessionsAPI:
@@ -51,6 +53,10 @@ class _SessionsAPI:
         self.publisher = HintPublisher(core.kafka, core.topics.advisory.name, core.settings.typing_debounce_s)
         self.m_hints = core.metrics.counter("gateway_typing_hints_total", "typing events received",
                                             ("source", "status"))
+
+    async def stats(self) -> dict:
+        """Every live worker's kept-KV counters, from its heartbeats (the sessions benchmark reads them)."""
+        return {"workers": {hb.worker_id: hb.session_stats for hb in self.core.workers.live()}}
 
     async def typing(self, session_id: str, request: Request) -> JSONResponse:
         sid = _session_id(session_id)

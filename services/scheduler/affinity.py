@@ -1,6 +1,6 @@
 """Session affinity: where a session's turn runs, and where that worker can get the session's KV.
 
-One interface, three policies (`TANDEM_SESSION_AFFINITY`):
+One interface, three policies (`TANDEM_SESSION_ROUTING`):
 
 - `advisory` (default, Symphony): a turn goes to its session's unexpired placement (chosen by
   the advisory service from a typing hint, the KV already prefetched there) while that worker

@@ -53,7 +53,7 @@ class SchedulerService:
         self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
         self.placement = make_placement(settings.placement, PlacementLimits(
             kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker))
-        self.affinity: SessionAffinity = make_affinity(settings.session_affinity, AffinityLimits(
+        self.affinity: SessionAffinity = make_affinity(settings.session_routing, AffinityLimits(
             holder_room=settings.holder_room, kv_high_water=settings.kv_high_water))
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()

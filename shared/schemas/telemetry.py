@@ -20,6 +20,7 @@ class Heartbeat(WireModel):
     sent_at: float
     draining: bool = False
     kv_url: str | None = None  # base URL of its KV server (peers pull sessions' KV from it)
+    session_stats: dict[str, float] = Field(default_factory=dict)  # kept-KV counters (docs/sessions.md)
     running_ids: list[str] = Field(default_factory=list)  # "request_id:attempt" held by the engine
     finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
 
