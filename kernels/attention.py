@@ -16,6 +16,7 @@ summation order) is the same as for forward blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -51,6 +52,9 @@ class AttentionMetadata:
     decode_buckets: list[DecodeBucket]
     prefills: list[PrefillSpan]
     scale: float
+    # Called with the layer index before each layer's attention while KV for this batch is
+    # still being loaded layer by layer (session promotion); None otherwise.
+    wait_layer: Callable[[int], None] | None = None
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

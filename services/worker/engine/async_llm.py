@@ -10,7 +10,7 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import LLMEngine
@@ -40,11 +40,19 @@ class _Add:
     slo: SLO
     arrival_time: float | None
     resumed_output_ids: list[int]
+    session_id: str | None = None
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[..., Any]
+    args: tuple
+    future: asyncio.Future
 
 
 class AsyncLLM:
@@ -68,6 +76,8 @@ class AsyncLLM:
         self._inbox.put(None)
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self.engine is not None:  # flush queued session writes so a restart finds them
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.sessions.close)
 
     @property
     def tokenizer(self):
@@ -86,14 +96,18 @@ class AsyncLLM:
         slo: SLO = SLO(),
         arrival_time: float | None = None,
         resumed_output_ids: list[int] | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
-        """Stream deltas until the request finishes. Leaving the loop early aborts the request."""
+        """Stream deltas until the request finishes. Leaving the loop early aborts the request.
+
+        `session_id`: a turn of that session (its kept KV is reused and the grown KV kept).
+        """
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._inbox.put(_Add(request_id, list(prompt_token_ids), params, req_class, slo, arrival_time,
-                              list(resumed_output_ids or ())))
+                              list(resumed_output_ids or ()), session_id))
         finished = False
         try:
             while not finished:
@@ -109,6 +123,13 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(engine, *args)` in the engine thread, between steps, and return its result
+        (or raise its exception): how services reach `engine.sessions` safely."""
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Call(fn, args, future))
+        return await future
 
     # -- engine thread -------------------------------------------------------------------
 
@@ -138,12 +159,22 @@ class AsyncLLM:
         if isinstance(item, _Abort):
             self.engine.abort(item.request_id)
             return
+        if isinstance(item, _Call):
+            self._run_call(item)
+            return
         try:
             self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, req_class=item.req_class,
                                     slo=item.slo, arrival_time=item.arrival_time, stream_text=True,
-                                    resumed_output_ids=item.resumed_output_ids)
+                                    resumed_output_ids=item.resumed_output_ids, session_id=item.session_id)
         except ValueError as exc:
             self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)
+
+    def _run_call(self, call: _Call) -> None:
+        try:
+            result, error = call.fn(self.engine, *call.args), None
+        except Exception as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        self._loop.call_soon_threadsafe(_resolve, call.future, result, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -158,3 +189,12 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(exc)
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

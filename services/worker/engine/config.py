@@ -70,6 +70,12 @@ class EngineConfig:
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
+    session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
+    session_host_gib: float = 1.0  # host-memory budget for kept session KV
+    session_disk_gib: float = 20.0  # disk budget; least recently active sessions are deleted beyond it
+    session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
+    session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,8 +24,9 @@ from services.worker.engine.runner import ModelRunner
 from services.worker.engine.sampler import Sampler
 from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduling import (
-    SLO, BatchLimits, FinishReason, Request, RequestClass, Scheduler, make_policy,
+    SLO, BatchLimits, FinishReason, Request, RequestClass, RequestStatus, Scheduler, SchedulerState, make_policy,
 )
+from services.worker.engine.sessions import KVLayout, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class LLMEngine:
         if config.policy == "bros":
             self.cost_model = self._cost_model(config, source)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
+        self.sessions = SessionStore(config, KVLayout.of(self.model_config, config.dtype, config.block_size),
+                                     self.kv, self.storage, self.cost_model)
+        self.kv.reclaim = self.sessions.reclaim  # session pins yield to memory pressure
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
@@ -100,8 +104,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream_text: bool = False,
         resumed_output_ids: Sequence[int] = (),
+        session_id: str | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError for input the engine can never serve.
+
+        `session_id`: a turn of that session: its kept KV is reused (prefix match on tokens,
+        promoted from host or disk if needed) and the grown KV is kept when it finishes.
 
         `resumed_output_ids`: output tokens an earlier attempt already delivered (its worker
         died). They extend the prompt, and the detokenizer consumes them silently, so the text
@@ -109,11 +117,15 @@ class LLMEngine:
         """
         full_prompt = list(prompt_token_ids) + list(resumed_output_ids)
         self.validate(full_prompt, params)
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise ValueError("session_id must be a non-empty string")
         request = Request(
             request_id, full_prompt, params, arrival_time or time.perf_counter(), req_class, slo,
             self.eos_token_ids, self.max_model_len,
         )
         self.scheduler.add(request)
+        if session_id is not None:
+            self.sessions.begin_turn(request, session_id)
         if stream_text or params.stop:
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -125,6 +137,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> Request | None:
         self._detokenizers.pop(request_id, None)
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            self.sessions.end_turn(request, keep=False)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -134,29 +149,62 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self.sessions.active:  # pins to release, loads to retire, disk writes to account
+            self.sessions.before_step()
         batch = self.scheduler.schedule(start)
         self._count_schedule(batch)
         if batch.copies:  # checkpoints, swaps and restores the policy decided, before the forward pass
             self.storage.execute(batch.copies)
         if not batch:
             return []
-        result = self.runner.execute(batch.items)
+        waiter = self.sessions.waiter(batch.items) if self.sessions.loading else None
+        result = self.runner.execute(batch.items, None if waiter is None else waiter.wait_layer)
+        failed = self._recompute_failed_loads(waiter) if waiter is not None else ()
         self.stats.steps += 1
+        prefill_tokens = 0
         for item in batch.items:
             request = item.request
+            if request in failed:
+                continue
             if not request.is_prefill_done:
-                self.stats.prompt_tokens_computed += item.num_new_tokens
+                prefill_tokens += item.num_new_tokens
             request.num_computed_tokens += item.num_new_tokens
             self.stats.tokens_computed += item.num_new_tokens
             self.kv.commit(request)
+        self.stats.prompt_tokens_computed += prefill_tokens
         outputs = []
         if result.logits is not None:
-            self.last_logits = (result.sampled, result.logits)
-            outputs = self._sample_and_emit(result.logits, result.sampled)
+            logits, sampled = self._without(result.logits, result.sampled, failed)
+            self.last_logits = (sampled, logits)
+            outputs = self._sample_and_emit(logits, sampled) if sampled else []
         elapsed = time.perf_counter() - start
+        if prefill_tokens:
+            self.sessions.record_prefill(prefill_tokens, elapsed)
         self.stats.step_time_s += elapsed
         self.scheduler.step_done(batch, elapsed)
         return outputs
+
+    def _recompute_failed_loads(self, waiter) -> set[Request]:
+        """Requests whose promoted KV failed to load (checksum, I/O) go back to be recomputed."""
+        failed = set(waiter.failed_requests())
+        if not failed:
+            return failed
+        self.sessions.retire_failed()  # the bad blocks leave the prefix cache before anyone re-matches them
+        state = SchedulerState(self.scheduler.waiting, self.scheduler.running, self.kv, self.scheduler.limits,
+                               time.perf_counter())
+        for request in failed:
+            if request.status is RequestStatus.RUNNING:
+                state.preempt(request)
+                request.first_scheduled_time = None  # re-admission records what is really reused
+                request.num_cached_tokens = 0
+        return failed
+
+    @staticmethod
+    def _without(logits: torch.Tensor, sampled: list[Request], failed) -> tuple[torch.Tensor, list[Request]]:
+        if not failed:
+            return logits, sampled
+        keep = [i for i, r in enumerate(sampled) if r not in failed]
+        return logits[keep], [sampled[i] for i in keep]
 
     def _count_schedule(self, batch) -> None:
         self.stats.schedule_time_s += self.scheduler.last_schedule_s
@@ -193,6 +241,7 @@ class LLMEngine:
                 text += detok.finish()
         if stop is not None:
             request.stop_reason = stop[1]
+            self.sessions.end_turn(request, keep=True)  # before finish frees the blocks it copies from
             self.scheduler.finish(request, stop[0])
             if detok is not None:
                 request.output_text = detok.text

@@ -8,6 +8,7 @@ chunks produce none).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -38,7 +39,8 @@ class ModelRunner:
         self.scale = model.config.head_dim ** -0.5
 
     @torch.inference_mode()
-    def execute(self, items: list[ScheduledItem]) -> StepResult:
+    def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
+        """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
         ordered = decodes + prefills
@@ -48,6 +50,7 @@ class ModelRunner:
             decode_buckets=self._decode_buckets([it.request for it in decodes]),
             prefills=self._prefill_spans(prefills, start=len(decodes)),
             scale=self.scale,
+            wait_layer=wait_layer,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:

@@ -97,6 +97,10 @@ class BlockPool:
             self._cached[block_hash] = block
             block.block_hash = block_hash
 
+    def unregister(self, block: Block) -> None:
+        """Make a block unfindable by hash (its contents turned out invalid)."""
+        self._evict(block)
+
     def num_evictable(self, blocks: Iterable[Block]) -> int:
         """How many of these (cached) blocks currently sit in the free list."""
         return sum(1 for b in blocks if b.ref_count == 0)

@@ -11,7 +11,7 @@ manager can serve every policy; see docs/engine.md ("KV layout") for the slot ma
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from services.worker.engine.kv.bidirectional import BidirectionalMixin
 from services.worker.engine.kv.block_pool import Block, BlockPool
@@ -78,6 +78,9 @@ class KVCacheManager(BidirectionalMixin):
         self.pending_copies: list[KVCopy] = []
         self.pending_swap_bytes = 0
         self.undo = UndoLog()
+        # Called with the number of blocks short when an allocation would fail; may free some
+        # (the session store releases soft pins) and returns whether it did.
+        self.reclaim: Callable[[int], bool] | None = None
 
     def table(self, request: "Request") -> BlockTable:
         return self._tables[request.request_id]
@@ -111,7 +114,7 @@ class KVCacheManager(BidirectionalMixin):
         have = len(table) if table else 0
         computed = request.num_computed_tokens + len(prefix) * self.block_size
         need = -(-(computed + num_new_tokens) // self.block_size) - have - len(prefix)
-        if need + self.pool.num_evictable(prefix) > self.pool.num_free:
+        if need + self.pool.num_evictable(prefix) > self.pool.num_free and not self._reclaimed(need, prefix):
             return False
         if table is None:
             table = self._tables[request.request_id] = BlockTable()
@@ -121,6 +124,12 @@ class KVCacheManager(BidirectionalMixin):
             table.extend(self.pool.allocate(need))
         table.claimed = computed + num_new_tokens
         return True
+
+    def _reclaimed(self, need: int, prefix: Sequence[Block]) -> bool:
+        short = need + self.pool.num_evictable(prefix) - self.pool.num_free
+        if self.reclaim is None or not self.reclaim(short):
+            return False
+        return need + self.pool.num_evictable(prefix) <= self.pool.num_free
 
     def commit(self, request: "Request") -> None:
         """Publish blocks whose tokens are all computed to the prefix cache.
@@ -153,6 +162,10 @@ class KVCacheManager(BidirectionalMixin):
         copies, self.pending_copies = self.pending_copies, []
         self.pending_swap_bytes = 0
         return copies
+
+    def block_hashes(self, request: "Request", n: int) -> list[bytes]:
+        """The request's first n full-block hashes (the prefix-cache keys)."""
+        return self._block_hashes(request, n)[:n]
 
     def _block_hashes(self, request: "Request", n: int) -> list[bytes]:
         """The request's first n full-block hashes, extending its memo as tokens accrue."""

@@ -84,7 +84,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, caches: list[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, cache in zip(self.layers, caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if meta.wait_layer is not None:  # layer i's KV may still be arriving
+                meta.wait_layer(i)
             x = layer(x, cos, sin, meta, cache)
         return x
 

@@ -70,7 +70,9 @@ class OPTForCausalLM(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)
         x = x + self.embed_positions(positions + _POSITION_OFFSET)
-        for layer, cache in zip(self.layers, caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if meta.wait_layer is not None:  # layer i's KV may still be arriving
+                meta.wait_layer(i)
             x = layer(x, meta, cache)
         return x
 
