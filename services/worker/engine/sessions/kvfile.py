@@ -119,11 +119,11 @@ class KVHeader:
         return self.layer_offset(self.layout.num_layers) + len(TRAILER)
 
 
-def file_size(num_tokens: int, session_id: str, layout: KVLayout) -> int:
+def file_size(session_id: str, token_ids: Sequence[int], layout: KVLayout) -> int:
     """Bytes of the file `write_kv_file` produces (for budgets, before writing)."""
-    header = _header_bytes(session_id, [0] * num_tokens, layout)
+    header = _header_bytes(session_id, token_ids, layout)
     return _PREAMBLE.size + len(header) + _U32.size + layout.num_layers * (
-        _LAYER.size + num_tokens * layout.bytes_per_token_layer) + len(TRAILER)
+        _LAYER.size + len(token_ids) * layout.bytes_per_token_layer) + len(TRAILER)
 
 
 # -- writing ------------------------------------------------------------------------------

@@ -451,7 +451,7 @@ class SessionStore:
             return [layer.index_select(2, ids).reshape(shape).to("cpu") for layer in self.storage.layers]
 
     def _write_disk(self, session_id: str, token_ids: tuple[int, ...], layers, now: float) -> None:
-        size = file_size(len(token_ids), session_id, self.layout)
+        size = file_size(session_id, token_ids, self.layout)
         if size > self.disk_budget:
             log.warning("session %r (%d bytes) exceeds the disk budget; kept without a disk copy", session_id, size)
             self.disk.delete(session_id)
