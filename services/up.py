@@ -1,7 +1,8 @@
 """`tandem up`: the whole stack on one machine, one command.
 
-Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the workers,
-the batch queue service and the gateway as child processes, prefixes each child's log lines with its name, waits until
+Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the advisory
+service (typing hints -> session placement), the workers, the batch queue service and the
+gateway as child processes, prefixes each child's log lines with its name, waits until
 the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM) stops the children in reverse
 order, each with SIGTERM first. Nothing is restarted silently: if a child exits, `up` says which
 one and with what code, stops the rest and exits non-zero.
@@ -28,7 +29,7 @@ class Child:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start broker, scheduler, workers and gateway on this machine",
+    p = sub.add_parser("up", help="start broker, scheduler, advisory, workers and gateway on this machine",
                        description="Start the whole stack on one machine and serve the API.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -67,6 +68,7 @@ class _Up:
         a = self.args
         threads = max(1, (os.cpu_count() or 1) // a.workers)
         self.children.append(Child("scheduler", _cli("scheduler")))
+        self.children.append(Child("advisory", _cli("advisory")))  # sessions: hints -> placement + prefetch
         for i in range(a.workers):
             argv = _cli("worker", "--model", a.model, "--device", a.device, "--dtype", a.dtype,
                         "--kv-cache-gib", str(a.kv_cache_gib), "--policy", a.policy, "--worker-id", f"worker-{i}")

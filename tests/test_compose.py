@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from services.cli import build_parser
+from services.advisory.settings import AdvisorySettings
 from services.gateway.settings import GatewaySettings
 from services.queue.settings import QueueSettings, StoreSettings
 from services.scheduler.settings import SchedulerSettings
@@ -21,7 +22,7 @@ class GatewayWithBatchStore(GatewaySettings, StoreSettings):
 
 
 SETTINGS = {"gateway": GatewayWithBatchStore, "scheduler": SchedulerSettings, "worker": WorkerSettings,
-            "topics": ServiceSettings, "queue": QueueSettings}
+            "topics": ServiceSettings, "queue": QueueSettings, "advisory": AdvisorySettings}
 NOT_OURS = {"HF_HUB_OFFLINE"}  # read by libraries, not by our settings
 
 
@@ -42,6 +43,7 @@ def test_topology(compose):
     commands = [s["command"][0] for s in _tandem_services(compose).values()]
     assert commands.count("worker") == 2 and "gateway" in commands and "scheduler" in commands
     assert "queue" in commands and services["postgres"]["image"].startswith("postgres")
+    assert "advisory" in commands  # typing hints -> session placement (docs/sessions.md)
     for name in ("gateway", "queue"):  # both reach the same batch store
         assert services[name]["environment"]["TANDEM_DATABASE_URL"].startswith("postgresql+asyncpg://")
     for name, s in _tandem_services(compose).items():

@@ -22,11 +22,12 @@ from services.worker.adapter import EngineRequest, to_engine_request
 from services.worker.engine.async_llm import AsyncLLM
 from services.worker.engine.config import EngineConfig
 from services.worker.outbox import ResultOutbox
+from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
 from shared.kafka import KafkaClient
 from shared.metrics import ServiceMetrics
-from shared.schemas.control import Cancel, ControlEnvelope, Drain
+from shared.schemas.control import Cancel, ControlEnvelope, Drain, Prefetch
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.telemetry import Heartbeat
@@ -54,8 +55,11 @@ class WorkerService:
         self.model_name = served_name(settings)
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, f"worker-{self.worker_id}")
-        self.llm = AsyncLLM(self._engine_config(settings))
+        self.session_dir = settings.resolved_session_dir(self.worker_id)
+        self.llm = AsyncLLM(self._engine_config(settings, self.session_dir))
         self.outbox = ResultOutbox(self.kafka, self.topics.results.name, self.worker_id)
+        self.sessions = WorkerSessions(self.llm, self.kafka, self.topics.sessions_directory.name, self.worker_id,
+                                       settings, self.session_dir)
         self.telemetry = TelemetryWindow()
         self.draining = False
         self.started_at = time.time()
@@ -74,11 +78,14 @@ class WorkerService:
         self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
 
     @staticmethod
-    def _engine_config(s: WorkerSettings) -> EngineConfig:
+    def _engine_config(s: WorkerSettings, session_dir) -> EngineConfig:
         return EngineConfig(model=s.model, device=s.device, dtype=s.dtype, kv_cache_gib=s.kv_cache_gib,
                             policy=s.policy, max_num_seqs=s.max_num_seqs,
                             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-                            num_threads=s.num_threads)
+                            num_threads=s.num_threads, enable_prefix_caching=s.enable_prefix_caching,
+                            session_dir=str(session_dir), session_host_gib=s.session_host_gib,
+                            session_disk_gib=s.session_disk_gib, session_eviction=s.session_eviction,
+                            session_prefetch_ttl_s=s.session_prefetch_ttl_s)
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -90,6 +97,7 @@ class WorkerService:
         await self.llm.start()
         dispatch = self.topics.dispatch(self.worker_id)
         await self.kafka.start([*self.topics.static(), dispatch])
+        await self.sessions.start()
         self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}",
                                                    hot=True)
         self._control = await self.kafka.consumer(group=None)
@@ -110,6 +118,7 @@ class WorkerService:
             t.cancel()
         await asyncio.gather(*self._tasks.values(), *self._background, return_exceptions=True)
         await self.outbox.drain()
+        await self.sessions.stop()
         await self.kafka.stop()
         await self.llm.shutdown()
 
@@ -158,6 +167,8 @@ class WorkerService:
         self.outbox.put(part, Accepted(request_id=req.request_id, attempt=req.attempt, worker_id=self.worker_id,
                                        prompt_tokens=len(er.prompt_token_ids)))
         try:
+            if req.session_id is not None:
+                await self.sessions.prepare(req, len(er.prompt_token_ids))
             await self._stream(req, er)
         finally:
             self._forget(req)
@@ -165,7 +176,8 @@ class WorkerService:
     async def _stream(self, req: GenerateRequest, er: EngineRequest) -> None:
         index = len(er.resumed_output_ids)
         async for d in self.llm.generate(er.key, er.prompt_token_ids, er.params, req_class=er.req_class,
-                                         slo=er.slo, resumed_output_ids=er.resumed_output_ids):
+                                         slo=er.slo, resumed_output_ids=er.resumed_output_ids,
+                                         session_id=req.session_id):
             if index == len(er.resumed_output_ids):
                 log.debug("first delta", extra={"request_id": req.request_id})
             self.telemetry.add_tokens(len(d.token_ids))
@@ -204,6 +216,8 @@ class WorkerService:
                 if task is not None:
                     task.cancel()  # leaving the engine stream aborts the request and frees its KV
                     log.info("cancelled", extra={"request_id": cmd.request_id})
+            elif isinstance(cmd, Prefetch) and cmd.worker_id == self.worker_id:
+                self.sessions.on_prefetch(cmd)
             elif isinstance(cmd, Drain) and cmd.worker_id == self.worker_id:
                 self.draining = True
                 await self._send_heartbeat()
@@ -223,11 +237,18 @@ class WorkerService:
         hb = Heartbeat(worker_id=self.worker_id, model=self.model_name, max_model_len=self.llm.engine.max_model_len,
                        dispatch_topic=self.topics.dispatch(self.worker_id).name, started_at=self.started_at,
                        sent_at=time.time(), draining=self.draining, running_ids=running,
-                       finished_ids=[k for _, k in self._finished])
+                       finished_ids=[k for _, k in self._finished], kv_url=self.sessions.kv_url,
+                       session_stats=self._session_stats())
         try:
             await self.kafka.send(self.topics.heartbeats.name, hb, key=self.worker_id)
         except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
             log.warning("heartbeat not sent", exc_info=True)
+
+    def _session_stats(self) -> dict[str, float]:
+        try:
+            return self.sessions.stats()
+        except RuntimeError:  # a counter dict resized by the engine thread mid-read: next beat
+            return {}
 
     async def _telemetry_loop(self) -> None:
         while True:

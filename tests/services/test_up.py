@@ -65,7 +65,7 @@ def test_up_serves_and_stops_cleanly(tiny_model_dir):
     port = free_port()
     proc, lines = _start(tiny_model_dir("llama"), port)
     children = psutil.Process(proc.pid).children(recursive=True)
-    assert len(children) >= 4  # broker, scheduler, worker, gateway
+    assert len(children) >= 6  # broker, scheduler, advisory, worker, queue, gateway
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                    json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "temperature": 0})
     if r.status_code == 404:  # the served name is the model directory's name
@@ -74,7 +74,7 @@ def test_up_serves_and_stops_cleanly(tiny_model_dir):
                        json={"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
     prefixes = {ln.split("|")[0].strip() for ln in lines if "|" in ln}
-    assert {"broker", "scheduler", "worker-0", "queue", "gateway", "up"} <= prefixes
+    assert {"broker", "scheduler", "advisory", "worker-0", "queue", "gateway", "up"} <= prefixes
     _batch_completes(f"http://127.0.0.1:{port}/v1", r.json()["model"])
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
