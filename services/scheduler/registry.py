@@ -20,12 +20,17 @@ class WorkerRegistry:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.workers: dict[str, WorkerInfo] = {}
-        self._lost: set[str] = set()  # ids declared lost: their late heartbeats are ignored
+        # Ids declared lost -> the start time of that process: its late heartbeats are ignored, but a
+        # new process with the same id (a restart, which keeps the worker's session directory) is not.
+        self._lost: dict[str, float] = {}
 
     def on_heartbeat(self, hb: Heartbeat) -> bool:
         """Record a heartbeat; True when the worker is new."""
-        if hb.worker_id in self._lost:
-            return False
+        lost_started_at = self._lost.get(hb.worker_id)
+        if lost_started_at is not None:
+            if hb.started_at <= lost_started_at:
+                return False
+            del self._lost[hb.worker_id]
         info = self.workers.get(hb.worker_id)
         now = time.monotonic()
         if info is None:
@@ -46,8 +51,7 @@ class WorkerRegistry:
         cutoff = time.monotonic() - self.timeout_s
         gone = [wid for wid, w in self.workers.items() if w.last_seen < cutoff]
         for wid in gone:
-            del self.workers[wid]
-            self._lost.add(wid)
+            self._lost[wid] = self.workers.pop(wid).heartbeat.started_at
         return gone
 
     def live(self) -> list[WorkerInfo]:

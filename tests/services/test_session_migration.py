@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import signal
 import threading
 import time
 
@@ -297,3 +298,15 @@ def test_corrupt_and_truncated_transfers_are_refused_and_the_turn_recomputes(sta
     assert r.headers["x-tandem-worker"] == "wb" and _cached(r) == 0  # nothing usable arrived: recomputed
     assert _text(r) == stack.reference.text(messages)
     assert not list((stack.log_dir / "data").rglob("*.part"))  # no partial download left behind
+
+
+def test_a_restarted_worker_finds_its_sessions_on_disk_and_reuses_them(stack):
+    stack.kill("wa", signal.SIGTERM)  # a clean stop flushes queued session writes
+    stack.worker("wa")  # same id, so the same state directory
+    stack.wait_workers(2)
+    stack.probe.location("decoy", "wa", disk=True)  # re-indexed and announced again
+    messages = _turn2("decoy", _text(stack.turn1["decoy"]))
+    r = _chat(stack, messages, "decoy")
+    assert r.headers["x-tandem-worker"] == "wa"
+    assert _cached(r) >= stack.reference.history("decoy")  # from the disk tier, not recomputed
+    assert _text(r) == stack.reference.text(messages)

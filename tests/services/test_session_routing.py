@@ -142,3 +142,13 @@ def test_sticky_and_none_affinities():
     assert none.route("s", _loads(a=0)) is None and none.kv_source("s", "b", {"a", "b"}) is None
     with pytest.raises(ValueError, match="unknown session affinity"):
         make_affinity("nope")
+
+
+def test_registry_ignores_a_lost_workers_late_heartbeats_but_accepts_its_restart():
+    from services.scheduler.registry import WorkerRegistry
+
+    reg = WorkerRegistry(timeout_s=-1.0)  # everything heard is already overdue
+    old = Heartbeat(worker_id="w", model="m", max_model_len=1, dispatch_topic="d", started_at=10.0, sent_at=11.0)
+    assert reg.on_heartbeat(old) and reg.expire() == ["w"]
+    assert not reg.on_heartbeat(old.model_copy(update={"sent_at": 12.0})) and "w" not in reg.workers
+    assert reg.on_heartbeat(old.model_copy(update={"started_at": 20.0})) and "w" in reg.workers
