@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import json
 import signal
 import threading
 import time
@@ -306,7 +307,23 @@ def test_a_restarted_worker_finds_its_sessions_on_disk_and_reuses_them(stack):
     stack.wait_workers(2)
     stack.probe.location("decoy", "wa", disk=True)  # re-indexed and announced again
     messages = _turn2("decoy", _text(stack.turn1["decoy"]))
-    r = _chat(stack, messages, "decoy")
-    assert r.headers["x-tandem-worker"] == "wa"
-    assert _cached(r) >= stack.reference.history("decoy")  # from the disk tier, not recomputed
-    assert _text(r) == stack.reference.text(messages)
+    worker, text, usage = _stream_chat(stack, messages, "decoy")
+    assert worker == "wa"
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= stack.reference.history("decoy")  # disk tier
+    assert text == stack.reference.text(messages)
+
+
+def _stream_chat(stack, messages: list[dict], session: str) -> tuple[str, str, dict]:
+    """A streamed turn: its worker, text and the usage chunk (which carries cached_tokens too)."""
+    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    text, usage = "", None
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers={"X-Session-Id": session},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+        return r.headers["x-tandem-worker"], text, usage
