@@ -131,9 +131,15 @@ class AdvisoryService:
         while True:
             hints = await fetch_decoded(consumer, TypingHint, timeout_ms=100)
             for hint in hints:
-                await self._on_hint(hint)
+                try:
+                    await self._on_hint(hint)
+                except Exception:  # noqa: BLE001 (the broker is away: this hint is lost, the turn still runs)
+                    log.warning("hint for session %s not handled", hint.session_id, exc_info=True)
             if hints:
-                await consumer.commit()
+                try:
+                    await consumer.commit()
+                except Exception:  # noqa: BLE001 (a rebalance: the next batch commits)
+                    log.warning("hint offsets not committed", exc_info=True)
 
     async def _on_hint(self, hint: TypingHint) -> None:
         advice = self.advisor.on_hint(hint, self.workers.live())

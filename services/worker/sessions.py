@@ -123,7 +123,14 @@ class WorkerSessions:
     # -- turns and prefetches ------------------------------------------------------------------
 
     async def prepare(self, req: GenerateRequest, num_prompt_tokens: int) -> None:
-        """Before a session turn enters the engine: get its KV here if that beats recomputing."""
+        """Before a session turn enters the engine: get its KV here if that beats recomputing.
+        Never fails the turn: whatever goes wrong, the engine recomputes what is missing."""
+        try:
+            await self._prepare(req, num_prompt_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("getting the KV of session %s failed; recomputing", req.session_id)
+
+    async def _prepare(self, req: GenerateRequest, num_prompt_tokens: int) -> None:
         sid = req.session_id
         under_way = self._pulls.get(sid)
         if under_way is not None:
@@ -146,7 +153,13 @@ class WorkerSessions:
         return mode == "always" or (mode == "cost" and self.store.should_pull(missing_tokens))
 
     def on_prefetch(self, msg: Prefetch) -> None:
-        self._spawn(self._prefetch(msg))
+        self._spawn(self._prefetch_logged(msg))
+
+    async def _prefetch_logged(self, msg: Prefetch) -> None:
+        try:
+            await self._prefetch(msg)
+        except Exception:  # noqa: BLE001 (a failed prefetch only costs the turn a recompute)
+            log.exception("prefetch of session %s failed", msg.session_id)
 
     async def _prefetch(self, msg: Prefetch) -> None:
         sid = msg.session_id
