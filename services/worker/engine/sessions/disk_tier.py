@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -92,7 +94,7 @@ class DiskTier:
         self.wait(session_id)
         path = self.path_for(session_id)
         with self.lock:
-            src.replace(path)
+            _move_atomically(src, path)
             self.entries[session_id] = DiskEntry(path, header.file_size, header.num_tokens, last_activity)
         return path
 
@@ -181,3 +183,14 @@ class DiskTier:
         except Exception as exc:  # a full disk must not kill the writer; the store drops the entry
             log.error("writing session %r to %s failed: %s", job.session_id, job.path, exc)
             return WriteResult(job.session_id, 0, str(exc))
+
+
+def _move_atomically(src: Path, dst: Path) -> None:
+    """Rename, or (another file system) copy beside `dst` and rename: readers never see half a file."""
+    try:
+        src.replace(dst)
+    except OSError:
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")
+        shutil.copyfile(src, tmp)
+        tmp.replace(dst)
+        src.unlink()

@@ -98,11 +98,13 @@ class LayerLoader:
                 if self.layer_hook is not None:
                     self.layer_hook(load, i)
                 load.ready[i].set()
-        except (KVFormatError, OSError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # whatever it was, the waiting forward pass must learn of it
             self._fail(load, i, exc)
         finally:
             if f is not None:
                 f.close()
+            if not all(e.is_set() for e in load.ready):  # only if this thread itself is dying
+                self._fail(load, i, RuntimeError("the loader stopped"))
             load.done.set()
 
     def _open(self, load: LayerLoad) -> tuple[BinaryIO, object]:
@@ -121,10 +123,14 @@ class LayerLoader:
         return f, header
 
     def _copy(self, layer: int, src: torch.Tensor, index: torch.Tensor, ids: torch.Tensor) -> None:
-        """Session blocks `index` of `src` ([2, kvh, tokens, D]) into device blocks `ids`."""
-        two, kvh, tokens, dim = src.shape
-        blocks = src.view(two, kvh, tokens // self.block_size, self.block_size, dim).index_select(2, index)
-        self.layers[layer].index_copy_(2, ids, blocks.to(ids.device))
+        """Session blocks `index` of `src` ([2, kvh, tokens, D]) into device blocks `ids`.
+
+        Both sides are viewed as `[2*kvh, blocks, block_size*D]`, so each block is one
+        contiguous chunk per head (a per-dim-2 index_copy on the 5-d view is ~6x slower)."""
+        dst = self.layers[layer]
+        two, kvh, num_blocks, bs, dim = dst.shape
+        blocks = src.reshape(two * kvh, -1, bs * dim).index_select(1, index)
+        dst.view(two * kvh, num_blocks, bs * dim).index_copy_(1, ids, blocks.to(ids.device))
 
     @staticmethod
     def _fail(load: LayerLoad, layer: int, exc: Exception) -> None:

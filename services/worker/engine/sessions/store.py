@@ -47,6 +47,12 @@ log = logging.getLogger(__name__)
 _GIB = 1 << 30
 
 
+def _validate(config: "EngineConfig") -> None:
+    for name in ("session_host_gib", "session_disk_gib", "session_prefetch_ttl_s"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0 (got {getattr(config, name)})")
+
+
 @dataclass
 class _Session:
     session_id: str
@@ -87,6 +93,7 @@ class _LoadState:
 class SessionStore:
     def __init__(self, config: "EngineConfig", layout: KVLayout, kv: "KVCacheManager", storage: "KVCacheStorage",
                  cost_model=None) -> None:
+        _validate(config)
         self.layout = layout
         self.kv = kv
         self.pool = kv.pool
@@ -94,9 +101,9 @@ class SessionStore:
         self.block_size = config.block_size
         self.ttl_s = config.session_prefetch_ttl_s
         self.disk_budget = int(config.session_disk_gib * _GIB)
+        policy = make_eviction_policy(config.session_eviction)  # before any thread starts: may raise
         self.disk = DiskTier(config.session_dir, layout) if config.session_dir else None
-        self.host = HostTier(int(config.session_host_gib * _GIB), make_eviction_policy(config.session_eviction),
-                             whole_sessions=self.disk is None)
+        self.host = HostTier(int(config.session_host_gib * _GIB), policy, whole_sessions=self.disk is None)
         self.loader = LayerLoader(storage.layers, config.block_size)
         self.costs = TransferCosts(layout.bytes_per_token, cost_model, config.max_num_batched_tokens)
         self.stats = SessionStats()
@@ -443,12 +450,14 @@ class SessionStore:
         return n
 
     def _copy_to_host(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """One CPU tensor per layer (own storage, so evicting a layer frees it)."""
-        lay, bs = self.layout, self.block_size
+        """One CPU tensor per layer (own storage, so evicting a layer frees it), gathered as
+        whole-block chunks of the `[2*kv_heads, blocks, block_size*D]` view."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.storage.data.device)
-        shape = (2, lay.num_kv_heads, len(block_ids) * bs, lay.head_dim)
+        two, kvh, num_blocks, bs, dim = self.storage.layers[0].shape
+        shape = (two, kvh, len(block_ids) * bs, dim)
         with torch.no_grad():
-            return [layer.index_select(2, ids).reshape(shape).to("cpu") for layer in self.storage.layers]
+            return [layer.view(two * kvh, num_blocks, bs * dim).index_select(1, ids).view(shape).to("cpu")
+                    for layer in self.storage.layers]
 
     def _write_disk(self, session_id: str, token_ids: tuple[int, ...], layers, now: float) -> None:
         size = file_size(session_id, token_ids, self.layout)

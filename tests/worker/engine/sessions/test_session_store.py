@@ -161,3 +161,14 @@ def test_async_llm_sessions_and_call(tiny_llama, tmp_path):
     assert metrics.num_cached_tokens == KEPT
     assert info.num_tokens == 64 and prefetch.found and prefetch.tier == "gpu"
     assert list(tmp_path.glob("*/*.kv"))  # shutdown flushed the writer
+
+
+def test_bad_session_settings_are_refused(make_engine):
+    for overrides, match in [(dict(session_disk_gib=-1), "session_disk_gib"),
+                             (dict(session_prefetch_ttl_s=-0.5), "session_prefetch_ttl_s"),
+                             (dict(session_eviction="random"), "unknown session eviction policy")]:
+        with pytest.raises(ValueError, match=match):
+            make_engine(**overrides)
+    engine = make_engine(session_dir=None)
+    with pytest.raises(ValueError, match="session_id"):
+        engine.add_request("x", PROMPT1, SamplingParams(), session_id="")
