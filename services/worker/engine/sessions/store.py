@@ -185,7 +185,11 @@ class SessionStore:
         return LayerWaiter(found) if found else None
 
     def retire_failed(self) -> None:
-        """Drop failed loads' blocks from the prefix cache now (their requests are recomputing)."""
+        """Drop failed loads' blocks from the prefix cache now, before their requests are
+        re-admitted (a failed load sets its events a moment before it is marked done)."""
+        for load in self._loads.loads:
+            if load.failed:
+                load.done.wait()
         self._retire_done_loads()
 
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -310,6 +314,8 @@ class SessionStore:
         """Pin the session's first n blocks on the device, loading the ones the pool lost."""
         loadable = self._loadable(session.session_id)
         pin = _Pin(session.session_id, [], [])
+        if not self.pool.enable_caching:
+            return pin  # nothing could find the blocks: reuse needs the prefix cache
         missing: list[tuple[int, Block]] = []
         for i, h in enumerate(session.hashes[:n]):
             block = self.pool.lookup(h)

@@ -60,14 +60,24 @@ def _payload_offset(path, layer: int) -> int:
     return read_file_header(path).layer_offset(layer) + 16 + 7  # past the layer record's 16-byte header
 
 
+def _run_together(engine, *requests):
+    reqs = [engine.add_request(rid, prompt, GREEDY, session_id=sid) for rid, prompt, sid in requests]
+    while engine.has_unfinished():
+        engine.step()
+    return reqs
+
+
 def test_corrupt_layer_found_mid_promotion_recomputes(make_engine, reference):  # noqa: F811
     engine = make_engine(session_host_gib=0)  # disk only, so the promotion reads the file
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
+    other_prompt = tokens(30, seed=7)
+    other_alone = run(engine, "o1", other_prompt).output_token_ids
     path = engine.sessions.export_path("chat")
     _flip_byte(path, _payload_offset(path, 1))
     evict_device(engine, "chat")
-    t2 = run(engine, "t2", turn2_prompt(t1), session_id="chat")
+    t2, other = _run_together(engine, ("t2", turn2_prompt(t1), "chat"), ("o2", other_prompt, None))
     assert t2.output_token_ids == reference[1]
+    assert other.output_token_ids == other_alone  # its batch-mate's failure did not touch it
     stats = engine.sessions.stats
     assert stats.load_failures == 1 and t2.num_cached_tokens == 0
     assert stats.tokens_recomputed == KEPT and sum(stats.tokens_reused.values()) == 0
@@ -118,3 +128,42 @@ def test_turn_kept_although_generation_params_differ(make_engine):
     params = GREEDY.__class__(temperature=0, max_tokens=3, ignore_eos=True)
     run(engine, "t1", PROMPT1, session_id="chat", params=params)
     assert engine.sessions.info("chat").num_tokens == 32  # 42 tokens, 41 with KV: two full blocks
+
+
+def test_file_rewritten_with_other_tokens_is_refused_mid_promotion(make_engine, reference):  # noqa: F811
+    engine = make_engine(session_host_gib=0)
+    t1 = run(engine, "t1", PROMPT1, session_id="chat")
+    run(engine, "x1", tokens(40, seed=8), session_id="intruder")
+    shutil.copyfile(engine.sessions.export_path("intruder"), engine.sessions.export_path("chat"))
+    evict_device(engine, "chat")
+    t2 = run(engine, "t2", turn2_prompt(t1), session_id="chat")
+    assert t2.output_token_ids == reference[1] and t2.num_cached_tokens == 0
+    assert engine.sessions.stats.load_failures == 1
+    assert_no_leaked_pins(engine)
+
+
+@pytest.mark.timeout(60)
+def test_turn_shares_a_prefetch_still_loading(make_engine, reference):  # noqa: F811
+    engine = make_engine()
+    t1 = run(engine, "t1", PROMPT1, session_id="chat")
+    evict_device(engine, "chat")
+    turn_added = threading.Event()
+    order: list[str] = []
+
+    def hold_first_layer(load, layer):
+        if layer == 0:
+            turn_added.wait(timeout=20)
+            order.append("layer 0 ready")
+
+    engine.sessions.loader.layer_hook = hold_first_layer
+    assert engine.sessions.prefetch("chat").tokens_promoted == KEPT
+    request = engine.add_request("t2", turn2_prompt(t1), GREEDY, session_id="chat")
+    order.append("turn added")
+    turn_added.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert order == ["turn added", "layer 0 ready"]  # the turn really met a load in flight
+    assert request.output_token_ids == reference[1] and request.num_cached_tokens == KEPT
+    assert engine.sessions.stats.tokens_reused["gpu"] == KEPT  # found pinned by the prefetch
+    assert engine.sessions.stats.bytes_host_to_gpu == KEPT * engine.sessions.layout.bytes_per_token  # moved once
+    assert_no_leaked_pins(engine)
