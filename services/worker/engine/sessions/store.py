@@ -33,8 +33,8 @@ from services.worker.engine.sessions.costs import TransferCosts
 from services.worker.engine.sessions.disk_tier import DiskTier
 from services.worker.engine.sessions.eviction import make_eviction_policy
 from services.worker.engine.sessions.host_tier import HostTier
-from services.worker.engine.sessions.kvfile import KVFormatError, KVLayout, file_size, iter_layers, read_header, \
-    verify_file
+from services.worker.engine.sessions.kvfile import KVFormatError, KVHeader, KVLayout, file_size, iter_layers, \
+    read_header, verify_file
 from services.worker.engine.sessions.loader import LayerLoad, LayerLoader, LayerWaiter
 from services.worker.engine.sessions.records import PrefetchResult, SessionInfo, SessionStats
 
@@ -232,15 +232,14 @@ class SessionStore:
         if pin is not None:
             self._release_pin(pin)
 
-    def adopt_file(self, path: str | Path) -> SessionInfo:
+    def adopt_file(self, path: str | Path, verified: KVHeader | None = None) -> SessionInfo:
         """Validate a downloaded KV file and index it as a local disk-tier session (the file
-        is moved into the store). Corrupt or mismatched: deleted, `KVFormatError` raised."""
+        is moved into the store). Corrupt or mismatched: deleted, `KVFormatError` raised.
+
+        `verified`: the header `verify(path)` returned for this very file (called off the
+        engine thread), which skips reading the whole file again here."""
         path = Path(path)
-        try:
-            header = verify_file(path, self.layout)
-        except KVFormatError:
-            path.unlink(missing_ok=True)
-            raise
+        header = verified if verified is not None else self.verify(path)
         sid = header.session_id
         self._forget_session(sid)
         now = time.time()
@@ -255,6 +254,16 @@ class SessionStore:
         return self.info(sid)
 
     # -- thread-safe ----------------------------------------------------------------------
+
+    def verify(self, path: str | Path) -> KVHeader:
+        """Check a whole KV file against this engine's layout; a bad file is deleted and
+        `KVFormatError` raised. Thread-safe (read-only besides the deletion)."""
+        path = Path(path)
+        try:
+            return verify_file(path, self.layout)
+        except KVFormatError:
+            path.unlink(missing_ok=True)
+            raise
 
     def info(self, session_id: str) -> SessionInfo | None:
         with self._lock:

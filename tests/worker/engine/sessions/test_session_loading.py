@@ -95,9 +95,14 @@ def test_adopt_refuses_corrupt_file(make_engine, tmp_path):
     shutil.copyfile(holder.sessions.export_path("chat"), download)
     _flip_byte(download, _payload_offset(download, 1))
     puller = make_engine(session_dir=str(tmp_path / "puller"))
+    again = tmp_path / "again.kv"
+    shutil.copyfile(download, again)
     with pytest.raises(KVFormatError, match="checksum mismatch in layer 1"):
         puller.sessions.adopt_file(download)
     assert not download.exists() and puller.sessions.info("chat") is None
+    with pytest.raises(KVFormatError, match="checksum mismatch in layer 1"):
+        puller.sessions.verify(again)  # the off-engine-thread check refuses (and deletes) too
+    assert not again.exists()
 
 
 def test_adopt_refuses_other_layout(make_engine, tiny_model_dir, tmp_path):

@@ -3,6 +3,7 @@ was really reused (tokens cached, per-tier counters) in every case but recomputa
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 
@@ -96,6 +97,20 @@ def test_peer_file_adopted(make_engine, reference, tmp_path):
     info = puller.sessions.adopt_file(download)
     assert info.tiers == ("disk",) and info.num_tokens == KEPT and not download.exists()
     assert puller.sessions.stats.sessions_adopted == 1
+    _turn2(puller, t1, reference, "disk")
+
+
+def test_peer_file_verified_off_the_engine_thread(make_engine, reference, tmp_path):
+    holder = make_engine(session_dir=str(tmp_path / "holder"))
+    t1 = _turn1(holder)
+    download = tmp_path / "download.kv"
+    shutil.copyfile(holder.sessions.export_path("chat"), download)
+    puller = make_engine(session_dir=str(tmp_path / "puller"))
+    header = {}
+    worker = threading.Thread(target=lambda: header.update(h=puller.sessions.verify(download)))
+    worker.start()
+    worker.join()
+    assert puller.sessions.adopt_file(download, verified=header["h"]).tiers == ("disk",)
     _turn2(puller, t1, reference, "disk")
 
 
