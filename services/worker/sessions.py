@@ -35,8 +35,8 @@ _GIB = 1 << 30
 _MIN_BANDWIDTH_SAMPLE = 1 << 20
 
 
-def _adopt(engine, path: Path) -> SessionInfo:
-    return engine.sessions.adopt_file(path)
+def _adopt(engine, path: Path, header) -> SessionInfo:
+    return engine.sessions.adopt_file(path, verified=header)
 
 
 def _prefetch(engine, session_id: str):
@@ -201,8 +201,9 @@ class WorkerSessions:
             self.counters["pulls_failed"] += 1
             log.warning("pull of session %s failed: %s", session_id, exc)
             return False
-        try:
-            info = await self.llm.call(_adopt, pulled.path)
+        try:  # the full check reads the whole file: in a thread, so the engine keeps stepping
+            header = await asyncio.to_thread(self.store.verify, pulled.path)
+            info = await self.llm.call(_adopt, pulled.path, header)
         except (KVFormatError, OSError) as exc:
             self.counters["pulls_refused"] += 1
             log.warning("pulled KV of session %s refused: %s", session_id, exc)
