@@ -70,15 +70,19 @@ class LayerLoader:
         self.block_size = block_size
         self.layer_hook: Callable[[LayerLoad, int], None] | None = None
         self._jobs: queue.Queue[LayerLoad | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="tandem-kv-loader", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first load: most engines never load
 
     def submit(self, load: LayerLoad) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tandem-kv-loader", daemon=True)
+            self._thread.start()
         self._jobs.put(load)
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
 
     def _run(self) -> None:
         while (load := self._jobs.get()) is not None:
