@@ -8,6 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.worker.engine.sessions.kvfile import (
     KVFormatError, KVLayout, file_size, iter_layers, read_header, verify_file, write_kv_file, write_kv_stream,
@@ -103,3 +105,16 @@ def test_write_checks_shapes():
 def test_fingerprint_separates_layouts():
     assert LAYOUT.fingerprint == KVLayout(**LAYOUT.__dict__).fingerprint
     assert LAYOUT.fingerprint != replace(LAYOUT, dtype="bfloat16").fingerprint
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_single_byte_change_is_refused(data):
+    """Every byte is covered by a check: magic, version, lengths, CRCs, layer order, trailer."""
+    blob = bytearray(_bytes())
+    pos = data.draw(st.integers(0, len(blob) - 1), label="position")
+    blob[pos] ^= data.draw(st.integers(1, 255), label="xor")
+    f = io.BytesIO(bytes(blob))
+    with pytest.raises(KVFormatError):
+        for _ in iter_layers(f, read_header(f, LAYOUT)):
+            pass
