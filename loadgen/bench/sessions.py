@@ -221,15 +221,17 @@ def _one_line(lv: dict) -> str:
 
 
 def format_result(res: dict) -> str:
-    lines = ["| mode | users | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens | KV bytes moved "
-             "| imbalance |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | users | next turns | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens "
+             "| pulled from peers | host/disk to device | written to disk | imbalance |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    mib = lambda lv, *keys: f"{sum(lv['kv_moved'].get(k, 0) for k in keys) / 2**20:.1f} MiB"  # noqa: E731
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
     for name, mode in res["modes"].items():
         for lv in mode["levels"]:
-            moved = sum(v for k, v in lv["kv_moved"].items() if k.startswith("bytes_"))
-            lines.append(f"| {name} | {lv['users']} | {ms(lv['next_turn_ttft_p50_s'])} | "
+            lines.append(f"| {name} | {lv['users']} | {lv['next_turn_requests']} | {ms(lv['next_turn_ttft_p50_s'])} | "
                          f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
-                         f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {moved / 2**20:.1f} MiB | "
+                         f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {mib(lv, 'bytes_pulled')} | "
+                         f"{mib(lv, 'bytes_host_to_gpu', 'bytes_disk_to_gpu')} | {mib(lv, 'bytes_written_disk')} | "
                          f"{lv['per_worker']['imbalance'] or 0:.2f} |")
     lines.append("")
     lines.append(" ".join(f"{k}={v}" for k, v in res["comparison"].items()))
