@@ -60,3 +60,25 @@ def assert_no_leaked_pins(engine: LLMEngine) -> None:
     engine.sessions.wait_loads()
     engine.step()
     assert engine.kv.pool.num_free == engine.kv.pool.capacity
+
+
+PROMPT1 = tokens(40, seed=1)
+NEW_MESSAGE = tokens(20, seed=2)
+KEPT = (40 + GREEDY.max_tokens - 1) // BS * BS  # full blocks of turn 1 with KV: 48 tokens
+
+
+def turn2_prompt(turn1) -> list[int]:
+    return PROMPT1 + turn1.output_token_ids + NEW_MESSAGE
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Turn 1 and turn 2 recomputed from scratch (no session, no prefix cache)."""
+    from services.worker.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=24,
+                                    enable_prefix_caching=False))
+    t1 = run(engine, "r1", PROMPT1)
+    t2 = run(engine, "r2", turn2_prompt(t1))
+    assert t2.num_cached_tokens == 0
+    return t1.output_token_ids, t2.output_token_ids

@@ -9,12 +9,13 @@ import pytest
 
 from services.worker.engine.sessions import KVFormatError
 from services.worker.engine.sessions.kvfile import read_file_header
-from tests.worker.engine.sessions.conftest import GREEDY, assert_no_leaked_pins, evict_device, run, tokens
-from tests.worker.engine.sessions.test_session_tiers import KEPT, PROMPT1, reference, turn2_prompt  # noqa: F401
+from tests.worker.engine.sessions.conftest import (
+    GREEDY, KEPT, PROMPT1, assert_no_leaked_pins, evict_device, run, tokens, turn2_prompt,
+)
 
 
 @pytest.mark.timeout(60)
-def test_prefill_starts_before_the_last_layer_is_loaded(make_engine, reference):  # noqa: F811
+def test_prefill_starts_before_the_last_layer_is_loaded(make_engine, reference):
     engine = make_engine()
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
     evict_device(engine, "chat")
@@ -67,7 +68,7 @@ def _run_together(engine, *requests):
     return reqs
 
 
-def test_corrupt_layer_found_mid_promotion_recomputes(make_engine, reference):  # noqa: F811
+def test_corrupt_layer_found_mid_promotion_recomputes(make_engine, reference):
     engine = make_engine(session_host_gib=0)  # disk only, so the promotion reads the file
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
     other_prompt = tokens(30, seed=7)
@@ -135,7 +136,7 @@ def test_turn_kept_although_generation_params_differ(make_engine):
     assert engine.sessions.info("chat").num_tokens == 32  # 42 tokens, 41 with KV: two full blocks
 
 
-def test_file_rewritten_with_other_tokens_is_refused_mid_promotion(make_engine, reference):  # noqa: F811
+def test_file_rewritten_with_other_tokens_is_refused_mid_promotion(make_engine, reference):
     engine = make_engine(session_host_gib=0)
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
     run(engine, "x1", tokens(40, seed=8), session_id="intruder")
@@ -148,7 +149,7 @@ def test_file_rewritten_with_other_tokens_is_refused_mid_promotion(make_engine, 
 
 
 @pytest.mark.timeout(60)
-def test_turn_shares_a_prefetch_still_loading(make_engine, reference):  # noqa: F811
+def test_turn_shares_a_prefetch_still_loading(make_engine, reference):
     engine = make_engine()
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
     evict_device(engine, "chat")

@@ -13,7 +13,7 @@ from services.worker.engine.sessions import SessionInfo, TransferCosts
 from services.worker.engine.sessions.disk_tier import DiskTier
 from services.worker.engine.sessions.kvfile import KVLayout, file_size, read_file_header
 from tests.worker.engine.sessions.conftest import BS, assert_no_leaked_pins, evict_device, run, tokens
-from tests.worker.engine.sessions.test_session_tiers import KEPT, PROMPT1, turn2_prompt
+from tests.worker.engine.sessions.conftest import KEPT, PROMPT1, turn2_prompt
 
 
 def test_prefetch_pin_expires_and_releases_blocks(make_engine):
