@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -14,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, parse_json_body
 from services.gateway.page import register_chat_page
 from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
 from services.gateway.sessions_api import register_sessions_api
@@ -101,22 +100,7 @@ class _Handlers:
         limit = self.core.settings.max_body_bytes
         if int(request.headers.get("content-length") or 0) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        try:
-            body = model.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
-                           code="invalid_value") from None
+        body = parse_json_body(await request.body(), model, limit)
         bad = body.unsupported()
         if bad:
             raise APIError(400, f"'{bad}' is not supported by this server", param=bad, code="unsupported_parameter")

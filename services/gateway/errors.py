@@ -1,7 +1,10 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
@@ -18,3 +21,22 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
+    """A request body as `model`, or the OpenAI-shaped 413/400 saying what is wrong with it."""
+    if len(raw) > limit:
+        raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
+                       code="invalid_value") from None

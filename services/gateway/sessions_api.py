@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.gateway.core import GatewayCore
-from services.gateway.errors import APIError
+from services.gateway.errors import APIError, parse_json_body
 from services.gateway.hints import HintPublisher
 from shared.schemas.sessions import check_session_id
 
@@ -112,22 +112,9 @@ def _session_id(session_id: str) -> str:
 
 
 def _parse_body(raw: bytes) -> TypingBody:
-    if len(raw) > MAX_HINT_BODY_BYTES:
-        raise APIError(413, f"request body exceeds {MAX_HINT_BODY_BYTES} bytes", code="request_too_large")
-    if not raw.strip():
+    if len(raw) <= MAX_HINT_BODY_BYTES and not raw.strip():  # the expected arrival is optional, so is the body
         return TypingBody()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return TypingBody.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}", param=param, code="invalid_value") from None
+    return parse_json_body(raw, TypingBody, MAX_HINT_BODY_BYTES)
 
 
 def _message(exc: Exception) -> str:
