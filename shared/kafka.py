@@ -154,6 +154,15 @@ async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: in
     return out
 
 
+async def tail(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None],
+               timeout_ms: int = 1000) -> None:
+    """Apply every message as it arrives, forever (after `read_to_end` rebuilt a compacted topic)."""
+    while True:
+        for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
+            for m in msgs:
+                on_message(m)
+
+
 async def read_to_end(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None]) -> None:
     """Apply every message up to the current end of the consumer's assigned partitions (rebuilding
     state from a compacted topic); the consumer then tails from there."""

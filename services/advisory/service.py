@@ -21,7 +21,7 @@ from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
 from services.advisory.workers import WorkerView
-from shared.kafka import KafkaClient, fetch_decoded, read_to_end
+from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.schemas.control import ControlEnvelope
 from shared.schemas.requests import GenerateRequest
@@ -98,19 +98,15 @@ class AdvisoryService:
     # -- input loops ---------------------------------------------------------------------
 
     def _on_location(self, m: ConsumerRecord) -> None:
-        if m.value is None:
-            return
         try:
-            self.advisor.on_location(SessionLocation.decode(m.value))
+            if m.value is not None:
+                self.advisor.on_location(SessionLocation.decode(m.value))
         except ValueError:
             log.exception("undecodable session location dropped")
+        self.m_sessions.set(len(self.advisor.directory))
 
     async def _directory_loop(self, consumer) -> None:
-        while True:
-            for msgs in (await consumer.getmany(timeout_ms=1000)).values():
-                for m in msgs:
-                    self._on_location(m)
-            self.m_sessions.set(len(self.advisor.directory))
+        await tail(consumer, self._on_location)
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:

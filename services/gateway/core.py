@@ -84,8 +84,5 @@ class GatewayCore:
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:
-            m = await consumer.getone()
-            try:
-                self.workers.on_heartbeat(Heartbeat.decode(m.value))
-            except ValueError:
-                log.exception("undecodable heartbeat dropped")
+            for hb in await fetch_decoded(consumer, Heartbeat):
+                self.workers.on_heartbeat(hb)

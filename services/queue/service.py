@@ -95,23 +95,16 @@ class QueueService:
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:
-            m = await consumer.getone()
-            try:
-                self.workers.on_heartbeat(Heartbeat.decode(m.value))
-            except ValueError:
-                log.exception("undecodable heartbeat dropped")
+            for hb in await fetch_decoded(consumer, Heartbeat):
+                self.workers.on_heartbeat(hb)
 
     async def _capacity_loop(self, consumer) -> None:
         while True:
-            m = await consumer.getone()
-            try:
-                self.capacity = BECapacity.decode(m.value)
-            except ValueError:
-                log.exception("undecodable capacity report dropped")
-                continue
-            self.capacity_seen = time.monotonic()
-            self.m_budget.set(self.capacity.slots)
-            self._wake.set()
+            reports = await fetch_decoded(consumer, BECapacity)
+            if reports:
+                self.capacity, self.capacity_seen = reports[-1], time.monotonic()
+                self.m_budget.set(self.capacity.slots)
+                self._wake.set()
 
     def budget(self) -> int:
         """Items that may be in flight now: the scheduler's BE slots, or 0 when it has gone quiet."""

@@ -23,7 +23,7 @@ from services.scheduler.assignments import AssignmentTable
 from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
 from services.scheduler.registry import WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
-from shared.kafka import KafkaClient, OffsetTracker, read_to_end
+from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
@@ -88,7 +88,7 @@ class SchedulerService:
         self.metrics.serve(self.settings.metrics_port)
         loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
                  self._placement_loop(), self._housekeeping_loop(), self._capacity_loop(),
-                 self._session_loop(self._dir, self._on_location), self._session_loop(self._plc, self._on_placement))
+                 tail(self._dir, self._on_location, 100), tail(self._plc, self._on_placement, 100))
         self._tasks = [asyncio.create_task(c) for c in loops]
 
     async def _tail(self, topic: str):
@@ -157,12 +157,6 @@ class SchedulerService:
             cmd = ControlEnvelope.decode(m.value).message
             if isinstance(cmd, Cancel):
                 self._drop_pending(cmd.request_id)
-
-    async def _session_loop(self, consumer, apply) -> None:
-        while True:
-            for msgs in (await consumer.getmany(timeout_ms=100)).values():
-                for m in msgs:
-                    apply(m)
 
     def _on_location(self, m) -> None:
         if m.value is not None:
