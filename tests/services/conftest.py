@@ -63,6 +63,18 @@ class Stack:
         """The batch queue service; it shares the stack's data dir (or TANDEM_DATABASE_URL) with the gateway."""
         self.spawn(name, "queue", "--queue-id", f"{self.prefix}-queue", **env)
 
+    def start(self, workers: tuple[str, ...] = ("w0",), *, queue: bool = False) -> "Stack":
+        """The usual test stack: scheduler, tiny-model workers, gateway (and the batch queue),
+        returned once the gateway sees every worker."""
+        self.scheduler()
+        for worker_id in workers:
+            self.worker(worker_id)
+        self.gateway()
+        if queue:
+            self.queue()
+        self.wait_workers(len(workers))
+        return self
+
     @property
     def url(self) -> str:
         return self.gateway_urls["gateway"]

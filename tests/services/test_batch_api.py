@@ -21,13 +21,7 @@ BE_PER_WORKER = 8
 @pytest.fixture(scope="module")
 def stack(make_stack):
     s = make_stack(TANDEM_BE_PER_WORKER=BE_PER_WORKER, TANDEM_MAX_BATCH_LINES=300, TANDEM_MAX_FILE_BYTES=200_000)
-    s.scheduler()
-    s.worker("w0")
-    s.worker("w1")
-    s.gateway()
-    s.queue()
-    s.wait_workers(2)
-    return s
+    return s.start(("w0", "w1"), queue=True)
 
 
 @pytest.fixture(scope="module")

@@ -58,13 +58,7 @@ def postgres_url():
 
 @pytest.fixture(scope="module")
 def stack(make_stack, postgres_url):
-    s = make_stack(TANDEM_DATABASE_URL=postgres_url, TANDEM_BE_PER_WORKER=6)
-    s.scheduler()
-    s.worker("w0")
-    s.gateway()
-    s.queue()
-    s.wait_workers(1)
-    return s
+    return make_stack(TANDEM_DATABASE_URL=postgres_url, TANDEM_BE_PER_WORKER=6).start(queue=True)
 
 
 @pytest.fixture(scope="module")

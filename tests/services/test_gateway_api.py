@@ -13,12 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack(TANDEM_MAX_BODY_BYTES=20000)
-    s.scheduler()
-    s.worker("w0")
-    s.gateway()
-    s.wait_workers(1)
-    return s
+    return make_stack(TANDEM_MAX_BODY_BYTES=20000).start()
 
 
 @pytest.fixture(scope="module")

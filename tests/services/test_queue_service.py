@@ -25,14 +25,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack(TANDEM_BE_PER_WORKER=6)
-    s.scheduler()
-    s.worker("w0")
-    s.worker("w1")
-    s.gateway()
-    s.queue()
-    s.wait_workers(2)
-    return s
+    return make_stack(TANDEM_BE_PER_WORKER=6).start(("w0", "w1"), queue=True)
 
 
 @pytest.fixture(scope="module")

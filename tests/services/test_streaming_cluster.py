@@ -16,13 +16,7 @@ pytestmark = pytest.mark.timeout(400)
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack()
-    s.scheduler()
-    s.worker("w0")
-    s.worker("w1")
-    s.gateway()
-    s.wait_workers(2)
-    return s
+    return make_stack().start(("w0", "w1"))
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, on_chunk=None) -> dict:
