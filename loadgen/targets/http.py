@@ -276,6 +276,7 @@ class HttpRun:
             rec.finish_s, rec.finish_reason, rec.error = self.now(), "error", str(exc)[:300]
         finally:
             self.tasks.pop(spec.request_id, None)
+            self._wake.set()  # the submit loop ends once nothing is due or in flight
         if src is not None and rec.finish_reason not in ("abort",):
             for nxt in src.on_finish(spec, rec.finish_s, rec.output_tokens):
                 self._push(nxt, src)
@@ -306,6 +307,7 @@ class HttpRun:
             status = await self.client.wait_batch(batch_id)
         finally:
             self.tasks.pop(group[0].spec.request_id, None)
+            self._wake.set()
         for sub, rec in zip(group, recs):
             rec.finish_s, rec.finish_reason = self.now(), "length" if status == "completed" else status
             if src is not None:
