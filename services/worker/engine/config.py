@@ -70,6 +70,7 @@ class EngineConfig:
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV

@@ -18,6 +18,7 @@ from services.worker.engine.kv import BlockPool, KVCacheManager, KVCacheStorage,
 from services.worker.engine.kv.storage import bytes_per_block
 from services.worker.engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from services.worker.engine.models import build_model
+from services.worker.engine.models.packed_linear import pack_linear_layers, packing_supported
 from services.worker.engine.outputs import RequestOutput
 from services.worker.engine.platform_tuning import tune_allocator
 from services.worker.engine.runner import ModelRunner
@@ -73,6 +74,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
         self.model.load_weights(iter_weights(source))
+        if config.packed_weights and packing_supported(config.torch_dtype, self.device):
+            pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.device)

@@ -91,8 +91,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        hidden = self.norm(hidden)
+        head = self.lm_head  # None: tied to the embedding (until packed: see packed_linear.py)
+        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, lambda name: _map_name(name, self.config))

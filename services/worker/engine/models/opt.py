@@ -64,6 +64,7 @@ class OPTForCausalLM(nn.Module):
         self.layers = nn.ModuleList(OPTDecoderLayer(c) for _ in range(c.num_layers))
         # OPT-350m (post-LN) has no final layer norm
         self.final_layer_norm = nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps) if c.do_layer_norm_before else None
+        self.lm_head: nn.Module | None = None  # OPT always ties the output head to the embedding
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, caches) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -81,7 +82,8 @@ class OPTForCausalLM(nn.Module):
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
             hidden = self.project_out(hidden)
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        head = self.lm_head  # None: tied to the embedding (until packed: see packed_linear.py)
+        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, self._map_name)

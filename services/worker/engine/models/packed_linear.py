@@ -1,0 +1,62 @@
+"""Linear layers with weights pre-packed for oneDNN (bfloat16 on CPU).
+
+`F.linear` on CPU re-lays out (packs) the weight matrix into the GEMM kernel's blocked format
+on every call. For the small row counts of a decode step that packing is a large share of
+the matmul, and for the output head (vocab x hidden) it is most of it. oneDNN can pack once
+at load time; `torch.ops.mkldnn._linear_pointwise` then runs the same GEMM on the packed
+copy. These are the ops PyTorch's own CPU compiler (Inductor with weight freezing) emits, so
+results are the same bf16 GEMM, only without the per-call repacking.
+
+Used only where it applies: CPU, bfloat16 weights, a PyTorch built with oneDNN. Everywhere
+else (float32 tests against transformers, CUDA) the model keeps its `nn.Linear` layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Row count oneDNN tunes the packed layout for; any row count works. A decode batch is the
+# case the packing is for (prefill chunks are large enough to amortise per-call packing).
+_BATCH_HINT = 64
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ weight.T + bias` with `weight` held in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every `nn.Linear` in `model` by a `PackedLinear` (after the weights are loaded).
+
+    A tied output head (`lm_head is None`, logits from the embedding matrix) gets its own
+    packed copy of the embedding; the embedding itself stays for token lookup. Returns the
+    number of layers packed.
+    """
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    if getattr(model, "lm_head", False) is None:
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        count += 1
+    return count
