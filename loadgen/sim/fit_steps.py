@@ -7,10 +7,17 @@ all steps, mixed ones included,
 
     t = a0_p * Ln_p + a1_p * W_p + a0_d * Ln_d + a1_d * W_d + beta
 
-(`Ln` = new tokens, `W` = sum of new tokens x context, per phase), weighted by 1/t like
-`cost_model.fit`, non-negative (a negative coefficient is dropped and the rest refitted).
-Both phases get the same `beta`, so `CostModel.exec_seconds` (which charges one fixed
-overhead for a mixed step) reproduces the fitted function exactly.
+(`Ln` = new tokens, `W` = sum of new tokens x context, per phase), non-negative (a negative
+coefficient is dropped and the rest refitted). Both phases get the same `beta`, so
+`CostModel.exec_seconds` (which charges one fixed overhead for a mixed step) reproduces the
+fitted function exactly.
+
+Relative errors are what matter (a 5 ms decode step and a 500 ms prefill step should fit
+equally well), so rows are weighted by 1/t. Weighting by the *observed* t is biased low on
+noisy logs: a step that happened to run fast gets more weight than one that ran slow, and the
+fit settled about 7-10% under the mean step time, which made every simulated latency
+optimistic (docs/simulator.md). The weights are therefore re-derived from the fit's own
+predictions, which do not depend on each step's noise (iteratively reweighted least squares).
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ from typing import Sequence
 import numpy as np
 
 from services.worker.engine.cost_model import CostModel, PhaseFit, nonneg_lstsq, phase_sums
+
+_REWEIGHTS = 4  # the weights settle after two or three rounds
 
 StepLog = Sequence[tuple[list[tuple[int, int]], list[tuple[int, int]], float]]
 
@@ -29,6 +38,8 @@ def fit_steps(steps: StepLog, swap_bytes_per_s: float = 1e10, meta: dict | None 
     x = np.array([[*phase_sums(p), *phase_sums(d), 1.0] for p, d, _ in steps], dtype=np.float64)
     y = np.array([t for _, _, t in steps], dtype=np.float64)
     coef = nonneg_lstsq(x, y, 1.0 / np.maximum(y, 1e-9))
+    for _ in range(_REWEIGHTS):
+        coef = nonneg_lstsq(x, y, 1.0 / np.maximum(x @ np.asarray(coef), 1e-9))
     cost = CostModel(PhaseFit(coef[0], coef[1], coef[4]), PhaseFit(coef[2], coef[3], coef[4]), swap_bytes_per_s,
                      {"source": "fitted to logged engine steps", "num_steps": len(steps), **(meta or {})})
     pred = np.array([cost.estimate(p, d) for p, d, _ in steps])
