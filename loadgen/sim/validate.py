@@ -3,9 +3,17 @@
 1. Calibrate: run the workload on the in-process engine at `--fit-rate` with another seed
    and fit the cost model to its logged steps (`sim/fit_steps.py`); or take `--cost-model`.
 2. For each validation rate: run the workload on a fresh engine (wall clock), then in the
-   simulator (one worker with the engine's KV pool size and batching limits).
+   simulator (one worker with the engine's KV pool size and batching limits). Unless
+   `--no-jitter`, simulated steps replay the calibration steps' measured noise around the
+   fitted model (`sim/jitter.py`), since this machine's latency tails are mostly noise.
 3. Report TTFT/TPOT/TBT percentiles and attainments side by side with relative errors, and
    the cost model's error on the validation run's own steps (out of sample).
+
+With `--calibration same-run` there is no calibration run: each validated run's cost model is
+fitted to that run's own steps. The simulator is then judged with a cost model that matches
+the machine's state during that run, so the comparison tests its scheduling and queueing, not
+the machine's drift between runs (on the shared 2-core machine, identical runs differ by up
+to 30%).
 
     python -m loadgen.sim.validate --rates 0.5,1.0 --duration 60 --json docs/results/sim-validation.json
 """
@@ -36,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit-rate", type=float, default=1.0, help="rate of the calibration run")
     ap.add_argument("--fit-seed", type=int, default=100)
     ap.add_argument("--cost-model", default=None, help="use this cost model instead of a calibration run")
+    ap.add_argument("--calibration", choices=("separate", "same-run"), default="separate",
+                    help="separate: fit on a calibration run (other seed and rate: out of sample); same-run: fit "
+                         "on each validated run's own steps, which leaves out the machine's drift between runs")
+    ap.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay the calibration steps' measured noise onto simulated steps (sim/jitter.py)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = validate(args)
@@ -48,28 +61,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def validate(args: argparse.Namespace) -> dict:
     from services.worker.engine.cost_model import CostModel
-    from loadgen.metrics import summarize
     from loadgen.sim.fit_steps import fit_steps
 
     ns = argparse.Namespace(model=args.model, dtype=args.dtype, seed=args.seed, cost_model=None, kv_cache_gib=None,
                             num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None,
                             num_threads=args.num_threads)
+    cost = jitter = None
     if args.cost_model:
         cost = CostModel.load(args.cost_model)
-    else:
+    elif args.calibration == "separate":
         fit_run, target = _engine_run(ns, args, args.fit_rate, args.fit_seed)
         cost = fit_steps(target.step_log, meta={"fit_rate": args.fit_rate, "fit_seed": args.fit_seed})
-    _log(f"cost model: prefill {cost.prefill}, decode {cost.decode}, meta {cost.meta}")
+        jitter = _jitter(args, cost, target.step_log)
+    if cost is not None:
+        _log(f"cost model: prefill {cost.prefill}, decode {cost.decode}, meta {cost.meta}")
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
         engine_run, target = _engine_run(ns, args, rate, args.seed)
-        sim_run = _sim_run(args, target, cost, rate)
-        e, s = (summarize(r.records, r.elapsed_s)["rt"] for r in (engine_run, sim_run))
-        runs.append({"rate": rate, "engine": e, "sim": s, "step_mape": _step_mape(cost, target.step_log),
-                     "engine_steps": len(target.step_log), "sim_steps": sim_run.target.get("steps"),
-                     "relative_error": {k: _rel(s.get(k), e.get(k)) for k in METRICS}})
+        run_cost = cost or fit_steps(target.step_log, meta={"fit_rate": rate, "fit_seed": args.seed})
+        run_jitter = jitter if cost is not None else _jitter(args, run_cost, target.step_log)
+        runs.append(_compare(args, rate, engine_run, target, run_cost, run_jitter))
         _log(format_table({"runs": runs[-1:]}))
-    return {"config": vars(args), "cost_model": cost.to_dict(), "runs": runs}
+    return {"config": vars(args), "cost_model": None if cost is None else cost.to_dict(), "runs": runs}
+
+
+def _compare(args, rate: float, engine_run, target, cost, jitter) -> dict:
+    """One validated rate: the engine's RT summary against the simulator's (and, with jitter,
+    against the noise-free simulation too)."""
+    from loadgen.metrics import summarize
+
+    def rt(result) -> dict:
+        return summarize(result.records, result.elapsed_s)["rt"]
+
+    e, sim_run = rt(engine_run), _sim_run(args, target, cost, rate, jitter)
+    s = rt(sim_run)
+    run = {"rate": rate, "engine": e, "sim": s, "step_mape": _step_mape(cost, target.step_log),
+           "engine_steps": len(target.step_log), "sim_steps": sim_run.target.get("steps"),
+           "cost_model": cost.to_dict(), "jitter": jitter is not None,
+           "relative_error": {k: _rel(s.get(k), e.get(k)) for k in METRICS}}
+    if jitter is not None:
+        plain = rt(_sim_run(args, target, cost, rate))
+        run["sim_without_jitter"] = plain
+        run["relative_error_without_jitter"] = {k: _rel(plain.get(k), e.get(k)) for k in METRICS}
+    return run
 
 
 def _engine_run(ns, args, rate: float, seed: int):
@@ -82,7 +116,16 @@ def _engine_run(ns, args, rate: float, seed: int):
     return res, bundle.target
 
 
-def _sim_run(args, target, cost, rate: float):
+def _jitter(args, cost, steps):
+    """The calibration steps' noise around the fitted model, or None (`--no-jitter`)."""
+    from loadgen.sim.jitter import StepJitter
+
+    if not args.jitter or not steps:
+        return None
+    return StepJitter.from_steps([t for *_, t in steps], [cost.estimate(p, d) for p, d, _ in steps])
+
+
+def _sim_run(args, target, cost, rate: float, jitter=None):
     from loadgen.driver import Driver
     from loadgen.prompts import PromptBuilder
     from loadgen.sim.cluster import SimTarget
@@ -94,7 +137,7 @@ def _sim_run(args, target, cost, rate: float):
                       max_num_batched_tokens=engine.config.max_num_batched_tokens,
                       max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
     prompts = PromptBuilder(engine.model_config.vocab_size, args.seed)
-    sim = SimTarget([SimWorker("w0", spec, cost, args.policy)])
+    sim = SimTarget([SimWorker("w0", spec, cost, args.policy, jitter=jitter, seed=args.seed)])
     return Driver(sim, _workload(args, rate, args.seed, engine.max_model_len), prompts).run()
 
 
@@ -121,11 +164,20 @@ def format_table(out: dict) -> str:
     lines = []
     for run in out["runs"]:
         lines.append(f"rate {run['rate']} req/s (cost model error on this run's steps: {run['step_mape']:.1%})")
-        lines.append(f"{'metric':<18}{'engine':>10}{'sim':>10}{'error':>9}")
+        plain = run.get("sim_without_jitter")
+        lines.append(f"{'metric':<18}{'engine':>10}{'sim':>10}{'error':>9}"
+                     + (f"{'sim, no jitter':>16}{'error':>9}" if plain else ""))
         for k in METRICS:
             e, s, r = run["engine"].get(k), run["sim"].get(k), run["relative_error"].get(k)
-            lines.append(f"{k:<18}{_f(e):>10}{_f(s):>10}{'' if r is None else f'{r:+.1%}':>9}")
+            line = f"{k:<18}{_f(e):>10}{_f(s):>10}{_pct(r):>9}"
+            if plain:
+                line += f"{_f(plain.get(k)):>16}{_pct(run['relative_error_without_jitter'].get(k)):>9}"
+            lines.append(line)
     return "\n".join(lines)
+
+
+def _pct(r) -> str:
+    return "" if r is None else f"{r:+.1%}"
 
 
 def _f(v) -> str:

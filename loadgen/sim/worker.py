@@ -18,6 +18,7 @@ from services.worker.engine.sampling import SamplingParams
 from services.worker.engine.scheduling import (
     SLO, BatchLimits, FinishReason, Request, RequestClass, ScheduledBatch, Scheduler, make_policy,
 )
+from loadgen.sim.jitter import StepJitter
 from loadgen.sim.step_time import step_seconds
 from loadgen.targets.base import PreparedRequest, TokenEvent
 
@@ -39,8 +40,10 @@ class WorkerSpec:
 
 class SimWorker:
     def __init__(self, worker_id: str, spec: WorkerSpec, cost: CostModel, policy: str,
-                 policy_options: dict | None = None) -> None:
+                 policy_options: dict | None = None, jitter: StepJitter | None = None, seed: int = 0) -> None:
         self.worker_id, self.spec, self.cost = worker_id, spec, cost
+        # measured noise on step times (validation against a real machine); None = noise-free
+        self._jitter = None if jitter is None else jitter.sampler(seed ^ zlib.crc32(worker_id.encode()))
         self.kv = KVCacheManager(BlockPool(spec.num_blocks, spec.enable_prefix_caching), spec.block_size,
                                  bytes_per_token=spec.kv_bytes_per_token)
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
@@ -103,6 +106,8 @@ class SimWorker:
         if not batch:
             return None
         duration = step_seconds(self.cost, batch, self.spec.kv_bytes_per_token)
+        if self._jitter is not None:
+            duration *= self._jitter()
         self.batch, self.step_end_s, self.duration_s = batch, now + duration, duration
         self.steps += 1
         self.busy_s += duration
