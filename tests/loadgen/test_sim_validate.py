@@ -1,0 +1,27 @@
+"""`python -m loadgen.sim.validate` end to end on a tiny model (a real engine run, then the
+simulator with a cost model fitted to that run's steps)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadgen.sim.validate import METRICS, main
+
+
+@pytest.mark.timeout(180)
+def test_same_run_calibration_with_jitter(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "validation.json"
+    assert main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--rates", "2", "--duration", "6",
+                 "--calibration", "same-run", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]
+    assert doc["cost_model"] is None and run["jitter"] is True
+    assert run["engine"]["completed"] == run["sim"]["completed"] == run["engine"]["requests"] > 3
+    assert run["engine_steps"] > 5 and run["sim_steps"] > 5
+    for key in ("relative_error", "relative_error_without_jitter"):
+        assert set(run[key]) == set(METRICS)
+        assert run[key]["throughput_rps"] == pytest.approx(0, abs=0.5)
+    assert run["cost_model"]["meta"]["fit_rate"] == 2.0
+    printed = capsys.readouterr().out
+    assert "sim, no jitter" in printed and "ttft_p50_s" in printed
