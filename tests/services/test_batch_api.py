@@ -115,6 +115,12 @@ def attempts(stack, batch_id: str) -> dict[str, int]:
         return dict(conn.execute("SELECT custom_id, attempt FROM tandem_batch_items WHERE batch_id = ?", (batch_id,)))
 
 
+def in_flight(stack, batch_id: str) -> int:
+    with sqlite3.connect(_db(stack)) as conn:
+        return conn.execute("SELECT COUNT(*) FROM tandem_batch_items WHERE batch_id = ? AND status = 'in_flight'",
+                            (batch_id,)).fetchone()[0]
+
+
 def test_200_line_job_completes_under_flow_control_with_bodies_equal_to_sync(stack, client):
     lines = chat_lines(200)
     with InFlightProbe(_db(stack)) as probe:

@@ -17,8 +17,8 @@ from shared.schemas.capacity import BECapacity
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, openai_client, worker_heartbeat
-from tests.services.test_batch_api import (attempts, chat_lines, comparable, jsonl, read_lines, submit, wait_final,
-                                           wait_until)
+from tests.services.test_batch_api import (attempts, chat_lines, comparable, in_flight, jsonl, read_lines, submit,
+                                           wait_final, wait_until)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -73,10 +73,19 @@ def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client)
     stack.wait_workers(2)
 
 
+def _wait_in_flight(stack, batch_id: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while in_flight(stack, batch_id) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no item of {batch_id} in flight")
+        time.sleep(0.02)
+
+
 def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client):
     lines = chat_lines(40, max_tokens=120, prefix="qk")
     batch = submit(client, lines)
     wait_until(client, batch.id, 3)
+    _wait_in_flight(stack, batch.id)  # between two releases nothing may be in flight: kill mid-item
     stack.kill("queue", signal.SIGKILL)
     during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
     assert during.status == "in_progress" and during.request_counts.completed < 40
