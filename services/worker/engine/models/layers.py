@@ -5,6 +5,7 @@ import math
 from typing import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine.config import ModelConfig
@@ -40,6 +41,13 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] tables for the step's positions, shared by all layers."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def output_logits(hidden: torch.Tensor, lm_head: nn.Module | None, embedding: nn.Embedding) -> torch.Tensor:
+    """Float32 logits from the output head; `lm_head` None means tied to the embedding (a packed
+    model has its own head module for it: see packed_linear.py)."""
+    logits = F.linear(hidden, embedding.weight) if lm_head is None else lm_head(hidden)
+    return logits.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
-from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_checkpoint
+from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_checkpoint, output_logits
 
 KVCache = torch.Tensor  # one layer's [2, kv_heads, num_blocks, block_size, head_dim]
 
@@ -91,9 +91,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = self.norm(hidden)
-        head = self.lm_head  # None: tied to the embedding (until packed: see packed_linear.py)
-        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+        return output_logits(self.norm(hidden), self.lm_head, self.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, lambda name: _map_name(name, self.config))

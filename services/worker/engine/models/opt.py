@@ -11,7 +11,7 @@ from torch import nn
 
 from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
-from services.worker.engine.models.layers import load_checkpoint
+from services.worker.engine.models.layers import load_checkpoint, output_logits
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -82,8 +82,7 @@ class OPTForCausalLM(nn.Module):
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
             hidden = self.project_out(hidden)
-        head = self.lm_head  # None: tied to the embedding (until packed: see packed_linear.py)
-        return (F.linear(hidden, self.embed_tokens.weight) if head is None else head(hidden)).float()
+        return output_logits(hidden, self.lm_head, self.embed_tokens)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, self._map_name)
