@@ -2,8 +2,9 @@
 
 Each op is a function with one contract (documented in `attention.py`). The plain-PyTorch
 implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
-kernels are tested against.
+kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
+`torch.compile` to fuse: the fast CPU decode path, checked against the reference.
 """
-from kernels.attention import AttentionMetadata, DecodeBucket, PrefillSpan, paged_attention, write_kv_cache
+from kernels.attention import DECODE_KERNELS, AttentionMetadata, DecodeBucket, PrefillSpan, paged_attention, write_kv_cache
 
-__all__ = ["AttentionMetadata", "DecodeBucket", "PrefillSpan", "paged_attention", "write_kv_cache"]
+__all__ = ["DECODE_KERNELS", "AttentionMetadata", "DecodeBucket", "PrefillSpan", "paged_attention", "write_kv_cache"]

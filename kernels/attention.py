@@ -15,12 +15,15 @@ summation order) is the same as for forward blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from kernels.compiled import decode as _compiled
 from kernels.reference import attention as _ref
+
+DECODE_KERNELS = ("reference", "fused")  # see AttentionMetadata.decode_kernel
 
 
 @dataclass
@@ -42,6 +45,19 @@ class DecodeBucket:
     block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
     reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
+    _slot_bias: torch.Tensor | None = field(default=None, repr=False)
+
+    def slot_bias(self) -> torch.Tensor:
+        """`bias` in slot order (a reversed block's tokens sit at its far end), computed once
+        per step for kernels that read blocks in place instead of gathering them."""
+        if self.reversed is None:
+            return self.bias
+        if self._slot_bias is None:
+            batch, _, width = self.bias.shape
+            blocks = self.bias.view(batch, self.reversed.shape[1], -1)
+            flip = self.reversed.unsqueeze(-1)
+            self._slot_bias = torch.where(flip, blocks.flip(-1), blocks).view(batch, 1, width)
+        return self._slot_bias
 
 
 @dataclass
@@ -55,6 +71,9 @@ class AttentionMetadata:
     # Called with the layer index before each layer's attention while KV for this batch is
     # still being loaded layer by layer (session promotion); None otherwise.
     wait_layer: Callable[[int], None] | None = None
+    # How decode buckets are attended: "reference" gathers blocks then matmuls (the CPU path
+    # and the GPU kernels' reference); "fused" is kernels/compiled/decode.py.
+    decode_kernel: str = "reference"
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -75,4 +94,6 @@ def paged_attention(
     Returns [T, heads, head_dim]. Heads are grouped as in Hugging Face's `repeat_kv`:
     query head h reads KV head h // (heads // kv_heads).
     """
+    if meta.decode_kernel == "fused":
+        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
     return _ref.paged_attention(q, k, v, kv_cache, meta)

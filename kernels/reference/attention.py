@@ -28,10 +28,12 @@ def write_kv_cache(kv_cache, k, v, slot_mapping) -> None:
     flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
-def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata") -> torch.Tensor:
+def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata", decode=None) -> torch.Tensor:
+    """`decode(q_rows, kv_cache, bucket, scale)` attends decode buckets (default: `_decode`)."""
+    decode = decode or _decode
     out = torch.empty_like(q)
     for bucket in meta.decode_buckets:
-        out[bucket.rows] = _decode(q[bucket.rows], kv_cache, bucket, meta.scale)
+        out[bucket.rows] = decode(q[bucket.rows], kv_cache, bucket, meta.scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, span, meta.scale)

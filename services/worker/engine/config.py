@@ -71,12 +71,27 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
     packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
+    # decode attention kernel: "fused" (kernels/compiled/decode.py, CPU only), "reference"
+    # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
+    # stays on the path the transformers parity tests check)
+    attention: str = "auto"
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV
     session_disk_gib: float = 20.0  # disk budget; least recently active sessions are deleted beyond it
     session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
     session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
+
+    @property
+    def decode_kernel(self) -> str:
+        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        if self.attention == "auto":
+            return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
+        if self.attention not in ("fused", "reference"):
+            raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
+        if self.attention == "fused" and self.device != "cpu":
+            raise ValueError("attention='fused' is the CPU kernel; use 'reference' on other devices")
+        return self.attention
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -63,6 +63,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
@@ -78,7 +79,7 @@ class LLMEngine:
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, self.device)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.device, decode_kernel)
         self.cost_model = None
         if config.policy == "bros":
             self.cost_model = self._cost_model(config, source)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionMetadata, DecodeBucket, PrefillSpan
+from kernels.compiled import decode as compiled_decode
 from services.worker.engine.kv import KVCacheManager, KVCacheStorage
 from services.worker.engine.scheduling import Request, ScheduledItem
 
@@ -30,13 +31,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, storage: KVCacheStorage, kv: KVCacheManager, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, storage: KVCacheStorage, kv: KVCacheManager, device: torch.device,
+                 decode_kernel: str = "reference") -> None:
         self.model = model
         self.storage = storage
         self.kv = kv
         self.device = device
         self.block_size = storage.block_size
         self.scale = model.config.head_dim ** -0.5
+        self.decode_kernel = decode_kernel
+        if decode_kernel == "fused":  # compile now rather than in the first request's step
+            compiled_decode.warm_up(storage.layers[0], model.config.num_heads, self.scale)
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
@@ -51,6 +56,7 @@ class ModelRunner:
             prefills=self._prefill_spans(prefills, start=len(decodes)),
             scale=self.scale,
             wait_layer=wait_layer,
+            decode_kernel=self.decode_kernel,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:

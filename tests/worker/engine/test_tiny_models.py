@@ -26,13 +26,14 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
     return ids[len(prompt):], logits
 
 
+@pytest.mark.parametrize("attention", ["reference", "fused"])
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_logits_match_transformers(name, tiny_model_dir):
+def test_logits_match_transformers(name, attention, tiny_model_dir):
     path = tiny_model_dir(name)
     rng = random.Random(1)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 37, 18)]
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=64, block_size=16,
-                                    max_num_batched_tokens=32))  # 37-token prompt is chunked
+                                    max_num_batched_tokens=32, attention=attention))  # 37-token prompt is chunked
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
     ours: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
@@ -62,6 +63,40 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
         engine.step()
         outs[dtype] = engine.last_logits[1][0]
     torch.testing.assert_close(outs["bfloat16"], outs["float32"], atol=0.1, rtol=0.05)
+
+
+def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
+    """The serving default (bf16 on CPU: fused decode) against the gather+matmul reference,
+    step by step over a batch whose contexts span several blocks."""
+    path = tiny_model_dir("llama")
+    rng = random.Random(2)
+    prompts = [[rng.randrange(49152) for _ in range(n)] for n in (3, 40, 17, 66)]
+    runs = {}
+    for attention in ("fused", "reference"):
+        cfg = EngineConfig(model=str(path), dtype="bfloat16", num_blocks=64, block_size=8, attention=attention)
+        assert cfg.decode_kernel == attention
+        engine = LLMEngine(cfg)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            engine.step()
+            reqs, logits = engine.last_logits
+            steps.append(dict(zip((r.request_id for r in reqs), logits)))
+        runs[attention] = steps
+    for fused, ref in zip(runs["fused"], runs["reference"], strict=True):
+        for rid in ref:
+            torch.testing.assert_close(fused[rid], ref[rid], atol=0.1, rtol=0.05)
+
+
+def test_attention_choice_is_checked():
+    assert EngineConfig(dtype="bfloat16").decode_kernel == "fused"
+    assert EngineConfig(dtype="float32").decode_kernel == "reference"
+    assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "reference"
+    with pytest.raises(ValueError, match="attention must be"):
+        LLMEngine(EngineConfig(attention="flash"))
+    with pytest.raises(ValueError, match="CPU kernel"):
+        LLMEngine(EngineConfig(attention="fused", device="cuda"))
 
 
 def test_incomplete_checkpoint_is_refused(tiny_model_dir, tmp_path):
