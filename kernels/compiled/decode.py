@@ -57,7 +57,8 @@ def _compiled(static: tuple):
     Each gets a copy of `decode_math` with its own code object, hence its own Dynamo cache:
     a process that loads several models (the test suite does) never reaches Dynamo's
     per-code-object recompile limit, which with `fullgraph=True` is an error."""
-    code = decode_math.__code__.replace(co_name=f"decode_math_{abs(hash(static)):x}")
+    name = "decode_math_" + "_".join(str(x) for x in static).replace("torch.", "").replace(":", "")
+    code = decode_math.__code__.replace(co_name=name)  # a stable name keeps Inductor's disk cache warm
     fn = types.FunctionType(code, decode_math.__globals__, code.co_name)
     return torch.compile(fn, dynamic=False, fullgraph=True)
 

@@ -79,7 +79,8 @@ class LLMEngine:
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.storage, self.kv, self.device, decode_kernel)
+        self.runner = ModelRunner(self.model, self.storage, self.kv, self.device, decode_kernel,
+                                  fallback=config.attention == "auto")
         self.cost_model = None
         if config.policy == "bros":
             self.cost_model = self._cost_model(config, source)

@@ -7,6 +7,7 @@ chunks produce none).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,6 +20,7 @@ from services.worker.engine.kv import KVCacheManager, KVCacheStorage
 from services.worker.engine.scheduling import Request, ScheduledItem
 
 
+log = logging.getLogger(__name__)
 _BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
 _BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
 _BUCKET_MAX = 32  # and holds at most this many rows (bounds one gather's temporary; 64 measured no better)
@@ -32,7 +34,9 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, storage: KVCacheStorage, kv: KVCacheManager, device: torch.device,
-                 decode_kernel: str = "reference") -> None:
+                 decode_kernel: str = "reference", fallback: bool = False) -> None:
+        """`fallback`: if the fused kernel cannot be compiled here, warn and use the reference
+        (`attention="auto"`); otherwise the error propagates (`attention="fused"`)."""
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -41,7 +45,14 @@ class ModelRunner:
         self.scale = model.config.head_dim ** -0.5
         self.decode_kernel = decode_kernel
         if decode_kernel == "fused":  # compile now rather than in the first request's step
-            compiled_decode.warm_up(storage.layers[0], model.config.num_heads, self.scale)
+            try:
+                compiled_decode.warm_up(storage.layers[0], model.config.num_heads, self.scale)
+            except Exception as exc:  # e.g. no C++ compiler in a slim image
+                if not fallback:
+                    raise
+                log.warning("fused decode attention unavailable (%s: %s); using the reference kernel",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.decode_kernel = "reference"
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:

@@ -99,6 +99,26 @@ def test_attention_choice_is_checked():
         LLMEngine(EngineConfig(attention="fused", device="cuda"))
 
 
+def test_auto_attention_falls_back_when_compiling_fails(tiny_model_dir, monkeypatch, caplog):
+    """No C++ compiler (a slim image): `auto` warns and serves with the reference kernel;
+    an explicit `fused` fails at start."""
+    from kernels.compiled import decode as compiled_decode
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("Compiler: cc is not found")
+
+    monkeypatch.setattr(compiled_decode, "warm_up", broken)
+    path = tiny_model_dir("llama")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_blocks=32))
+    assert engine.runner.decode_kernel == "reference"
+    assert "fused decode attention unavailable" in caplog.text
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(RuntimeError, match="cc is not found"):
+        LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_blocks=32, attention="fused"))
+
+
 def test_incomplete_checkpoint_is_refused(tiny_model_dir, tmp_path):
     import shutil
 
