@@ -10,7 +10,7 @@ prefill+decode batches are measured but not fitted, to report how well the sum o
 phase models predicts them.
 
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
-dtype, thread count, block size and the grid limits.
+dtype, thread count, block size, the grid limits and the decode attention kernel.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def profile_cached(engine: "LLMEngine", source, cache_dir: Path | None = None) -
 def profile_key(engine: "LLMEngine", source) -> str:
     cfg = engine.config
     parts = [PROFILE_VERSION, cfg.device, cfg.dtype, str(torch.get_num_threads()), str(cfg.block_size),
-             str(cfg.max_num_batched_tokens), str(cfg.max_num_seqs), str(engine.max_model_len)]
+             str(cfg.max_num_batched_tokens), str(cfg.max_num_seqs), str(engine.max_model_len),
+             engine.runner.decode_kernel]  # the attention kernel changes decode step times
     model_file = source.path / "config.json" if source.path.is_dir() else source.path
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return f"{source.name}-{cfg.device}-{cfg.dtype}-{file_cache_key(model_file, *parts)[:12]}-{digest}"
