@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kernels.compiled import decode as _compiled
 from kernels.reference import attention as _ref
@@ -46,6 +47,13 @@ class DecodeBucket:
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
     reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
     _slot_bias: torch.Tensor | None = field(default=None, repr=False)
+    _chunks: tuple[int, "DecodeChunks"] | None = field(default=None, repr=False)
+
+    def chunks(self, width: int) -> "DecodeChunks":
+        """The bucket cut into chunks of `width` blocks (once per step; see DecodeChunks)."""
+        if self._chunks is None or self._chunks[0] != width:
+            self._chunks = (width, DecodeChunks.cut(self.block_table, self.slot_bias(), width))
+        return self._chunks[1]
 
     def slot_bias(self) -> torch.Tensor:
         """`bias` in slot order (a reversed block's tokens sit at its far end), computed once
@@ -58,6 +66,33 @@ class DecodeBucket:
             flip = self.reversed.unsqueeze(-1)
             self._slot_bias = torch.where(flip, blocks.flip(-1), blocks).view(batch, 1, width)
         return self._slot_bias
+
+
+@dataclass(frozen=True)
+class DecodeChunks:
+    """Decode contexts cut into chunks of `width` blocks, for split-K kernels that attend
+    chunks independently and combine each sequence's partial results."""
+
+    table: torch.Tensor  # [C, width] blocks of each chunk (a sequence's last chunk padded with block 0)
+    seq: torch.Tensor  # [C] bucket row each chunk belongs to
+    bias: torch.Tensor  # [C, 1, width * block_size] float32 slot mask: 0 valid, -inf not
+    seq_chunks: torch.Tensor  # [B, M] each row's chunk indices, padded with C (no chunk)
+
+    @staticmethod
+    def cut(block_table: torch.Tensor, slot_bias: torch.Tensor, width: int) -> "DecodeChunks":
+        rows, blocks = block_table.shape
+        bs = slot_bias.shape[-1] // blocks
+        per_row = -(-blocks // width)
+        pad = per_row * width - blocks
+        table = F.pad(block_table, (0, pad)).view(rows, per_row, width)
+        bias = F.pad(slot_bias.view(rows, blocks * bs), (0, pad * bs), value=float("-inf"))
+        bias = bias.view(rows, per_row, width * bs)
+        used = (bias == 0).any(-1)  # [rows, per_row]: chunks holding at least one token
+        count = int(used.sum())
+        ids = torch.full((rows, per_row), count, dtype=torch.long, device=table.device)
+        ids[used] = torch.arange(count, device=table.device)
+        seq = torch.arange(rows, device=table.device).unsqueeze(1).expand(rows, per_row)[used]
+        return DecodeChunks(table[used], seq, bias[used].unsqueeze(1), ids)
 
 
 @dataclass

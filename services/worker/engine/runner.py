@@ -105,9 +105,12 @@ class ModelRunner:
 
         Rows are taken longest first; a new bucket starts when a row is shorter than
         `_BUCKET_FILL` of the bucket's longest and the bucket already has enough rows to
-        amortise the per-bucket op overhead.
+        amortise the per-bucket op overhead. The fused kernel splits contexts into chunks
+        itself, so it gets every decode row in one bucket.
         """
         lens = [r.num_computed_tokens + 1 for r in requests]
+        if self.decode_kernel == "fused":  # split-K over chunks: one bucket of any lengths
+            return [self._decode_bucket(list(range(len(requests))), requests, lens)] if requests else []
         order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
         buckets: list[list[int]] = []
         for i in order:
@@ -122,7 +125,7 @@ class ModelRunner:
     def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
         """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""
         bs = self.block_size
-        max_blocks = -(-lens[0] // bs)
+        max_blocks = -(-max(lens) // bs)
         tables = [self.kv.table(r) for r in requests]
         ids = [t.ids[: -(-n // bs)] for t, n in zip(tables, lens)]
         table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)

@@ -84,9 +84,15 @@ def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
             reqs, logits = engine.last_logits
             steps.append(dict(zip((r.request_id for r in reqs), logits)))
         runs[attention] = steps
+    # Compare while both runs have fed the same tokens: after a near-tie flips a greedy
+    # token (bf16 rounding differs), the sequences differ and so do their logits.
+    diverged: set[str] = set()
     for fused, ref in zip(runs["fused"], runs["reference"], strict=True):
-        for rid in ref:
+        for rid in ref.keys() - diverged:
             torch.testing.assert_close(fused[rid], ref[rid], atol=0.1, rtol=0.05)
+            if fused[rid].argmax() != ref[rid].argmax():
+                diverged.add(rid)
+    assert len(diverged) < len(prompts)  # not every sequence ran into a near-tie
 
 
 def test_attention_choice_is_checked():
