@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -14,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# The fused decode kernel is compiled by Inductor to C++ at run time (kernels/compiled/).
+HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
+requires_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: Inductor cannot build the fused kernel")
 
 
 @pytest.fixture(scope="session")

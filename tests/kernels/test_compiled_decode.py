@@ -10,6 +10,9 @@ import torch
 from kernels.attention import DecodeBucket
 from kernels.compiled import decode as compiled
 from kernels.reference.attention import _decode as reference_decode
+from tests.conftest import requires_cxx
+
+pytestmark = requires_cxx
 
 
 def _bucket(kv_cache, lengths, *, reversed_share=0.0, seed=0):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.worker.engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import TINY_MODELS
+from tests.conftest import TINY_MODELS, requires_cxx
 
 STEPS = 6
 
@@ -26,7 +26,7 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
     return ids[len(prompt):], logits
 
 
-@pytest.mark.parametrize("attention", ["reference", "fused"])
+@pytest.mark.parametrize("attention", ["reference", pytest.param("fused", marks=requires_cxx)])
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_logits_match_transformers(name, attention, tiny_model_dir):
     path = tiny_model_dir(name)
@@ -65,6 +65,7 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
     torch.testing.assert_close(outs["bfloat16"], outs["float32"], atol=0.1, rtol=0.05)
 
 
+@requires_cxx
 def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
     """The serving default (bf16 on CPU: fused decode) against the gather+matmul reference,
     step by step over a batch whose contexts span several blocks."""
