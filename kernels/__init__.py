@@ -5,6 +5,6 @@ implementations in `kernels.reference` are the CPU path and the ground truth tha
 kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
 `torch.compile` to fuse: the fast CPU decode path, checked against the reference.
 """
-from kernels.attention import DECODE_KERNELS, AttentionMetadata, DecodeBucket, PrefillSpan, paged_attention, write_kv_cache
+from kernels.attention import AttentionMetadata, DecodeBucket, PrefillSpan, paged_attention, write_kv_cache
 
-__all__ = ["DECODE_KERNELS", "AttentionMetadata", "DecodeBucket", "PrefillSpan", "paged_attention", "write_kv_cache"]
+__all__ = ["AttentionMetadata", "DecodeBucket", "PrefillSpan", "paged_attention", "write_kv_cache"]

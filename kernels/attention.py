@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from kernels.compiled import decode as _compiled
 from kernels.reference import attention as _ref
 
-DECODE_KERNELS = ("reference", "fused")  # see AttentionMetadata.decode_kernel
-
 
 @dataclass
 class PrefillSpan:
@@ -40,7 +38,9 @@ class PrefillSpan:
 
 @dataclass
 class DecodeBucket:
-    """Single-token sequences of similar context length, attended as one padded batch."""
+    """Single-token sequences attended together: for the reference path, rows of similar
+    context length padded to the longest; for the fused path, every decode row of the step
+    (it cuts contexts into chunks itself, `chunks`)."""
 
     rows: torch.Tensor  # [B] rows of these sequences in the flattened batch
     block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
