@@ -116,6 +116,21 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     _ref.write_kv_cache(kv_cache, k, v, slot_mapping)
 
 
+def write_kv_cache_layers(kv_data: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Every layer at once: kv_data is the whole cache `[layers, 2, kv_heads, blocks, block_size,
+    head_dim]`, k and v are `[layers, T, kv_heads, head_dim]` (a compiled decode step's output)."""
+    _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
+
+
+def decode_attention_with_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                              chunks: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+    """Decode attention for tracing inside a compiled layer: one query row per sequence (q
+    [S, heads, D]) over its cached context, given as `kernels.compiled.decode.graph_chunks`
+    of a bucket whose lengths exclude this step's token, plus that token's own k, v ([S,
+    kv_heads, D], not in the cache). Returns [S, heads, D]."""
+    return _compiled.decode_with_new_math(q, k, v, kv_cache, *chunks, scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -28,6 +28,13 @@ def write_kv_cache(kv_cache, k, v, slot_mapping) -> None:
     flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+def write_kv_cache_layers(kv_data, k, v, slot_mapping) -> None:
+    layers, _, kv_heads, _, _, head_dim = kv_data.shape
+    flat = kv_data.view(layers, 2, kv_heads, -1, head_dim)
+    flat[:, 0].index_copy_(2, slot_mapping, k.transpose(1, 2))
+    flat[:, 1].index_copy_(2, slot_mapping, v.transpose(1, 2))
+
+
 def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata", decode=None) -> torch.Tensor:
     """`decode(q_rows, kv_cache, bucket, scale)` attends decode buckets (default: `_decode`)."""
     decode = decode or _decode

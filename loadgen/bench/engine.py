@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens; default: engine default")
     p.add_argument("--attention", default=None, choices=["auto", "fused", "reference"],
                    help="decode attention kernel; default: engine default (auto)")
+    p.add_argument("--no-compile-layers", dest="compile_layers", action="store_false", default=None,
+                   help="run decode-only steps op by op instead of through compiled layers")
     p.add_argument("--dump-prompts", default=None, metavar="FILE",
                    help="write the prompts (JSON list of token-id lists) so another system can run the same ones")
     p.add_argument("--quiet", action="store_true", help="no table on stdout (JSON file only)")
@@ -55,7 +57,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
     from services.worker.engine import LLM, EngineConfig, SamplingParams
 
     cfg: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
-    for name in ("device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "block_size", "attention"):
+    for name in ("device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "block_size", "attention",
+                 "compile_layers"):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)
     t0 = time.perf_counter()

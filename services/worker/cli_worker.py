@@ -19,6 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--attention", choices=["auto", "fused", "reference"],
                    help="decode attention kernel (default auto: fused for bfloat16 on CPU)")
+    p.add_argument("--no-compile-layers", dest="compile_layers", action="store_false", default=None,
+                   help="run decode-only steps op by op instead of through compiled decoder layers")
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.set_defaults(func=run)
 

@@ -82,7 +82,8 @@ class WorkerService:
         return EngineConfig(model=s.model, device=s.device, dtype=s.dtype, kv_cache_gib=s.kv_cache_gib,
                             policy=s.policy, max_num_seqs=s.max_num_seqs,
                             max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-                            num_threads=s.num_threads, attention=s.attention, enable_prefix_caching=s.enable_prefix_caching,
+                            num_threads=s.num_threads, attention=s.attention, compile_layers=s.compile_layers,
+                            enable_prefix_caching=s.enable_prefix_caching,
                             session_dir=str(session_dir), session_host_gib=s.session_host_gib,
                             session_disk_gib=s.session_disk_gib, session_eviction=s.session_eviction,
                             session_prefetch_ttl_s=s.session_prefetch_ttl_s)

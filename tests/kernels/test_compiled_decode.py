@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import DecodeBucket
 from kernels.compiled import decode as compiled
@@ -95,8 +96,43 @@ def test_one_graph_for_every_shape_and_pool():
     compiled.warm_up(_cache(3, 64, bs, dim, torch.bfloat16), 9, dim ** -0.5)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for blocks, lengths in [(64, [3]), (64, [40, 17]), (300, [100, 1, 250, 31, 77]), (97, [16] * 33)]:
-            cache = _cache(3, blocks, bs, dim, torch.bfloat16)
+            cache = _cache(3, blocks, bs, dim, torch.bfloat16)  # made outside inference mode, as the engine's
             bucket, logical = _bucket(cache, lengths)
-            q = torch.randn(len(lengths), 9, dim).to(torch.bfloat16)
-            got = compiled.decode(q, cache, bucket, dim ** -0.5)
+            with torch.inference_mode():  # the mode the engine steps (and warm_up compiles) in
+                q = torch.randn(len(lengths), 9, dim).to(torch.bfloat16)
+                got = compiled.decode(q, cache, bucket, dim ** -0.5)
             torch.testing.assert_close(got.double(), _dense(q, logical, dim ** -0.5), atol=2e-2, rtol=2e-2)
+
+
+def _with_new_token(q_heads, kv_heads, dim, dtype, lengths, seed):
+    """A cache holding each sequence's context (`lengths`, 0 allowed), half the blocks
+    reversed, plus this step's k, v per sequence (not in the cache) and the dense result
+    over context + new token."""
+    cache = _cache(kv_heads, 200, 8, dim, dtype)
+    bucket, logical = _bucket(cache, lengths, reversed_share=0.5, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lengths), q_heads, dim, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(len(lengths), kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    full = [torch.cat((kv, torch.stack((k_new[i], v_new[i])).unsqueeze(2)), 2) for i, kv in enumerate(logical)]
+    return cache, bucket, q, k_new, v_new, _dense(q, full, dim ** -0.5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("lengths", [[12, 0, 33, 64, 1], [70], [5, 9]])
+def test_decode_with_new_token_matches_dense(dtype, tol, lengths):
+    """The compiled-layer variant: context from the cache (reversed blocks included, a row
+    with no context at all), the step's own token from its fresh k, v; eager and compiled."""
+    cache, bucket, q, k_new, v_new, want = _with_new_token(6, 3, 32, dtype, lengths, seed=len(lengths))
+    scale = 32 ** -0.5
+    chunks = bucket.chunks(compiled.chunk_blocks(8))
+    eager = compiled.decode_with_new_math(q, k_new, v_new, cache, chunks.table, chunks.seq, chunks.bias,
+                                          chunks.seq_chunks, scale)
+    torch.testing.assert_close(eager.double(), want, atol=tol, rtol=tol)
+    seqs = max(2, len(lengths))  # the graph takes no size-1 batch (decode_graph.py doubles it)
+    pad = (0, 0, 0, 0, 0, seqs - len(lengths))
+    graph = compiled.compile_copy(compiled.decode_with_new_math, "test_decode_new", (dtype, seqs > 2))
+    args = [F.pad(t, pad) for t in (q, k_new, v_new)]
+    for t in args:
+        torch._dynamo.mark_dynamic(t, 0)
+    got = graph(*args, cache, *compiled.graph_chunks(chunks, seqs), scale)[: len(lengths)]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)

@@ -75,6 +75,9 @@ class EngineConfig:
     # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
     # stays on the path the transformers parity tests check)
     attention: str = "auto"
+    # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
+    # (models/decode_graph.py; Llama family); False keeps them op by op
+    compile_layers: bool = True
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV

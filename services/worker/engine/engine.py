@@ -80,7 +80,7 @@ class LLMEngine:
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.storage, self.kv, self.device, decode_kernel,
-                                  fallback=config.attention == "auto")
+                                  fallback=config.attention == "auto", compile_layers=config.compile_layers)
         self.cost_model = None
         if config.policy == "bros":
             self.cost_model = self._cost_model(config, source)

@@ -58,7 +58,8 @@ def profile_key(engine: "LLMEngine", source) -> str:
     cfg = engine.config
     parts = [PROFILE_VERSION, cfg.device, cfg.dtype, str(torch.get_num_threads()), str(cfg.block_size),
              str(cfg.max_num_batched_tokens), str(cfg.max_num_seqs), str(engine.max_model_len),
-             engine.runner.decode_kernel]  # the attention kernel changes decode step times
+             engine.runner.decode_kernel,  # the attention kernel and the layer graph change decode step times
+             str(engine.runner.decode_graph is not None)]
     model_file = source.path / "config.json" if source.path.is_dir() else source.path
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return f"{source.name}-{cfg.device}-{cfg.dtype}-{file_cache_key(model_file, *parts)[:12]}-{digest}"

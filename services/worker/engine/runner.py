@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kernels import AttentionMetadata, DecodeBucket, PrefillSpan
+from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, write_kv_cache_layers
 from kernels.compiled import decode as compiled_decode
+from services.worker.engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from services.worker.engine.kv import KVCacheManager, KVCacheStorage
 from services.worker.engine.scheduling import Request, ScheduledItem
 
@@ -34,9 +35,11 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, storage: KVCacheStorage, kv: KVCacheManager, device: torch.device,
-                 decode_kernel: str = "reference", fallback: bool = False) -> None:
+                 decode_kernel: str = "reference", fallback: bool = False, compile_layers: bool = True) -> None:
         """`fallback`: if the fused kernel cannot be compiled here, warn and use the reference
-        (`attention="auto"`); otherwise the error propagates (`attention="fused"`)."""
+        (`attention="auto"`); otherwise the error propagates (`attention="fused"`).
+        `compile_layers`: with the fused kernel, run decode-only steps through compiled
+        layers (models/decode_graph.py) where the model supports it."""
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -44,21 +47,31 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.scale = model.config.head_dim ** -0.5
         self.decode_kernel = decode_kernel
+        self.decode_graph: DecodeGraph | None = None
         if decode_kernel == "fused":  # compile now rather than in the first request's step
             try:
-                compiled_decode.warm_up(storage.layers[0], model.config.num_heads, self.scale)
+                self._compile(compile_layers)
             except Exception as exc:  # e.g. no C++ compiler in a slim image
                 if not fallback:
                     raise
                 log.warning("fused decode attention unavailable (%s: %s); using the reference kernel",
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                self.decode_kernel = "reference"
+                self.decode_kernel, self.decode_graph = "reference", None
+
+    def _compile(self, compile_layers: bool) -> None:
+        compiled_decode.warm_up(self.storage.layers[0], self.model.config.num_heads, self.scale)
+        if compile_layers and supports_decode_graph(self.model):
+            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size)
+            self.decode_graph.warm_up(self.storage.layers)
 
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
         """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
+        if self.decode_graph is not None and not prefills and wait_layer is None and decodes and all(
+                it.request.num_computed_tokens for it in decodes):
+            return self._execute_decode_graph(decodes)
         ordered = decodes + prefills
         input_ids, positions, slots, rows, sampled = self._flatten(ordered)
         meta = AttentionMetadata(
@@ -74,6 +87,17 @@ class ModelRunner:
             return StepResult(None, [])
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return StepResult(logits, sampled)
+
+    def _execute_decode_graph(self, items: list[ScheduledItem]) -> StepResult:
+        """A decode-only step through the compiled layers, then one K/V write for all layers."""
+        input_ids, positions, slots, _, sampled = self._flatten(items)
+        requests = [it.request for it in items]
+        context = self._decode_bucket(list(range(len(requests))), requests,
+                                      [r.num_computed_tokens for r in requests])
+        hidden, keys, values = self.decode_graph(self._tensor(input_ids), self._tensor(positions),
+                                                 self.storage.layers, context)
+        write_kv_cache_layers(self.storage.data, keys, values, self._tensor(slots))
+        return StepResult(self.model.compute_logits(hidden), sampled)
 
     def _flatten(self, items: list[ScheduledItem]):
         bs = self.block_size

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from kernels import AttentionMetadata, decode_attention_with_new, paged_attention, write_kv_cache
 from services.worker.engine.config import ModelConfig
 from services.worker.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_checkpoint, output_logits
 
@@ -33,6 +33,19 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        write_kv_cache(cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, cache, meta)
+        return self.o_proj(out.view(x.shape[0], self.q_size))
+
+    def decode(self, x, cos, sin, cache: KVCache, chunks, scale: float):
+        """Decode-only step without touching the cache (see models/decode_graph.py): returns
+        the output and this step's k, v for the caller to write."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = decode_attention_with_new(q, k, v, cache, chunks, scale)
+        return self.o_proj(out.view(x.shape[0], self.q_size)), k, v
+
+    def _qkv(self, x, cos, sin):
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -40,10 +53,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
         qk = apply_rope(qk, cos, sin)  # q and k heads are adjacent: rotate them in one op
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, cache, meta)
-        return self.o_proj(out.view(t, self.q_size))
+        return q, k, v.view(t, self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -70,6 +80,12 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode(self, x, cos, sin, cache, chunks, scale: float):
+        """`forward` for a decode-only step, as one compiled graph: returns (x, k, v)."""
+        out, k, v = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, chunks, scale)
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, c: ModelConfig, max_positions: int) -> None:
@@ -82,13 +98,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, caches: list[KVCache]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x, cos, sin = self.layer_inputs(input_ids, positions)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if meta.wait_layer is not None:  # layer i's KV may still be arriving
                 meta.wait_layer(i)
             x = layer(x, cos, sin, meta, cache)
         return x
+
+    def layer_inputs(self, input_ids, positions) -> tuple[torch.Tensor, ...]:
+        """The embedded tokens and the per-token arguments every layer takes (RoPE tables)."""
+        x = self.embed_tokens(input_ids)
+        return (x, *self.rotary.cos_sin(positions, x.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return output_logits(self.norm(hidden), self.lm_head, self.embed_tokens)

@@ -26,6 +26,19 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
 
 
+@torch.library.custom_op("tandem::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The packed GEMM as an op Inductor calls as is. Inductor's own lowering of
+    `_linear_pointwise` assumes a weight frozen into the graph as a constant, and fails on
+    a weight that is a graph input (as in a layer graph shared by every layer)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """`y = x @ weight.T + bias` with `weight` held in oneDNN's packed layout."""
 
@@ -37,6 +50,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inside a compiled decoder layer (models/decode_graph.py)
+            return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
