@@ -25,6 +25,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -43,6 +44,13 @@ def _layer_decode(layer, x, layer_args, cache, chunks, scale: float):
     return layer.decode(x, *layer_args, cache, chunks, scale)
 
 
+@functools.cache
+def _compiled_layer(static: tuple):
+    """Shared by every engine of the same model shape in a process: the weights are graph
+    inputs, so a second engine reuses the graph instead of compiling its own."""
+    return compile_copy(_layer_decode, "decode_layer", static)
+
+
 class DecodeGraph:
     """Runs a decode-only step through compiled layers: returns the final hidden states and
     every layer's new K and V (`[layers, S, kv_heads, D]`) for the caller to write."""
@@ -53,7 +61,7 @@ class DecodeGraph:
         self.block_size = block_size
         shape = zlib.crc32(repr(model.config).encode())  # stable across processes, for Inductor's disk cache
         static = (type(model).__name__, shape, next(model.parameters()).dtype, block_size, chunk_blocks(block_size))
-        self._layer = compile_copy(_layer_decode, "decode_layer", static)
+        self._layer = _compiled_layer(static)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
