@@ -16,8 +16,8 @@ from torch import nn
 
 from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, write_kv_cache_layers
 from kernels.compiled import decode as compiled_decode
-from services.worker.engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from services.worker.engine.kv import KVCacheManager, KVCacheStorage
+from services.worker.engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from services.worker.engine.scheduling import Request, ScheduledItem
 
 
@@ -69,8 +69,7 @@ class ModelRunner:
         """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
-        if self.decode_graph is not None and not prefills and wait_layer is None and decodes and all(
-                it.request.num_computed_tokens for it in decodes):
+        if self._graph_applies(decodes, prefills, wait_layer):
             return self._execute_decode_graph(decodes)
         ordered = decodes + prefills
         input_ids, positions, slots, rows, sampled = self._flatten(ordered)
@@ -87,6 +86,11 @@ class ModelRunner:
             return StepResult(None, [])
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return StepResult(logits, sampled)
+
+    def _graph_applies(self, decodes, prefills, wait_layer) -> bool:
+        """Decode-only steps in which every row has context in the cache and no KV is still loading."""
+        return (self.decode_graph is not None and bool(decodes) and not prefills and wait_layer is None
+                and all(it.request.num_computed_tokens for it in decodes))
 
     def _execute_decode_graph(self, items: list[ScheduledItem]) -> StepResult:
         """A decode-only step through the compiled layers, then one K/V write for all layers."""
