@@ -22,10 +22,7 @@ if TYPE_CHECKING:
 
 
 def write_kv_cache(kv_cache, k, v, slot_mapping) -> None:
-    _, kv_heads, _, _, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, kv_heads, -1, head_dim)
-    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
-    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+    write_kv_cache_layers(kv_cache.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), slot_mapping)
 
 
 def write_kv_cache_layers(kv_data, k, v, slot_mapping) -> None:

@@ -96,8 +96,7 @@ class ModelRunner:
         """A decode-only step through the compiled layers, then one K/V write for all layers."""
         input_ids, positions, slots, _, sampled = self._flatten(items)
         requests = [it.request for it in items]
-        context = self._decode_bucket(list(range(len(requests))), requests,
-                                      [r.num_computed_tokens for r in requests])
+        context = self._whole_bucket(requests, [r.num_computed_tokens for r in requests])
         hidden, keys, values = self.decode_graph(self._tensor(input_ids), self._tensor(positions),
                                                  self.storage.layers, context)
         write_kv_cache_layers(self.storage.data, keys, values, self._tensor(slots))
@@ -138,7 +137,7 @@ class ModelRunner:
         """
         lens = [r.num_computed_tokens + 1 for r in requests]
         if self.decode_kernel == "fused":  # split-K over chunks: one bucket of any lengths
-            return [self._decode_bucket(list(range(len(requests))), requests, lens)] if requests else []
+            return [self._whole_bucket(requests, lens)] if requests else []
         order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
         buckets: list[list[int]] = []
         for i in order:
@@ -149,6 +148,10 @@ class ModelRunner:
                 buckets.append([])
             buckets[-1].append(i)
         return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]
+
+    def _whole_bucket(self, requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """Every request in one bucket, rows in order (for kernels that cut contexts into chunks)."""
+        return self._decode_bucket(list(range(len(requests))), requests, lens)
 
     def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
         """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""

@@ -71,13 +71,14 @@ class DecodeGraph:
         if seqs == 1:  # Dynamo specialises size 1: the same sequence twice, the copy dropped
             input_ids, positions = input_ids.expand(2), positions.expand(2)
         x, *layer_args = self.model.layer_inputs(input_ids, positions)
+        layer_args = tuple(layer_args)
         chunks = graph_chunks(context.chunks(chunk_blocks(self.block_size)), x.shape[0])
         for t in (x, *layer_args):
             torch._dynamo.mark_dynamic(t, 0)
         keys, values = [], []
         for layer, cache in zip(self.model.layers, caches):
             torch._dynamo.mark_dynamic(cache, 2)
-            x, k, v = self._layer(layer, x, tuple(layer_args), cache, chunks, self.scale)
+            x, k, v = self._layer(layer, x, layer_args, cache, chunks, self.scale)
             keys.append(k)
             values.append(v)
         return x[:seqs], torch.stack(keys)[:, :seqs], torch.stack(values)[:, :seqs]
