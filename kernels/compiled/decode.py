@@ -25,8 +25,8 @@ Decisions:
   block counts are marked dynamic, and sizes 0/1 (which Dynamo specialises) are padded
   away: a lone sequence is doubled, a lone chunk gets an unreferenced twin.
 - Scores and softmax are float32 whatever the cache dtype, as in the reference.
-- Compiled on first use; `warm_up` lets the engine pay that (~10 s the first time on a
-  machine, a few seconds from Inductor's on-disk cache) before it serves. It compiles in
+- Compiled on first use; `warm_up` lets the engine pay that (~20 s with an empty Inductor
+  cache, a few seconds with a warm one) before it serves. It compiles in
   inference mode, the mode the engine steps in: Dynamo guards on the grad mode, and a
   graph compiled outside it was recompiled (~1 s) in the engine's first decode step.
 - `decode_with_new_math` is the variant traced inside a compiled decoder layer
