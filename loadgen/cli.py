@@ -68,7 +68,7 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
                    help="http: send BE batches through /v1/files + /v1/batches (falls back to streaming on 404)")
     e = p.add_argument_group("engine (inproc) and simulated workers (sim)")
     e.add_argument("--model", default="default")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     e.add_argument("--kv-cache-gib", type=float, default=None)
     e.add_argument("--num-blocks", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=None)

@@ -33,12 +33,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Start the whole stack on one machine and serve the API.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default="default")
+    # Worker options default to None: unset, each worker takes its TANDEM_* environment variable
+    # (TANDEM_DTYPE, TANDEM_MODEL, ...) or the worker's own default, so the environment is honoured.
+    p.add_argument("--model", default=None, help="model for every worker (default: TANDEM_MODEL or the bundled one)")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--policy", default="fcfs")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: TANDEM_DEVICE or cpu")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="default: TANDEM_DTYPE or auto (bfloat16 where the CPU has native bf16, else float32)")
+    p.add_argument("--kv-cache-gib", type=float, default=None, help="default: TANDEM_KV_CACHE_GIB or 1.0")
+    p.add_argument("--policy", default=None, help="default: TANDEM_POLICY or fcfs")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway")
     p.set_defaults(func=run)
 
@@ -69,11 +72,13 @@ class _Up:
         threads = max(1, (os.cpu_count() or 1) // a.workers)
         self.children.append(Child("scheduler", _cli("scheduler")))
         self.children.append(Child("advisory", _cli("advisory")))  # sessions: hints -> placement + prefetch
+        passed = [(flag, value) for flag, value in (("--model", a.model), ("--device", a.device), ("--dtype", a.dtype),
+                  ("--kv-cache-gib", a.kv_cache_gib), ("--policy", a.policy)) if value is not None]
+        on_cpu = (a.device or self.env.get("TANDEM_DEVICE", "cpu")) == "cpu"
+        if on_cpu and "TANDEM_NUM_THREADS" not in self.env:  # split the cores between the workers
+            passed.append(("--num-threads", threads))
         for i in range(a.workers):
-            argv = _cli("worker", "--model", a.model, "--device", a.device, "--dtype", a.dtype,
-                        "--kv-cache-gib", str(a.kv_cache_gib), "--policy", a.policy, "--worker-id", f"worker-{i}")
-            if a.device == "cpu":
-                argv += ["--num-threads", str(threads)]
+            argv = _cli("worker", *(str(x) for pair in passed for x in pair), "--worker-id", f"worker-{i}")
             self.children.append(Child(f"worker-{i}", argv))
         self.children.append(Child("queue", _cli("queue")))  # batch jobs; shares the default data dir with the gateway
         self.children.append(Child("gateway", _cli("gateway", "--host", a.host, "--port", str(a.port))))

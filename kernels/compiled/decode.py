@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_caps import isolate_compile_cache
+
 if TYPE_CHECKING:
     from kernels.attention import DecodeBucket, DecodeChunks
 
@@ -123,6 +125,7 @@ def compile_copy(fn, prefix: str, static: tuple):
     One copy per static configuration: a process that loads several models (the test suite
     does) never reaches Dynamo's per-code-object recompile limit, which with
     `fullgraph=True` is an error."""
+    isolate_compile_cache()
     name = prefix + "_" + "_".join(str(x) for x in static).replace("torch.", "").replace(":", "")
     code = fn.__code__.replace(co_name=name)  # a stable name keeps Inductor's disk cache warm
     copy = types.FunctionType(code, fn.__globals__, code.co_name)

@@ -62,6 +62,9 @@ def bench_hf(args: argparse.Namespace) -> dict:
     from loadgen.baselines.export_hf import export
 
     model_path = str(export()) if args.model == "default" else args.model
+    from kernels.cpu_caps import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, "cpu")[0]
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -21,7 +21,7 @@ from loadgen.bench.common import percentile, write_json
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("batch", help="batch throughput with and without RT load, and RT TTFT with and without a batch")
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--items", type=int, default=48)
     p.add_argument("--item-max-tokens", type=int, default=32)
     p.add_argument("--rt-rate", type=float, default=1.0, help="RT requests per second (Poisson)")

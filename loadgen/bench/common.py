@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-def add_workload_args(ap, *, dtype_choices: Sequence[str] = ("bfloat16", "float32")) -> None:
+def add_workload_args(ap, *, dtype_choices: Sequence[str] = ("auto", "bfloat16", "float32")) -> None:
     """The workload arguments every benchmark in this repository accepts, with the same defaults."""
     ap.add_argument("--model", default="default", help="model name or path (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, nargs=2, default=[50, 300], metavar=("LO", "HI"),
                     help="prompt lengths are uniform in [LO, HI] (inclusive)")
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
-    ap.add_argument("--dtype", default="bfloat16", choices=list(dtype_choices))
+    ap.add_argument("--dtype", default="auto", choices=list(dtype_choices),
+                    help="auto: bfloat16 where the CPU has native bf16, else float32 (kernels/cpu_caps.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="also write the results here")
 

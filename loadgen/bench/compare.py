@@ -58,6 +58,9 @@ def _run(cmd: list[str], log_path: Path, env: dict | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kernels.cpu_caps import resolve_dtype
+
+    args.dtype = resolve_dtype(args.dtype, "cpu")[0]  # both systems run the same, decided dtype
     out_dir = Path(args.json_path).parent if args.json_path else Path(tempfile.mkdtemp(prefix="tandem-compare-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = Path(args.json_path).stem if args.json_path else "vllm-compare"

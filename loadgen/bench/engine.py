@@ -90,7 +90,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
     if out_tokens != len(prompts) * args.output_len:
         print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)
 
-    engine_cfg = getattr(llm, "config", None) or getattr(getattr(llm, "engine", None), "config", None)
+    engine_cfg = llm.engine.config  # resolved: dtype "auto" decided
     preemptions = sum(getattr(o.metrics, "num_preemptions", 0) or 0 for o in outs if o.metrics is not None)
     cached = sum(getattr(o.metrics, "num_cached_tokens", 0) or 0 for o in outs if o.metrics is not None)
     config = {
@@ -98,7 +98,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "num_prompts": args.num_prompts,
         "input_len": list(args.input_len),
         "output_len": args.output_len,
-        "dtype": args.dtype,
+        "dtype": engine_cfg.dtype,
         "seed": args.seed,
         "engine_args": cfg,
         "engine_config": _asdict(engine_cfg),

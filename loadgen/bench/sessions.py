@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--users", default="2,4,8", help="comma-separated concurrent users (sessions) to sweep")
     p.add_argument("--modes", default="recompute,sticky,hints", help=f"some of {', '.join(MODES)}")
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--kv-cache-gib", type=float, default=0.25)
     p.add_argument("--turns-mean", type=float, default=4.0)

@@ -31,7 +31,7 @@ METRICS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tbt_p99_s", 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--workload", default="sharegpt")
     ap.add_argument("--rates", default="0.5,1.0", help="comma-separated request rates")
     ap.add_argument("--duration", type=float, default=60.0)

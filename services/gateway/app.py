@@ -79,7 +79,8 @@ class _Handlers:
 
     async def models(self) -> dict:
         data = [{"id": name, "object": "model", "created": int(hb.started_at), "owned_by": "tandem",
-                 "max_model_len": hb.max_model_len} for name, hb in sorted(self.core.workers.models().items())]
+                 "max_model_len": hb.max_model_len, "dtype": hb.dtype, "device": hb.device}
+                for name, hb in sorted(self.core.workers.models().items())]
         return {"object": "list", "data": data}
 
     async def health(self) -> JSONResponse:

@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat demo (streams tokens)",
                        description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--max-tokens", type=int, default=512, help="maximum tokens per reply")
     p.add_argument("--temperature", type=float, default=0.2)

@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto (default): bfloat16 where the CPU has native bf16, else float32")
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")

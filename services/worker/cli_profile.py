@@ -11,7 +11,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "α0·Ln + α1·Σn·a + β per phase plus swap bandwidth, cache the profile by "
                                    "model+device+dtype and print it (JSON) with its fit errors.")
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=128)

@@ -11,7 +11,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="model id clients use (default: 'default' or the path's name)")
     p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--policy", help="scheduling policy (fcfs, ...)")
     p.add_argument("--max-num-seqs", type=int)

@@ -235,7 +235,9 @@ class WorkerService:
         while self._finished and self._finished[0][0] < now - _FINISHED_WINDOW_S:
             self._finished.popleft()
         running = [t.get_name() for t in self._tasks.values()]
+        engine_config = self.llm.engine.config
         hb = Heartbeat(worker_id=self.worker_id, model=self.model_name, max_model_len=self.llm.engine.max_model_len,
+                       dtype=engine_config.dtype, device=engine_config.device,
                        dispatch_topic=self.topics.dispatch(self.worker_id).name, started_at=self.started_at,
                        sent_at=time.time(), draining=self.draining, running_ids=running,
                        finished_ids=[k for _, k in self._finished], kv_url=self.sessions.kv_url,

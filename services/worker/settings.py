@@ -18,7 +18,7 @@ class WorkerSettings(ServiceSettings):
     model: str = "default"  # "default", a Hugging Face directory or a .gguf file
     served_model_name: str = ""  # the id clients send; default: "default" or the path's last part
     device: str = "cpu"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bfloat16 where the CPU (or GPU) computes it natively, else float32
     kv_cache_gib: float = 1.0
     policy: str = "fcfs"
     max_num_seqs: int = 128

@@ -53,7 +53,7 @@ class TelemetryWindow:
         slo = [t.met_slo for t in timings if t.met_slo is not None]
         pool = engine.kv.pool
         msg = Telemetry(
-            worker_id=worker_id, sent_at=time.time(), rt=_load(engine, RequestClass.RT),
+            worker_id=worker_id, sent_at=time.time(), dtype=engine.config.dtype, rt=_load(engine, RequestClass.RT),
             be=_load(engine, RequestClass.BE), kv_usage=pool.usage(),
             kv_blocks=pool.num_blocks, max_num_seqs=max_num_seqs,
             tokens_per_s=self._tokens / max(now - self._last_report, 1e-6),

@@ -16,6 +16,8 @@ class Heartbeat(WireModel):
     model: str  # the model id clients name
     max_model_len: int
     dispatch_topic: str
+    dtype: str | None = None  # the dtype the engine runs in (dtype "auto" decided at start)
+    device: str | None = None
     started_at: float
     sent_at: float
     draining: bool = False
@@ -48,6 +50,7 @@ class ClassLoad(BaseModel):
 class Telemetry(WireModel):
     worker_id: str
     sent_at: float
+    dtype: str | None = None  # the engine's decided dtype, as in the heartbeat
     rt: ClassLoad = ClassLoad()
     be: ClassLoad = ClassLoad()
     kv_usage: float = 0.0  # fraction of KV blocks in use

@@ -16,11 +16,11 @@ from services.broker import free_port
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(model_dir, port: int) -> tuple[subprocess.Popen, list[str]]:
+def _start(model_dir, port: int, flags: tuple[str, ...] = ("--dtype", "float32", "--kv-cache-gib", "0.05"),
+           env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--dtype", "float32",
-         "--kv-cache-gib", "0.05", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), *flags, "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), **(env or {})})
     lines: list[str] = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -89,3 +89,43 @@ def test_up_reports_a_crashed_child_and_exits_nonzero(tiny_model_dir):
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "worker-0 exited unexpectedly with code -9" in out
+
+
+def test_up_without_flags_decides_the_dtype_for_this_cpu(tiny_model_dir):
+    """No --dtype: the worker decides (bfloat16 with native bf16, float32 elsewhere; on an AVX2
+    host, real or emulated, bf16 once crashed the worker at start) and says so in /v1/models."""
+    from kernels.cpu_caps import resolve_dtype
+
+    port = free_port()
+    proc, lines = _start(tiny_model_dir("llama"), port, (), env={"TANDEM_KV_CACHE_GIB": "0.05"})
+    try:
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
+        assert model["dtype"] == resolve_dtype("auto", "cpu")[0] and model["device"] == "cpu", "".join(lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": model["id"], "prompt": "hi", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def test_up_passes_only_given_worker_flags_so_the_environment_counts(monkeypatch):
+    """`tandem up` used to pass its own defaults (--dtype bfloat16, ...) to every worker, which
+    overrode TANDEM_DTYPE and friends. Now a worker flag appears only when given."""
+    import argparse
+
+    from services import up
+
+    monkeypatch.setenv("TANDEM_NUM_THREADS", "1")
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    plan = up._Up(parser.parse_args(["up", "--workers", "2"]))
+    plan._plan()
+    workers = [c.argv for c in plan.children if c.name.startswith("worker-")]
+    assert len(workers) == 2
+    for argv in workers:
+        assert not {"--dtype", "--model", "--device", "--kv-cache-gib", "--policy", "--num-threads"} & set(argv)
+    plan = up._Up(parser.parse_args(["up", "--dtype", "float32", "--policy", "bros"]))
+    plan._plan()
+    argv = next(c.argv for c in plan.children if c.name == "worker-0")
+    assert argv[argv.index("--dtype") + 1] == "float32" and argv[argv.index("--policy") + 1] == "bros"

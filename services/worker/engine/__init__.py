@@ -1,7 +1,7 @@
 """Tandem's inference engine: paged KV cache, continuous batching, pluggable scheduling.
 
     from services.worker.engine import LLM, EngineConfig, SamplingParams
-    llm = LLM(EngineConfig(model="default", dtype="bfloat16"))
+    llm = LLM(EngineConfig(model="default"))  # dtype "auto": bf16 with native bf16, else float32
     out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0), chat=True)
 """
 from services.worker.engine.async_llm import AsyncLLM, StreamDelta

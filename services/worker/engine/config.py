@@ -5,9 +5,14 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
+
+from kernels.cpu_caps import resolve_dtype
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,9 @@ class EngineConfig:
 
     model: str = "default"
     device: str = "cpu"
-    dtype: str = "bfloat16"  # "float32" | "bfloat16" | "float16"
+    # "auto" | "float32" | "bfloat16" | "float16". auto: bfloat16 on a CPU with native bf16
+    # (AVX512-BF16 or AMX) or a GPU with bf16, float32 on other CPUs; `resolved()` decides it
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_gib: float = 1.0
     num_blocks: int | None = None  # overrides kv_cache_gib when set (tests)
@@ -85,10 +92,20 @@ class EngineConfig:
     session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
     session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
 
+    def resolved(self) -> EngineConfig:
+        """This config with `dtype="auto"` decided for this machine (kernels/cpu_caps.py), logged.
+        A concrete dtype is checked and kept."""
+        dtype, why = resolve_dtype(self.dtype, self.device)
+        if self.dtype == "auto":
+            log.info("dtype auto -> %s: %s", dtype, why)
+        return self if dtype == self.dtype else replace(self, dtype=dtype)
+
     @property
     def decode_kernel(self) -> str:
         """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
         if self.attention == "auto":
+            if self.dtype == "auto":
+                raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
             return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
         if self.attention not in ("fused", "reference"):
             raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
@@ -98,4 +115,6 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

@@ -62,6 +62,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = config.resolved()  # dtype "auto" decided for this machine, once
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
         if config.num_threads:

@@ -7,13 +7,20 @@ at load time; `torch.ops.mkldnn._linear_pointwise` then runs the same GEMM on th
 copy. These are the ops PyTorch's own CPU compiler (Inductor with weight freezing) emits, so
 results are the same bf16 GEMM, only without the per-call repacking.
 
-Used only where it applies: CPU, bfloat16 weights, a PyTorch built with oneDNN. Everywhere
-else (float32 tests against transformers, CUDA) the model keeps its `nn.Linear` layers.
+Used only where it applies: CPU, bfloat16 weights, a PyTorch built with oneDNN, and a CPU on
+which oneDNN's bf16 reorder runs (probed at start, not assumed). Everywhere else (float32,
+CUDA, an AVX2-only CPU) the model keeps its `nn.Linear` layers.
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 # Row count oneDNN tunes the packed layout for; any row count works. A decode batch is the
 # case the packing is for (prefill chunks are large enough to amortise per-call packing).
@@ -21,9 +28,38 @@ _BATCH_HINT = 64
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether linear layers can be packed here: CPU, bfloat16, and oneDNN's packed bf16 GEMM
+    actually runs on this CPU (probed once; see `_packed_bf16_gemm_works`)."""
     ops = getattr(torch.ops, "mkldnn", None)
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+            and _packed_bf16_gemm_works())
+
+
+@functools.cache
+def _packed_bf16_gemm_works() -> bool:
+    """Run the packed bf16 GEMM once on a tiny matrix and compare it with float32 `F.linear`.
+
+    oneDNN refuses its bf16 reorder on CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT (AMD Zen 3,
+    older Intel) and under `ONEDNN_MAX_CPU_ISA=AVX2`; there the layers stay `nn.Linear`, which
+    computes bf16 by emulation. Logged either way, since it decides the speed of every GEMM.
+    """
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError as e:
+        log.warning("oneDNN packed bf16 GEMMs unavailable on this CPU (%s); linear layers stay unpacked "
+                    "(slower). dtype auto picks float32 on such CPUs.", str(e).splitlines()[0])
+        return False
+    expected = F.linear(x.float(), w.float())
+    if not torch.allclose(y.float(), expected, atol=0.05, rtol=0.02):
+        log.warning("oneDNN packed bf16 GEMM gave wrong results in the start-up probe; linear layers stay unpacked")
+        return False
+    log.info("oneDNN packed bf16 GEMMs available")
+    return True
 
 
 @torch.library.custom_op("tandem::packed_linear", mutates_args=())

@@ -9,10 +9,21 @@ from torch import nn
 from services.worker.engine import EngineConfig, LLMEngine, SamplingParams
 from services.worker.engine.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
 
-pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
-                                reason="this PyTorch has no oneDNN linear packing")
+requires_packing = pytest.mark.skipif(not packing_supported(torch.bfloat16, torch.device("cpu")),
+                                      reason="oneDNN's packed bf16 GEMM does not run on this CPU (or this PyTorch)")
 
 
+@pytest.mark.skipif(packing_supported(torch.bfloat16, torch.device("cpu")), reason="packing works on this CPU")
+def test_bf16_engine_without_packing_serves_unpacked(tiny_model_dir):
+    """Where oneDNN refuses bf16 packing (AVX2-only CPUs, or emulated with ONEDNN_MAX_CPU_ISA=AVX2),
+    an explicit bf16 engine keeps nn.Linear layers and still serves, instead of crashing."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16", num_blocks=32))
+    assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    tokens, _ = _greedy(engine, [list(range(200, 230))])
+    assert len(tokens[0]) == 8
+
+
+@requires_packing
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, bias):
@@ -34,6 +45,7 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]
     return [tokens[str(i)] for i in range(len(prompts))], logits
 
 
+@requires_packing
 @pytest.mark.parametrize("name", ["llama", "qwen2", "opt"])  # untied head, tied head, OPT's tied head
 def test_engine_packs_bf16_layers_and_keeps_outputs(name, tiny_model_dir):
     path = str(tiny_model_dir(name))
@@ -55,6 +67,7 @@ def test_float32_engine_is_not_packed(tiny_model_dir):
     assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
 
 
+@requires_packing
 def test_pack_counts_every_linear_and_a_tied_head():
     class Tiny(nn.Module):
         def __init__(self) -> None:
