@@ -48,6 +48,8 @@ up: install
 	exec $(VENV)/bin/tandem up --host 127.0.0.1 --port 8000
 
 test: $(VENV)/.installed-test postgres-bin chromium-bin
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q
 	$(MAKE) --no-print-directory test-avx2
 
@@ -55,7 +57,7 @@ test: $(VENV)/.installed-test postgres-bin chromium-bin
 # native bf16; kernels/cpu_caps.py): torch's kernels, oneDNN and our own probe all capped, so a
 # change that only works with native bf16 fails CI on every host, not only on AVX2 ones.
 AVX2_ENV := TANDEM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-AVX2_TESTS := tests/worker/engine tests/kernels tests/test_cli.py \
+AVX2_TESTS := tests/engine tests/kernels tests/test_cli.py \
 	tests/services/test_up.py::test_up_without_flags_decides_the_dtype_for_this_cpu
 test-avx2: $(VENV)/.installed-test
 	$(AVX2_ENV) $(VENV)/bin/python -m pytest -q $(AVX2_TESTS)

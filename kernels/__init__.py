@@ -5,10 +5,23 @@ implementations in `kernels.reference` are the CPU path and the ground truth tha
 kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
 `torch.compile` to fuse: the fast CPU decode path, checked against the reference.
 """
+
 from kernels.attention import (
-    AttentionMetadata, DecodeBucket, PrefillSpan, decode_attention_with_new, paged_attention, write_kv_cache,
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillSpan,
+    decode_attention_with_new,
+    paged_attention,
+    write_kv_cache,
     write_kv_cache_layers,
 )
 
-__all__ = ["AttentionMetadata", "DecodeBucket", "PrefillSpan", "decode_attention_with_new", "paged_attention",
-           "write_kv_cache", "write_kv_cache_layers"]
+__all__ = [
+    "AttentionMetadata",
+    "DecodeBucket",
+    "PrefillSpan",
+    "decode_attention_with_new",
+    "paged_attention",
+    "write_kv_cache",
+    "write_kv_cache_layers",
+]

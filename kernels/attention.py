@@ -13,10 +13,11 @@ bit per block (BROS): a *reversed* block holds logical offset o at in-block slot
 logical order whatever the directions, so the attention math (and its floating-point
 summation order) is the same as for forward blocks.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +48,9 @@ class DecodeBucket:
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
     reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
     _slot_bias: torch.Tensor | None = field(default=None, repr=False)
-    _chunks: tuple[int, "DecodeChunks"] | None = field(default=None, repr=False)
+    _chunks: tuple[int, DecodeChunks] | None = field(default=None, repr=False)
 
-    def chunks(self, width: int) -> "DecodeChunks":
+    def chunks(self, width: int) -> DecodeChunks:
         """The bucket cut into chunks of `width` blocks (once per step; see DecodeChunks)."""
         if self._chunks is None or self._chunks[0] != width:
             self._chunks = (width, DecodeChunks.cut(self.block_table, self.slot_bias(), width))
@@ -79,7 +80,7 @@ class DecodeChunks:
     seq_chunks: torch.Tensor  # [B, M] each row's chunk indices, padded with C (no chunk)
 
     @staticmethod
-    def cut(block_table: torch.Tensor, slot_bias: torch.Tensor, width: int) -> "DecodeChunks":
+    def cut(block_table: torch.Tensor, slot_bias: torch.Tensor, width: int) -> DecodeChunks:
         rows, blocks = block_table.shape
         bs = slot_bias.shape[-1] // blocks
         per_row = -(-blocks // width)
@@ -122,8 +123,14 @@ def write_kv_cache_layers(kv_data: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
 
 
-def decode_attention_with_new(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                              chunks: tuple[torch.Tensor, ...], scale: float) -> torch.Tensor:
+def decode_attention_with_new(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunks: tuple[torch.Tensor, ...],
+    scale: float,
+) -> torch.Tensor:
     """Decode attention for tracing inside a compiled layer: one query row per sequence (q
     [S, heads, D]) over its cached context, given as `kernels.compiled.decode.graph_chunks`
     of a bucket whose lengths exclude this step's token, plus that token's own k, v ([S,

@@ -14,6 +14,7 @@ AVX2-only host on a better one, set all three:
 
 (`make test` runs the engine's core tests once more in that mode.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,7 +54,8 @@ class CpuCaps:
 
     def describe(self) -> str:
         cap = f", capped by {' '.join(self.capped_by)}" if self.capped_by else ""
-        return f"{self.model} ({self.logical_cpus} CPUs, {self.isa}, native bf16 {'yes' if self.native_bf16 else 'no'}{cap})"
+        bf16 = "yes" if self.native_bf16 else "no"
+        return f"{self.model} ({self.logical_cpus} CPUs, {self.isa}, native bf16 {bf16}{cap})"
 
 
 def _read_cpuinfo() -> tuple[str, str, set[str]]:
@@ -131,9 +133,16 @@ def probe() -> CpuCaps:
     visible = _visible_flags(flags, level)
     # os.cpu_count(), not the affinity mask: OpenMP binding (OMP_PROC_BIND) narrows the main
     # thread's mask to one core once torch starts its threads, which says nothing of the host.
-    return CpuCaps(model=model, vendor=vendor, logical_cpus=os.cpu_count() or 1, isa=level,
-                   native_bf16="avx512_bf16" in visible or "amx_bf16" in visible, flags=visible,
-                   capped_by=tuple(capped_by), aten_capability=torch.backends.cpu.get_cpu_capability())
+    return CpuCaps(
+        model=model,
+        vendor=vendor,
+        logical_cpus=os.cpu_count() or 1,
+        isa=level,
+        native_bf16="avx512_bf16" in visible or "amx_bf16" in visible,
+        flags=visible,
+        capped_by=tuple(capped_by),
+        aten_capability=torch.backends.cpu.get_cpu_capability(),
+    )
 
 
 def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
@@ -157,8 +166,11 @@ def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
             return "bfloat16", f"native bf16 on this CPU ({caps.describe()})"
         return "float32", f"no native bf16 on this CPU ({caps.describe()})"
     if requested == "bfloat16" and not caps.native_bf16:
-        log.warning("dtype bfloat16 requested on a CPU without native bf16 (%s): it is emulated and runs several "
-                    "times slower than float32; dtype auto would pick float32", caps.describe())
+        log.warning(
+            "dtype bfloat16 requested on a CPU without native bf16 (%s): it is emulated and runs several "
+            "times slower than float32; dtype auto would pick float32",
+            caps.describe(),
+        )
     return requested, "requested"
 
 

@@ -5,6 +5,7 @@ Open-loop processes return absolute arrival times in ``[0, duration)``; closed-l
 `loadgen.workloads.sources.ClosedUsers`). Every process is deterministic given its
 `numpy.random.Generator`.
 """
+
 from __future__ import annotations
 
 import json

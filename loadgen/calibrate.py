@@ -11,6 +11,7 @@ both for a reference batch of `REF_BATCH` decode rows at `REF_CONTEXT` tokens of
 (close to the CPU-scaled ShareGPT request). The target's time is measured on the loaded
 engine (a few warm decode steps, median) or taken from its cost model (the simulator).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,7 +39,7 @@ def measure_engine_step_s(engine, steps: int = 8, rounds: int = 3) -> float:
 
 
 def _median_step_s(engine, steps: int, round_: int) -> float:
-    from services.worker.engine import SamplingParams
+    from engine import SamplingParams
 
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
@@ -59,5 +60,11 @@ def _median_step_s(engine, steps: int, round_: int) -> float:
 
 def slo_scale(target_step_s: float, profile: str = REFERENCE_PROFILE) -> dict:
     ref = reference_step_s(profile)
-    return {"slo_scale": target_step_s / ref, "target_step_s": target_step_s, "reference_step_s": ref,
-            "reference_profile": profile, "ref_batch": REF_BATCH, "ref_context": REF_CONTEXT}
+    return {
+        "slo_scale": target_step_s / ref,
+        "target_step_s": target_step_s,
+        "reference_step_s": ref,
+        "reference_profile": profile,
+        "ref_batch": REF_BATCH,
+        "ref_context": REF_CONTEXT,
+    }

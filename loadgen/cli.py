@@ -4,6 +4,7 @@ Targets: ``inproc`` (the engine in this process), ``sim`` (the discrete-event si
 ``http://HOST:PORT`` (a running gateway). ``compare`` (and ``tandem sim --policies``) runs
 several scheduling policies on identical arrivals and tabulates the ratios.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ from loadgen.workloads.build import WORKLOADS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("loadgen", help="load generator: SLO metrics, reports, policy comparisons",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "loadgen", help="load generator: SLO metrics, reports, policy comparisons", description=__doc__.split("\n\n")[0]
+    )
     lsub = p.add_subparsers(dest="loadgen_command", metavar="CMD")
     lsub.required = True
     run = lsub.add_parser("run", help="one run against a target")
@@ -26,16 +28,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmp_.add_argument("--policies", default="fcfs,rr", help="comma-separated policies; the first is the baseline")
     cmp_.set_defaults(func=cmd_compare)
 
-    s = sub.add_parser("sim", help="cluster simulator: the real scheduler and KV manager, modelled step times",
-                       description="Discrete-event simulation (see docs/simulator.md). "
-                                   "Same options as `tandem loadgen run --target sim`.")
+    s = sub.add_parser(
+        "sim",
+        help="cluster simulator: the real scheduler and KV manager, modelled step times",
+        description="Discrete-event simulation (see docs/simulator.md). "
+        "Same options as `tandem loadgen run --target sim`.",
+    )
     add_run_args(s, target_default="sim")
     s.add_argument("--policies", default="fcfs", help="comma-separated policies (more than one: a comparison)")
     s.set_defaults(func=cmd_sim)
 
 
-def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", workload_default: str = "sharegpt",
-                 duration_default: float = 60.0) -> None:
+def add_run_args(
+    p: argparse.ArgumentParser,
+    *,
+    target_default: str = "inproc",
+    workload_default: str = "sharegpt",
+    duration_default: float = 60.0,
+) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--target", default=target_default, help="inproc | sim | http://HOST:PORT")
     g.add_argument("--workload", default=workload_default, choices=WORKLOADS)
@@ -60,12 +70,19 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
     g.add_argument("--typing-wpm", type=float, default=40.0)
     g.add_argument("--drain-timeout", type=float, default=None, help="s to wait for RT after the window")
     g.add_argument("--attainment", type=float, default=0.9, help="target for --find-rate")
-    g.add_argument("--find-rate", action="store_true",
-                   help="bisect the request rate for the effective throughput (attainment >= --attainment)")
+    g.add_argument(
+        "--find-rate",
+        action="store_true",
+        help="bisect the request rate for the effective throughput (attainment >= --attainment)",
+    )
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--served-model", default=None, help="http: model name (default: the gateway's first)")
-    g.add_argument("--be-via", default="stream", choices=["stream", "batch-api"],
-                   help="http: send BE batches through /v1/files + /v1/batches (falls back to streaming on 404)")
+    g.add_argument(
+        "--be-via",
+        default="stream",
+        choices=["stream", "batch-api"],
+        help="http: send BE batches through /v1/files + /v1/batches (falls back to streaming on 404)",
+    )
     e = p.add_argument_group("engine (inproc) and simulated workers (sim)")
     e.add_argument("--model", default="default")
     e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -75,14 +92,24 @@ def add_run_args(p: argparse.ArgumentParser, *, target_default: str = "inproc", 
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--num-threads", type=int, default=None, help="inproc: torch threads (default: as is)")
-    e.add_argument("--cost-model", default=None,
-                   help="cost-model JSON (from `tandem profile`) or a shipped profile name "
-                        "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb")
+    e.add_argument(
+        "--cost-model",
+        default=None,
+        help="cost-model JSON (from `tandem profile`) or a shipped profile name "
+        "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb",
+    )
     e.add_argument("--workers", type=int, default=1, help="sim: number of workers")
-    e.add_argument("--placement", default=None,
-                   help="sim: placement policy (default: direct with one worker, least-loaded with several)")
-    e.add_argument("--kv-bandwidth-gbps", type=float, default=None,
-                   help="sim: GB/s for moving a session's KV between workers (default: recompute)")
+    e.add_argument(
+        "--placement",
+        default=None,
+        help="sim: placement policy (default: direct with one worker, least-loaded with several)",
+    )
+    e.add_argument(
+        "--kv-bandwidth-gbps",
+        type=float,
+        default=None,
+        help="sim: GB/s for moving a session's KV between workers (default: recompute)",
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -108,13 +135,15 @@ def _execute(args: argparse.Namespace, policies: list[str], force_comparison: bo
     from loadgen import report
     from loadgen.orchestrate import run_policies
 
-    doc = run_policies(args, policies, comparison=len(policies) > 1 if force_comparison is None else
-                       force_comparison or len(policies) > 1, progress=not args.no_progress and sys.stderr.isatty())
+    doc = run_policies(
+        args,
+        policies,
+        comparison=len(policies) > 1 if force_comparison is None else force_comparison or len(policies) > 1,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
     title = f"tandem loadgen: {args.workload} on {args.target}"
     print(report.summary_markdown(doc, title))
     if args.out:
         report.write(args.out, doc, title=title)
         print(f"wrote {args.out}/results.json, summary.md and plots", file=sys.stderr)
     return 0
-
-

@@ -8,6 +8,7 @@ in a step: the request's arrival time is the scheduled one, so queueing shows up
 End of a run: no new requests after `duration_s`; RT requests in flight are drained (at most
 `drain_timeout_s`); BE requests still running then are aborted and count as not completed.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -33,8 +34,16 @@ class RunResult:
 
 
 class Driver:
-    def __init__(self, target: StepTarget, workload: Workload, prompts: PromptBuilder, *,
-                 drain_timeout_s: float | None = None, progress: bool = False, load_samples: int = 2000) -> None:
+    def __init__(
+        self,
+        target: StepTarget,
+        workload: Workload,
+        prompts: PromptBuilder,
+        *,
+        drain_timeout_s: float | None = None,
+        progress: bool = False,
+        load_samples: int = 2000,
+    ) -> None:
         self.target, self.workload, self.prompts = target, workload, prompts
         self.duration_s = workload.config.duration_s
         self.drain_timeout_s = max(30.0, self.duration_s) if drain_timeout_s is None else drain_timeout_s
@@ -120,8 +129,16 @@ class Driver:
         history = self._history.get(spec.session_id) if spec.session_id else None
         ids = self.prompts.prompt(spec, history)
         self._records[spec.request_id] = RequestRecord(
-            spec.request_id, spec.req_class, sub.at_s, len(ids), spec.max_tokens, spec.slo.ttft_s, spec.slo.tpot_s,
-            spec.session_id, turn=spec.turn)
+            spec.request_id,
+            spec.req_class,
+            sub.at_s,
+            len(ids),
+            spec.max_tokens,
+            spec.slo.ttft_s,
+            spec.slo.tpot_s,
+            spec.session_id,
+            turn=spec.turn,
+        )
         if src is not None:
             self._owner[spec.request_id] = (src, spec)
         if spec.session_id:
@@ -130,8 +147,18 @@ class Driver:
         self._open.add(spec.request_id)
         self._open_rt += spec.req_class == "rt"
         try:
-            self.target.submit(PreparedRequest(spec.request_id, spec.req_class, ids, spec.max_tokens, sub.at_s,
-                                               spec.slo.ttft_s, spec.slo.tpot_s, spec.session_id))
+            self.target.submit(
+                PreparedRequest(
+                    spec.request_id,
+                    spec.req_class,
+                    ids,
+                    spec.max_tokens,
+                    sub.at_s,
+                    spec.slo.ttft_s,
+                    spec.slo.tpot_s,
+                    spec.session_id,
+                )
+            )
         except ValueError as exc:  # the target can never serve it (too long for its KV, ...)
             self._records[spec.request_id].error = str(exc)
             self._close(spec.request_id, sub.at_s, "error")
@@ -179,5 +206,11 @@ class Driver:
 def _progress_bar(total_s: float, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=round(total_s, 3), unit="s", desc="run", disable=not enabled, leave=False,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}] {postfix}")
+    return tqdm(
+        total=round(total_s, 3),
+        unit="s",
+        desc="run",
+        disable=not enabled,
+        leave=False,
+        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}] {postfix}",
+    )

@@ -5,10 +5,11 @@ the crossing by doubling the rate from `start`, then bisect until the bracket is
 than `rel_tol` of its upper end. Every probe is kept: they are the points of the
 attainment-vs-rate plot.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass
@@ -19,12 +20,22 @@ class EffectiveThroughput:
     bracketed: bool = True  # False: the highest rate tried still met the target
 
     def as_dict(self) -> dict:
-        return {"rate": self.rate, "target": self.target, "bracketed": self.bracketed,
-                "probes": [{"rate": r, "attainment": a} for r, a in self.probes]}
+        return {
+            "rate": self.rate,
+            "target": self.target,
+            "bracketed": self.bracketed,
+            "probes": [{"rate": r, "attainment": a} for r, a in self.probes],
+        }
 
 
-def effective_throughput(attainment_at: Callable[[float], float], target: float, start: float = 1.0,
-                         max_rate: float = 1024.0, rel_tol: float = 0.05, max_probes: int = 16) -> EffectiveThroughput:
+def effective_throughput(
+    attainment_at: Callable[[float], float],
+    target: float,
+    start: float = 1.0,
+    max_rate: float = 1024.0,
+    rel_tol: float = 0.05,
+    max_probes: int = 16,
+) -> EffectiveThroughput:
     if not 0.0 < target <= 1.0:
         raise ValueError(f"attainment target must be in (0, 1], got {target}")
     if start <= 0 or max_rate < start:
@@ -51,8 +62,9 @@ def effective_throughput(attainment_at: Callable[[float], float], target: float,
     return res
 
 
-def _bracket(ok: Callable[[float], bool], start: float, max_rate: float,
-             max_probes: int) -> tuple[float | None, float | None]:
+def _bracket(
+    ok: Callable[[float], bool], start: float, max_rate: float, max_probes: int
+) -> tuple[float | None, float | None]:
     """(a rate that meets the target, a higher one that does not); None where not found."""
     if not ok(start):
         return None, start

@@ -1,4 +1,5 @@
 """Build targets, prompt builders and workload configs from command-line arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ class TargetBundle:
 
 def load_cost_model(name_or_path: str):
     """A cost-model file, or the name of a shipped profile (loadgen/sim/profiles/NAME.json)."""
-    from services.worker.engine.cost_model import CostModel
+    from engine.cost_model import CostModel
 
     p = Path(name_or_path)
     if not p.is_file():
@@ -40,8 +41,8 @@ def load_cost_model(name_or_path: str):
 
 def policy_options(policy: str, cost_model=None, default_slo=None) -> dict:
     """The options a policy's constructor accepts among those we can offer (cost model, SLO)."""
-    from services.worker.engine.scheduling import make_policy
-    from services.worker.engine.scheduling import policy as policy_mod
+    from engine.scheduling import make_policy
+    from engine.scheduling import policy as policy_mod
 
     try:
         make_policy("fcfs")  # imports and registers the built-in policies
@@ -56,11 +57,17 @@ def policy_options(policy: str, cost_model=None, default_slo=None) -> dict:
 
 
 def engine_config(args: argparse.Namespace, policy: str):
-    from services.worker.engine import EngineConfig
+    from engine import EngineConfig
 
     cfg = {"model": args.model, "dtype": args.dtype, "policy": policy, "seed": args.seed}
-    for name in ("kv_cache_gib", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "num_threads"):
+    for name in (
+        "kv_cache_gib",
+        "num_blocks",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "num_threads",
+    ):
         if getattr(args, name, None) is not None:
             cfg[name] = getattr(args, name)
     return EngineConfig(**cfg)
@@ -81,7 +88,7 @@ def inproc_target(args: argparse.Namespace, policy: str, default_slo=None) -> Ta
 
 def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> TargetBundle:
     from loadgen.sim.cluster import ClusterSpec, SimTarget
-    from loadgen.sim.worker import SimWorker, WorkerSpec
+    from loadgen.sim.worker import SimWorker
 
     cost = load_cost_model(args.cost_model or DEFAULT_SIM_PROFILE)
     spec = worker_spec(args, cost.meta)
@@ -96,22 +103,42 @@ def worker_spec(args: argparse.Namespace, meta: dict):
     from loadgen.sim.worker import WorkerSpec
 
     block = int(meta.get("block_size", 16))
-    num_blocks = args.num_blocks or (int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta
-                                     else 4096)
+    num_blocks = args.num_blocks or (
+        int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta else 4096
+    )
     return WorkerSpec(
-        num_blocks=num_blocks, block_size=block, max_num_seqs=args.max_num_seqs or 128,
+        num_blocks=num_blocks,
+        block_size=block,
+        max_num_seqs=args.max_num_seqs or 128,
         max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         max_model_len=args.max_model_len or int(meta.get("max_model_len", 2048)),
         kv_bytes_per_token=int(meta.get("kv_bytes_per_token", 0)),
     )
 
 
-def workload_config(args: argparse.Namespace, *, max_len: int | None, slo_scale: float, rate: float | None = None,
-                    seed: int | None = None) -> WorkloadConfig:
+def workload_config(
+    args: argparse.Namespace,
+    *,
+    max_len: int | None,
+    slo_scale: float,
+    rate: float | None = None,
+    seed: int | None = None,
+) -> WorkloadConfig:
     arrival = ArrivalSpec(args.arrival, rate if rate is not None else args.rate, args.cv, args.trace, args.users)
     return WorkloadConfig(
-        name=args.workload, arrival=arrival, duration_s=args.duration, seed=args.seed if seed is None else seed,
-        length_scale=args.length_scale, slo_scale=slo_scale, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-        max_len=max_len, rt_profile=args.rt_profile, dataset_path=args.dataset, be_batch=args.be_batch,
-        be_refill=args.be_refill, turns_mean=args.turns_mean, speeds=HumanSpeeds(args.reading_wpm, args.typing_wpm),
+        name=args.workload,
+        arrival=arrival,
+        duration_s=args.duration,
+        seed=args.seed if seed is None else seed,
+        length_scale=args.length_scale,
+        slo_scale=slo_scale,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        max_len=max_len,
+        rt_profile=args.rt_profile,
+        dataset_path=args.dataset,
+        be_batch=args.be_batch,
+        be_refill=args.be_refill,
+        turns_mean=args.turns_mean,
+        speeds=HumanSpeeds(args.reading_wpm, args.typing_wpm),
     )

@@ -19,11 +19,12 @@ Definitions (times in seconds; a request's tokens are timestamped when the clien
   each later gap).
 - Pooled ``tbt_p99_s`` of a class: the 99th percentile over all TBT samples of its requests.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -143,9 +144,16 @@ def request_row(rec: RequestRecord) -> dict:
     """One request's record plus its derived metrics, as written to results.json."""
     row = asdict(rec)
     row.update(
-        completed=rec.completed, output_tokens=rec.output_tokens, ttft_s=ttft(rec), tpot_s=tpot(rec),
-        tbt_p99_s=tbt_p99(rec), e2e_s=e2e_latency(rec), normalized_latency_s=normalized_latency(rec),
-        ttft_ok=ttft_ok(rec), tbt_ok=tbt_ok(rec), slo_ok=slo_ok(rec),
+        completed=rec.completed,
+        output_tokens=rec.output_tokens,
+        ttft_s=ttft(rec),
+        tpot_s=tpot(rec),
+        tbt_p99_s=tbt_p99(rec),
+        e2e_s=e2e_latency(rec),
+        normalized_latency_s=normalized_latency(rec),
+        ttft_ok=ttft_ok(rec),
+        tbt_ok=tbt_ok(rec),
+        slo_ok=slo_ok(rec),
     )
     return row
 
@@ -153,8 +161,7 @@ def request_row(rec: RequestRecord) -> dict:
 def summarize(records: Iterable[RequestRecord], elapsed_s: float) -> dict[str, dict]:
     """Summaries for the classes ``rt``, ``be`` and ``all``."""
     recs = list(records)
-    return {cls: summarize_class([r for r in recs if cls == "all" or r.req_class == cls], elapsed_s)
-            for cls in CLASSES}
+    return {cls: summarize_class([r for r in recs if cls == "all" or r.req_class == cls], elapsed_s) for cls in CLASSES}
 
 
 def summarize_class(recs: list[RequestRecord], elapsed_s: float) -> dict:

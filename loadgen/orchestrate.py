@@ -1,5 +1,6 @@
 """Run one workload for several policies (same arrivals), optionally searching the effective
 throughput, and assemble the results document."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: b
     return report.run_document(results[policies[0]], config, effective or None)
 
 
-def run_once(args: argparse.Namespace, policy: str, scale: "_SloScale", rate: float, progress: bool) -> RunResult:
+def run_once(args: argparse.Namespace, policy: str, scale: _SloScale, rate: float, progress: bool) -> RunResult:
     if _is_http(args):
         from loadgen.targets.http import run_http
 
@@ -42,14 +43,15 @@ def run_once(args: argparse.Namespace, policy: str, scale: "_SloScale", rate: fl
         _install_policy(bundle, policy, cfg)
         count = (lambda text: len(bundle.tokenizer.encode(text))) if bundle.tokenizer is not None else None
         workload = build_workload(cfg, count) if count else build_workload(cfg)
-        return Driver(bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout,
-                      progress=progress).run()
+        return Driver(
+            bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout, progress=progress
+        ).run()
     finally:
         bundle.target.close()
 
 
-def _target(args: argparse.Namespace, policy: str, scale: "_SloScale") -> TargetBundle:
-    from services.worker.engine.scheduling import SLO
+def _target(args: argparse.Namespace, policy: str, scale: _SloScale) -> TargetBundle:
+    from engine.scheduling import SLO
 
     given = scale.default_slo(args)
     slo = SLO(*given) if given else None
@@ -63,23 +65,25 @@ def _target(args: argparse.Namespace, policy: str, scale: "_SloScale") -> Target
 def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:
     """Give a policy that takes default RT SLOs the run's (scaled) ones, and the target's cost
     model; built after calibration because `--slo-scale auto` is known only then."""
-    from services.worker.engine.scheduling import SLO, make_policy
+    from engine.scheduling import SLO, make_policy
     from loadgen.factory import policy_options
     from loadgen.workloads.build import rt_profile
 
     slo = rt_profile(cfg).slo
     target = bundle.target
-    schedulers = [target.engine.scheduler] if hasattr(target, "engine") else [
-        w.scheduler for w in target.workers.values()]
+    schedulers = (
+        [target.engine.scheduler] if hasattr(target, "engine") else [w.scheduler for w in target.workers.values()]
+    )
     cost = getattr(getattr(target, "engine", None), "cost_model", None) or getattr(
-        next(iter(getattr(target, "workers", {}).values()), None), "cost", None)
+        next(iter(getattr(target, "workers", {}).values()), None), "cost", None
+    )
     opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s))
     if "default_slo" in opts:
         for scheduler in schedulers:
             scheduler.policy = make_policy(policy, **opts)
 
 
-def _search(args: argparse.Namespace, policy: str, scale: "_SloScale"):
+def _search(args: argparse.Namespace, policy: str, scale: _SloScale):
     def attainment_at(rate: float) -> float:
         res = run_once(args, policy, scale, rate, progress=False)
         att = summarize(res.records, res.elapsed_s)["rt"]["slo_attainment"]
@@ -123,8 +127,10 @@ class _SloScale:
         else:
             step = calibrate.model_step_s(next(iter(target.workers.values())).cost)
         detail = calibrate.slo_scale(step)
-        _log(f"SLO scale {detail['slo_scale']:.2f} (decode step {step * 1e3:.1f} ms here vs "
-             f"{detail['reference_step_s'] * 1e3:.1f} ms on {detail['reference_profile']})")
+        _log(
+            f"SLO scale {detail['slo_scale']:.2f} (decode step {step * 1e3:.1f} ms here vs "
+            f"{detail['reference_step_s'] * 1e3:.1f} ms on {detail['reference_profile']})"
+        )
         return detail
 
 

@@ -1,4 +1,5 @@
 """PNG plots of a results document: TTFT CDF, latency over time with KV use, attainment vs rate."""
+
 from __future__ import annotations
 
 from pathlib import Path

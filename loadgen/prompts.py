@@ -1,9 +1,10 @@
 """Prompt token ids for a request spec: random ids (deterministic per request id), the user's
 text through the target's tokenizer, and the session's history in front of a new turn."""
+
 from __future__ import annotations
 
 import zlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -24,7 +25,7 @@ class PromptBuilder:
         if spec.prompt_text is not None and self.tokenizer is not None:
             return list(self.tokenizer.encode(spec.prompt_text))
         if spec.messages is not None and self.tokenizer is not None:
-            from services.worker.engine.llm import apply_chat_template
+            from engine.llm import apply_chat_template
 
             return list(apply_chat_template(self.tokenizer, list(spec.messages)))
         rng = np.random.default_rng([self.seed, 2, zlib.crc32(spec.request_id.encode())])

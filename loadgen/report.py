@@ -5,6 +5,7 @@ policy/mode name, then per class, for a comparison), ``ratios`` (comparisons: ea
 the first), ``effective_throughput`` (when searched), ``requests`` (every request's record
 with its derived metrics) and ``load`` (KV use and queue lengths over time).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,21 +17,37 @@ from loadgen.metrics import CLASSES, ratio, request_row, summarize
 
 # summary.md columns: (key, header, scale, format)
 _COLUMNS = [
-    ("requests", "requests", 1, "{:.0f}"), ("completed", "done", 1, "{:.0f}"),
-    ("ttft_p50_s", "TTFT p50 ms", 1e3, "{:.0f}"), ("ttft_p99_s", "TTFT p99 ms", 1e3, "{:.0f}"),
-    ("tpot_p50_s", "TPOT p50 ms", 1e3, "{:.1f}"), ("tbt_p99_s", "TBT p99 ms", 1e3, "{:.0f}"),
+    ("requests", "requests", 1, "{:.0f}"),
+    ("completed", "done", 1, "{:.0f}"),
+    ("ttft_p50_s", "TTFT p50 ms", 1e3, "{:.0f}"),
+    ("ttft_p99_s", "TTFT p99 ms", 1e3, "{:.0f}"),
+    ("tpot_p50_s", "TPOT p50 ms", 1e3, "{:.1f}"),
+    ("tbt_p99_s", "TBT p99 ms", 1e3, "{:.0f}"),
     ("normalized_latency_s", "norm. latency ms/tok", 1e3, "{:.1f}"),
-    ("ttft_attainment", "TTFT att.", 100, "{:.1f}%"), ("tpot_attainment", "TPOT att.", 100, "{:.1f}%"),
-    ("slo_attainment", "SLO att.", 100, "{:.1f}%"), ("throughput_rps", "req/s", 1, "{:.3f}"),
+    ("ttft_attainment", "TTFT att.", 100, "{:.1f}%"),
+    ("tpot_attainment", "TPOT att.", 100, "{:.1f}%"),
+    ("slo_attainment", "SLO att.", 100, "{:.1f}%"),
+    ("throughput_rps", "req/s", 1, "{:.3f}"),
     ("output_tokens_per_s", "out tok/s", 1, "{:.1f}"),
 ]
-_RATIO_KEYS = ("ttft_p50_s", "ttft_p99_s", "tbt_p99_s", "normalized_latency_s", "ttft_attainment",
-               "tpot_attainment", "slo_attainment", "throughput_rps")
+_RATIO_KEYS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tbt_p99_s",
+    "normalized_latency_s",
+    "ttft_attainment",
+    "tpot_attainment",
+    "slo_attainment",
+    "throughput_rps",
+)
 
 
 def run_document(result: RunResult, config: dict, effective: dict | None = None) -> dict:
-    doc: dict[str, Any] = {"config": config, "target": result.target,
-                           "summary": summarize(result.records, result.elapsed_s)}
+    doc: dict[str, Any] = {
+        "config": config,
+        "target": result.target,
+        "summary": summarize(result.records, result.elapsed_s),
+    }
     if effective:
         doc["effective_throughput"] = effective
     doc["typing_hints"] = result.typing_hints
@@ -44,8 +61,10 @@ def comparison_document(results: dict[str, RunResult], config: dict, effective: 
     doc: dict[str, Any] = {"config": config, "summary": summaries, "ratios": ratios(summaries)}
     if effective:
         doc["effective_throughput"] = effective
-    doc["runs"] = {name: {"target": r.target, "requests": [request_row(x) for x in r.records],
-                          "load": [vars(s) for s in r.load]} for name, r in results.items()}
+    doc["runs"] = {
+        name: {"target": r.target, "requests": [request_row(x) for x in r.records], "load": [vars(s) for s in r.load]}
+        for name, r in results.items()
+    }
     return doc
 
 
@@ -55,9 +74,15 @@ def ratios(summaries: dict[str, dict]) -> dict:
     if len(names) < 2:
         return {}
     base = summaries[names[0]]
-    return {"baseline": names[0], **{
-        name: {cls: {k: ratio(summaries[name][cls].get(k), base[cls].get(k)) for k in _RATIO_KEYS}
-               for cls in CLASSES} for name in names[1:]}}
+    return {
+        "baseline": names[0],
+        **{
+            name: {
+                cls: {k: ratio(summaries[name][cls].get(k), base[cls].get(k)) for k in _RATIO_KEYS} for cls in CLASSES
+            }
+            for name in names[1:]
+        },
+    }
 
 
 def write(out_dir: str | Path, doc: dict, *, title: str) -> Path:
@@ -91,8 +116,10 @@ def summary_markdown(doc: dict, title: str) -> str:
 def table(rows: dict[str, dict]) -> str:
     head = "| | " + " | ".join(h for _, h, _, _ in _COLUMNS) + " |"
     sep = "|---" * (len(_COLUMNS) + 1) + "|"
-    body = ["| " + name + " | " + " | ".join(_cell(s.get(k), scale, fmt) for k, _, scale, fmt in _COLUMNS) + " |"
-            for name, s in rows.items()]
+    body = [
+        "| " + name + " | " + " | ".join(_cell(s.get(k), scale, fmt) for k, _, scale, fmt in _COLUMNS) + " |"
+        for name, s in rows.items()
+    ]
     return "\n".join([head, sep, *body])
 
 
@@ -102,8 +129,12 @@ def _cell(v, scale: float, fmt: str) -> str:
 
 def _ratio_section(r: dict) -> str:
     base = r["baseline"]
-    lines = [f"## Ratios vs {base} (RT unless noted)", "", "| | " + " | ".join(_RATIO_KEYS) + " | BE req/s |",
-             "|---" * (len(_RATIO_KEYS) + 2) + "|"]
+    lines = [
+        f"## Ratios vs {base} (RT unless noted)",
+        "",
+        "| | " + " | ".join(_RATIO_KEYS) + " | BE req/s |",
+        "|---" * (len(_RATIO_KEYS) + 2) + "|",
+    ]
     for name, per_cls in r.items():
         if name == "baseline":
             continue

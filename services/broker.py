@@ -5,6 +5,7 @@ storage. It speaks the Kafka protocol aiokafka needs (acks=all producers, consum
 commits) but not idempotent producers, and it keeps nothing across restarts. Production uses
 Apache Kafka (docker-compose.yml); only KAFKA_BOOTSTRAP differs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,11 @@ def start_broker(host: str = "127.0.0.1", port: int | None = None, **popen_kwarg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (tansu)",
-                       description="Run the embedded broker in the foreground (in-memory; for one machine).")
+    p = sub.add_parser(
+        "broker",
+        help="run the embedded Kafka-protocol broker (tansu)",
+        description="Run the embedded broker in the foreground (in-memory; for one machine).",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default: a free port")
     p.set_defaults(func=run)

@@ -4,6 +4,7 @@ Each subcommand lives in its own module and registers itself through a small ``a
 function; heavy imports (torch, the engine) happen inside the subcommand, so ``tandem --help``
 is instant.
 """
+
 from __future__ import annotations
 
 import argparse

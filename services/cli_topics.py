@@ -1,12 +1,16 @@
 """`tandem topics create|list`: the topic catalogue on a Kafka cluster (Compose's init step)."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("topics", help="create or list Tandem's Kafka topics",
-                       description="Create every topic in the catalogue (shared/topics.py), or list them.")
+    p = sub.add_parser(
+        "topics",
+        help="create or list Tandem's Kafka topics",
+        description="Create every topic in the catalogue (shared/topics.py), or list them.",
+    )
     p.add_argument("action", choices=["create", "list"])
     p.set_defaults(func=run)
 

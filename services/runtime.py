@@ -1,4 +1,5 @@
 """Runs a long-lived service under uvloop until SIGINT/SIGTERM, then stops it cleanly."""
+
 from __future__ import annotations
 
 import asyncio

@@ -7,6 +7,7 @@ the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM) stops the chil
 order, each with SIGTERM first. Nothing is restarted silently: if a child exits, `up` says which
 one and with what code, stops the rest and exits non-zero.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ class Child:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start broker, scheduler, advisory, workers and gateway on this machine",
-                       description="Start the whole stack on one machine and serve the API.")
+    p = sub.add_parser(
+        "up",
+        help="start broker, scheduler, advisory, workers and gateway on this machine",
+        description="Start the whole stack on one machine and serve the API.",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     # Worker options default to None: unset, each worker takes its TANDEM_* environment variable
@@ -38,8 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model for every worker (default: TANDEM_MODEL or the bundled one)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: TANDEM_DEVICE or cpu")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="default: TANDEM_DTYPE or auto (bfloat16 where the CPU has native bf16, else float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="default: TANDEM_DTYPE or auto (bfloat16 where the CPU has native bf16, else float32)",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="default: TANDEM_KV_CACHE_GIB or 1.0")
     p.add_argument("--policy", default=None, help="default: TANDEM_POLICY or fcfs")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway")
@@ -72,8 +80,17 @@ class _Up:
         threads = max(1, (os.cpu_count() or 1) // a.workers)
         self.children.append(Child("scheduler", _cli("scheduler")))
         self.children.append(Child("advisory", _cli("advisory")))  # sessions: hints -> placement + prefetch
-        passed = [(flag, value) for flag, value in (("--model", a.model), ("--device", a.device), ("--dtype", a.dtype),
-                  ("--kv-cache-gib", a.kv_cache_gib), ("--policy", a.policy)) if value is not None]
+        passed = [
+            (flag, value)
+            for flag, value in (
+                ("--model", a.model),
+                ("--device", a.device),
+                ("--dtype", a.dtype),
+                ("--kv-cache-gib", a.kv_cache_gib),
+                ("--policy", a.policy),
+            )
+            if value is not None
+        ]
         on_cpu = (a.device or self.env.get("TANDEM_DEVICE", "cpu")) == "cpu"
         if on_cpu and "TANDEM_NUM_THREADS" not in self.env:  # split the cores between the workers
             passed.append(("--num-threads", threads))
@@ -111,7 +128,10 @@ class _Up:
 
     async def _spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
-            *child.argv, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *child.argv,
+            env=self.env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
         )
         asyncio.create_task(_pump(child))
@@ -164,7 +184,7 @@ async def _stop(child: Child, grace_s: float = 15.0) -> None:
     p.send_signal(signal.SIGTERM)
     try:
         await asyncio.wait_for(p.wait(), grace_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         _say(f"{child.name} did not stop in {grace_s:.0f}s; killing it")
         p.kill()
         await p.wait()

@@ -5,6 +5,7 @@ Producers use `acks=all`. Idempotent producers are switched on only where the br
 them (`kafka_idempotence` setting; the embedded tansu broker fails them), so every consumer is
 idempotent instead: messages carry ids and readers drop what they have already applied.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,9 @@ T = TypeVar("T")
 M = TypeVar("M", bound=WireModel)
 
 
-async def with_backoff(what: str, fn: Callable[[], Awaitable[T]], *, attempts: int = 30,
-                       first_delay: float = 0.1, max_delay: float = 2.0) -> T:
+async def with_backoff(
+    what: str, fn: Callable[[], Awaitable[T]], *, attempts: int = 30, first_delay: float = 0.1, max_delay: float = 2.0
+) -> T:
     """Retry `fn` on connection errors with exponential backoff (the broker may still be starting)."""
     delay = first_delay
     for i in range(attempts):
@@ -58,8 +60,12 @@ class KafkaClient:
     async def start(self, topics: Sequence[TopicSpec] = ()) -> None:
         await self.ensure_topics(topics)
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all", linger_ms=0,
-            enable_idempotence=self._idempotence, request_timeout_ms=10000,
+            bootstrap_servers=self.bootstrap,
+            client_id=self.client_id,
+            acks="all",
+            linger_ms=0,
+            enable_idempotence=self._idempotence,
+            request_timeout_ms=10000,
         )
         await with_backoff("producer start", self.producer.start)
 
@@ -80,39 +86,49 @@ class KafkaClient:
         finally:
             await admin.close()
 
-    async def send(self, topic: str, message: WireModel | None, *, key: str | None = None,
-                   partition: int | None = None) -> None:
+    async def send(
+        self, topic: str, message: WireModel | None, *, key: str | None = None, partition: int | None = None
+    ) -> None:
         """Send and wait for the broker's ack (None = tombstone on a compacted topic)."""
         value = None if message is None else message.encode()
-        await self.producer.send_and_wait(topic, value, key=None if key is None else key.encode(),
-                                          partition=partition)
+        await self.producer.send_and_wait(topic, value, key=None if key is None else key.encode(), partition=partition)
 
-    async def send_nowait(self, topic: str, message: WireModel, *, key: str | None = None,
-                          partition: int | None = None) -> asyncio.Future:
+    async def send_nowait(
+        self, topic: str, message: WireModel, *, key: str | None = None, partition: int | None = None
+    ) -> asyncio.Future:
         """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
-        return await self.producer.send(topic, message.encode(), key=None if key is None else key.encode(),
-                                        partition=partition)
+        return await self.producer.send(
+            topic, message.encode(), key=None if key is None else key.encode(), partition=partition
+        )
 
-    async def consumer(self, *topics: str, group: str | None, from_latest: bool = False, hot: bool = False,
-                       **kwargs) -> AIOKafkaConsumer:
+    async def consumer(
+        self, *topics: str, group: str | None, from_latest: bool = False, hot: bool = False, **kwargs
+    ) -> AIOKafkaConsumer:
         """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`.
 
         `hot`: on the request/token path, so empty fetches return after `kafka_fetch_wait_ms`.
         """
         c = AIOKafkaConsumer(
-            *topics if group else (), bootstrap_servers=self.bootstrap, client_id=self.client_id,
-            group_id=group, enable_auto_commit=False,
+            *topics if group else (),
+            bootstrap_servers=self.bootstrap,
+            client_id=self.client_id,
+            group_id=group,
+            enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
             fetch_max_wait_ms=self.settings.kafka_fetch_wait_ms if hot else 100,
             # Short group timers: a replaced member (restart after a crash) is evicted in seconds.
-            session_timeout_ms=6000, heartbeat_interval_ms=1000, rebalance_timeout_ms=3000, **kwargs,
+            session_timeout_ms=6000,
+            heartbeat_interval_ms=1000,
+            rebalance_timeout_ms=3000,
+            **kwargs,
         )
         await with_backoff("consumer start", c.start)
         self._consumers.append(c)
         return c
 
-    async def assign_all(self, consumer: AIOKafkaConsumer, topic: str, *, from_end: bool,
-                         partitions: Sequence[int] | None = None) -> list[TopicPartition]:
+    async def assign_all(
+        self, consumer: AIOKafkaConsumer, topic: str, *, from_end: bool, partitions: Sequence[int] | None = None
+    ) -> list[TopicPartition]:
         """Group-less reading of a whole topic (or given partitions), from its start or its end."""
         if partitions is None:
             parts = await with_backoff(f"metadata {topic}", lambda: _partitions(consumer, topic))
@@ -154,8 +170,9 @@ async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: in
     return out
 
 
-async def tail(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None],
-               timeout_ms: int = 1000) -> None:
+async def tail(
+    consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None], timeout_ms: int = 1000
+) -> None:
     """Apply every message as it arrives, forever (after `read_to_end` rebuilt a compacted topic)."""
     while True:
         for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():

@@ -2,6 +2,7 @@
 
 Pass request ids as `log.info("...", extra={"request_id": rid})`; the formatter shows them.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,13 @@ class _JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        obj = {"ts": record.created, "level": record.levelname, "service": self.service,
-               "logger": record.name, "msg": record.getMessage()}
+        obj = {
+            "ts": record.created,
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         rid = getattr(record, "request_id", None)
         if rid:
             obj["request_id"] = rid

@@ -1,5 +1,6 @@
 """Prometheus helpers: each service owns one `CollectorRegistry` (no process-global metrics), and
 services without an HTTP API of their own expose it on `metrics_port`."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server

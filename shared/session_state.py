@@ -9,6 +9,7 @@ and then follow them, so every reader converges on the same view:
 - `PlacementBook`: per session, the advisory service's latest `SessionPlacement` (a tombstone
   removes it); a placement past `expires_at` counts as absent.
 """
+
 from __future__ import annotations
 
 import time

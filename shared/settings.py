@@ -1,6 +1,7 @@
 """Settings every service shares. Each service subclasses `ServiceSettings` once (its one settings
 object); values come from `TANDEM_<FIELD>` environment variables, and the broker address from
 `KAFKA_BOOTSTRAP`, the only thing that differs between the embedded broker and production Kafka."""
+
 from __future__ import annotations
 
 from pydantic import AliasChoices, Field

@@ -22,6 +22,7 @@ its own work and a dead worker's backlog is simply abandoned (the scheduler re-p
 The two session topics are compacted: a restarted advisory service or scheduler reads them from
 the start and has the latest location and placement of every session (docs/sessions.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,6 +92,16 @@ class Topics:
 
     def static(self) -> list[TopicSpec]:
         """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
-        return [self.rt_requests, self.be_requests, self.results, self.control, self.telemetry,
-                self.heartbeats, self.scheduler_state, self.be_capacity, self.advisory,
-                self.sessions_directory, self.sessions_placement]
+        return [
+            self.rt_requests,
+            self.be_requests,
+            self.results,
+            self.control,
+            self.telemetry,
+            self.heartbeats,
+            self.scheduler_state,
+            self.be_capacity,
+            self.advisory,
+            self.sessions_directory,
+            self.sessions_placement,
+        ]

@@ -1,4 +1,5 @@
 """Shared fixtures: the default model's files and tiny random-weight models on disk."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,7 +32,7 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
-    from services.worker.engine.loader import load_tokenizer, resolve_model
+    from engine.loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("default"))
 
@@ -39,21 +40,49 @@ def smollm2_tokenizer(smollm2_dir):
 def _tiny_configs():
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=512)
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+    )
     return {
         "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
         "llama_bias": LlamaConfig(num_key_value_heads=2, attention_bias=True, **common),
-        "llama3_rope": LlamaConfig(num_key_value_heads=1, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, **common),
+        "llama3_rope": LlamaConfig(
+            num_key_value_heads=1,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        ),
         "mistral": MistralConfig(num_key_value_heads=2, **common),
         "qwen2": Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common),
         "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=32, **common),
-        "opt": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                         max_position_embeddings=512, word_embed_proj_dim=64),
-        "opt_proj": OPTConfig(vocab_size=49152, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                              num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=32),
+        "opt": OPTConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=64,
+        ),
+        "opt_proj": OPTConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            word_embed_proj_dim=32,
+        ),
     }
 
 

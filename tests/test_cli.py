@@ -1,4 +1,5 @@
 """The `tandem` command line, run as a user would (a subprocess of the installed entry point)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,21 @@ def _tandem(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_json_chat():
-    res = _tandem("generate", "--model", "default", "--prompt", "What is the capital of France?", "--chat",
-                  "--max-tokens", "20", "--temperature", "0", "--dtype", "float32", "--json")
+    res = _tandem(
+        "generate",
+        "--model",
+        "default",
+        "--prompt",
+        "What is the capital of France?",
+        "--chat",
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0",
+        "--dtype",
+        "float32",
+        "--json",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["text"] == "The capital of France is Paris."

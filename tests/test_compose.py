@@ -1,5 +1,6 @@
 """docker-compose.yml cannot run here (no Docker), so check what can be checked statically:
 every Tandem service runs a real `tandem` subcommand and sets only variables its settings read."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import build_parser
 from services.advisory.settings import AdvisorySettings
+from services.cli import build_parser
 from services.gateway.settings import GatewaySettings
 from services.queue.settings import QueueSettings, StoreSettings
 from services.scheduler.settings import SchedulerSettings
@@ -17,12 +18,19 @@ from shared.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 class GatewayWithBatchStore(GatewaySettings, StoreSettings):
     """The gateway process reads both: its own settings and the batch store's (services/gateway/batch_api.py)."""
 
 
-SETTINGS = {"gateway": GatewayWithBatchStore, "scheduler": SchedulerSettings, "worker": WorkerSettings,
-            "topics": ServiceSettings, "queue": QueueSettings, "advisory": AdvisorySettings}
+SETTINGS = {
+    "gateway": GatewayWithBatchStore,
+    "scheduler": SchedulerSettings,
+    "worker": WorkerSettings,
+    "topics": ServiceSettings,
+    "queue": QueueSettings,
+    "advisory": AdvisorySettings,
+}
 NOT_OURS = {"HF_HUB_OFFLINE"}  # read by libraries, not by our settings
 
 
@@ -46,7 +54,7 @@ def test_topology(compose):
     assert "advisory" in commands  # typing hints -> session placement (docs/sessions.md)
     for name in ("gateway", "queue"):  # both reach the same batch store
         assert services[name]["environment"]["TANDEM_DATABASE_URL"].startswith("postgresql+asyncpg://")
-    for name, s in _tandem_services(compose).items():
+    for s in _tandem_services(compose).values():
         if s["command"][0] == "worker":
             devices = s["deploy"]["resources"]["reservations"]["devices"]
             assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]

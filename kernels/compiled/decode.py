@@ -30,10 +30,11 @@ Decisions:
   inference mode, the mode the engine steps in: Dynamo guards on the grad mode, and a
   graph compiled outside it was recompiled (~1 s) in the engine's first decode step.
 - `decode_with_new_math` is the variant traced inside a compiled decoder layer
-  (`services/worker/engine/models/decode_graph.py`): the step's own token is attended from
+  (`engine/models/decode_graph.py`): the step's own token is attended from
   the layer's fresh K/V rather than from the cache, so the graph is a pure function and the
   cache is written once for all layers after it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,8 +52,15 @@ if TYPE_CHECKING:
 CHUNK_TOKENS = 64  # context tokens per chunk (rounded to whole blocks)
 
 
-def decode_math(q: torch.Tensor, kv_cache: torch.Tensor, chunk_table: torch.Tensor, chunk_seq: torch.Tensor,
-                chunk_bias: torch.Tensor, seq_chunks: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_math(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunk_table: torch.Tensor,
+    chunk_seq: torch.Tensor,
+    chunk_bias: torch.Tensor,
+    seq_chunks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [S, heads, D]; kv_cache [2, kv_heads, blocks, bs, D]; chunk_table [C, W] blocks of
     each chunk; chunk_seq [C] its sequence; chunk_bias [C, 1, W * bs] float32 over slots (0
     valid, -inf not); seq_chunks [S, M] each sequence's chunks, padded with C (no chunk).
@@ -62,9 +70,17 @@ def decode_math(q: torch.Tensor, kv_cache: torch.Tensor, chunk_table: torch.Tens
     return _ungrouped(_combine(*parts), q)
 
 
-def decode_with_new_math(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
-                         chunk_table: torch.Tensor, chunk_seq: torch.Tensor, chunk_bias: torch.Tensor,
-                         seq_chunks: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_with_new_math(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunk_table: torch.Tensor,
+    chunk_seq: torch.Tensor,
+    chunk_bias: torch.Tensor,
+    seq_chunks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """Like `decode_math`, but the chunks cover only the context *before* this step and the
     step's own token (k_new, v_new [S, kv_heads, D], not yet in the cache) is one more partial.
     Written to be traced inside a compiled decoder layer (models/decode_graph.py), which
@@ -136,7 +152,7 @@ def chunk_blocks(block_size: int) -> int:
     return max(1, CHUNK_TOKENS // block_size)
 
 
-def graph_chunks(c: "DecodeChunks", seqs: int) -> tuple[torch.Tensor, ...]:
+def graph_chunks(c: DecodeChunks, seqs: int) -> tuple[torch.Tensor, ...]:
     """(table, seq, bias, seq_chunks) of `c` as a compiled graph takes them: Dynamo
     specialises sizes 0 and 1, so a lone chunk gets an unreferenced twin, a lone chunk
     column a "no chunk" column, and `seqs` (2 when the caller doubled a lone sequence)
@@ -155,7 +171,7 @@ def graph_chunks(c: "DecodeChunks", seqs: int) -> tuple[torch.Tensor, ...]:
     return tensors
 
 
-def decode(q: torch.Tensor, kv_cache: torch.Tensor, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
+def decode(q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float) -> torch.Tensor:
     """Attention of one decode bucket (same contract as the reference `_decode`); a bucket
     may hold sequences of any lengths."""
     seqs = q.shape[0]
@@ -176,11 +192,13 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
     decode(torch.zeros(2, num_heads, kv_cache.shape[4], dtype=kv_cache.dtype), kv_cache, bucket, scale)
 
 
-def warm_up_bucket(block_size: int, device: torch.device) -> "DecodeBucket":
+def warm_up_bucket(block_size: int, device: torch.device) -> DecodeBucket:
     """Two sequences of three chunks each over the null block 0: no size-1 dimension."""
     from kernels.attention import DecodeBucket
 
     width = 2 * chunk_blocks(block_size) + 1
-    return DecodeBucket(rows=torch.arange(2, device=device),
-                        block_table=torch.zeros(2, width, dtype=torch.long, device=device),
-                        bias=torch.zeros(2, 1, width * block_size, device=device))
+    return DecodeBucket(
+        rows=torch.arange(2, device=device),
+        block_table=torch.zeros(2, width, dtype=torch.long, device=device),
+        bias=torch.zeros(2, 1, width * block_size, device=device),
+    )

@@ -10,6 +10,7 @@ Decode rows are attended in length buckets: each bucket's blocks are gathered in
 extra query rows (`[kv_heads, B, group, D]`), so GQA needs no K/V copies. Matmul + softmax beats SDPA here
 for a handful of query rows per sequence. Prefill chunks use SDPA (causal, GQA-aware).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ def write_kv_cache_layers(kv_data, k, v, slot_mapping) -> None:
     flat[:, 1].index_copy_(2, slot_mapping, v.transpose(1, 2))
 
 
-def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata", decode=None) -> torch.Tensor:
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, decode=None) -> torch.Tensor:
     """`decode(q_rows, kv_cache, bucket, scale)` attends decode buckets (default: `_decode`)."""
     decode = decode or _decode
     out = torch.empty_like(q)
@@ -44,7 +45,9 @@ def paged_attention(q, k, v, kv_cache, meta: "AttentionMetadata", decode=None) -
     return out
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, reversed: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, reversed: torch.Tensor | None = None
+) -> torch.Tensor:
     """`[2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, D]` copy of
     K and V in the given blocks, in logical order: blocks flagged in `reversed` (same shape
     as `block_ids`) are flipped within the block after the gather."""
@@ -59,7 +62,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, reversed: tor
     return out.view(2, kv_heads, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, head_dim)
 
 
-def _decode(q, kv_cache, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
+def _decode(q, kv_cache, bucket: DecodeBucket, scale: float) -> torch.Tensor:
     batch, heads, head_dim = q.shape
     kv_heads = kv_cache.shape[1]
     keys, values = gather_blocks(kv_cache, bucket.block_table, bucket.reversed)  # each [kvh, B, L, D]
@@ -70,7 +73,7 @@ def _decode(q, kv_cache, bucket: "DecodeBucket", scale: float) -> torch.Tensor:
     return torch.matmul(probs, values).transpose(0, 1).reshape(batch, heads, head_dim)
 
 
-def _prefill(q, k, v, kv_cache, span: "PrefillSpan", scale: float) -> torch.Tensor:
+def _prefill(q, k, v, kv_cache, span: PrefillSpan, scale: float) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
     if span.block_ids is None:
         kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)

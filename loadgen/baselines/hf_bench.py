@@ -12,6 +12,7 @@ or ``tandem bench hf ...``. The model is the dequantised Hugging Face export of 
 (``loadgen/baselines/export_hf.py``, made on first use). TTFT of a request is the time from the
 start of the run until its chunk produced its first token (all requests arrive at once).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hf", help="plain transformers model.generate baseline",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = sub.add_parser(
+        "hf",
+        help="plain transformers model.generate baseline",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     _add_args(p)
     p.set_defaults(func=run)
 
@@ -74,8 +78,13 @@ def bench_hf(args: argparse.Namespace) -> dict:
     if args.prompts_file:
         prompts = json.loads(Path(args.prompts_file).read_text())
     else:
-        prompts = random_token_prompts(args.num_prompts, tuple(args.input_len), model.config.vocab_size,
-                                       args.seed, exclude_ids=special_token_ids(tok))
+        prompts = random_token_prompts(
+            args.num_prompts,
+            tuple(args.input_len),
+            model.config.vocab_size,
+            args.seed,
+            exclude_ids=special_token_ids(tok),
+        )
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     bs = args.batch_size or len(prompts)
     n_out = args.output_len
@@ -85,8 +94,8 @@ def bench_hf(args: argparse.Namespace) -> dict:
         ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for i, p in enumerate(chunk):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p) :] = 1
         return ids, mask
 
     class FirstTokenTimer(BaseStreamer):
@@ -104,8 +113,15 @@ def bench_hf(args: argparse.Namespace) -> dict:
         def end(self):
             pass
 
-    gen_kw = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=pad_id,
-                  temperature=None, top_p=None, top_k=None)
+    gen_kw = dict(
+        max_new_tokens=n_out,
+        min_new_tokens=n_out,
+        do_sample=False,
+        pad_token_id=pad_id,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     with torch.inference_mode():
         ids, mask = batch_tensors([prompts[0][:16]])
         model.generate(input_ids=ids, attention_mask=mask, **{**gen_kw, "max_new_tokens": 4, "min_new_tokens": 4})
@@ -115,7 +131,7 @@ def bench_hf(args: argparse.Namespace) -> dict:
         with TreeRssSampler() as rss:
             start = time.perf_counter()
             for i in range(0, len(prompts), bs):
-                chunk = prompts[i:i + bs]
+                chunk = prompts[i : i + bs]
                 ids, mask = batch_tensors(chunk)
                 timer = FirstTokenTimer()
                 out = model.generate(input_ids=ids, attention_mask=mask, streamer=timer, **gen_kw)
@@ -125,15 +141,30 @@ def bench_hf(args: argparse.Namespace) -> dict:
             elapsed = time.perf_counter() - start
 
     config = {
-        "model": args.model, "model_path": model_path, "num_prompts": len(prompts),
-        "input_len": list(args.input_len), "output_len": n_out, "dtype": args.dtype, "seed": args.seed,
-        "batch_size": bs, "prompts_file": args.prompts_file,
-        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+        "model": args.model,
+        "model_path": model_path,
+        "num_prompts": len(prompts),
+        "input_len": list(args.input_len),
+        "output_len": n_out,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "batch_size": bs,
+        "prompts_file": args.prompts_file,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
     }
-    return summarize(system="transformers", num_requests=len(prompts), input_tokens=sum(map(len, prompts)),
-                     output_tokens=out_tokens, elapsed_s=elapsed, ttfts_s=ttfts, peak_rss_bytes=rss.peak_bytes,
-                     config=config, extra={"load_s": load_s})
+    return summarize(
+        system="transformers",
+        num_requests=len(prompts),
+        input_tokens=sum(map(len, prompts)),
+        output_tokens=out_tokens,
+        elapsed_s=elapsed,
+        ttfts_s=ttfts,
+        peak_rss_bytes=rss.peak_bytes,
+        config=config,
+        extra={"load_s": load_s},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ in the JSON.
 Only the ``generate`` call over all prompts is timed, after a tiny warm-up generate, exactly as
 `tandem bench engine` does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,15 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(ap, dtype_choices=("bfloat16", "float32"))
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's own default")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's own default")
-    ap.add_argument("--kv-cache-gib", type=int, default=None,
-                    help="KV cache size, whole GiB (sets VLLM_CPU_KVCACHE_SPACE; default: that variable if set, else 4). "
-                         "Required here: vLLM's default (reserve gpu_memory_utilization=0.92 of the NUMA node) fails "
-                         "its start-up check on this machine")
-    ap.add_argument("--prompts-file", default=None,
-                    help="JSON list of token-id lists to use instead of generating the random workload "
-                         "(compare.py passes the exact prompts our engine ran)")
-    ap.add_argument("--no-log-stats", action="store_true",
-                    help="keep vLLM's offline default disable_log_stats=True (no per-request metrics, so no TTFT)")
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="KV cache size, whole GiB (sets VLLM_CPU_KVCACHE_SPACE; default: that variable if set, else 4). "
+        "Required here: vLLM's default (reserve gpu_memory_utilization=0.92 of the NUMA node) fails "
+        "its start-up check on this machine",
+    )
+    ap.add_argument(
+        "--prompts-file",
+        default=None,
+        help="JSON list of token-id lists to use instead of generating the random workload "
+        "(compare.py passes the exact prompts our engine ran)",
+    )
+    ap.add_argument(
+        "--no-log-stats",
+        action="store_true",
+        help="keep vLLM's offline default disable_log_stats=True (no per-request metrics, so no TTFT)",
+    )
     ap.add_argument("--quiet", action="store_true", help="print only the JSON result")
     args = ap.parse_args(argv)
 
@@ -78,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
 
     # disable_log_stats=False only so that RequestOutput.metrics (TTFT) is filled in.
-    llm_kwargs: dict = dict(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed,
-                            disable_log_stats=args.no_log_stats)
+    llm_kwargs: dict = dict(
+        model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed, disable_log_stats=args.no_log_stats
+    )
     if args.max_num_seqs is not None:
         llm_kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -95,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = json.loads(Path(args.prompts_file).read_text())
     else:
         prompts = random_token_prompts(
-            args.num_prompts, tuple(args.input_len), vocab_size, args.seed,
+            args.num_prompts,
+            tuple(args.input_len),
+            vocab_size,
+            args.seed,
             exclude_ids=special_token_ids(tokenizer),
         )
 
@@ -120,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             ttfts.append(float(lat))
 
     vcfg = llm.llm_engine.vllm_config
-    import vllm
     import torch
+    import vllm
 
     resolved = {
         "max_num_seqs": vcfg.scheduler_config.max_num_seqs,
@@ -152,8 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         "torch_num_threads": torch.get_num_threads(),
     }
     res = summarize(
-        system="vllm", num_requests=len(outs), input_tokens=in_tokens, output_tokens=out_tokens,
-        elapsed_s=elapsed, ttfts_s=ttfts, peak_rss_bytes=rss.peak_bytes, config=config,
+        system="vllm",
+        num_requests=len(outs),
+        input_tokens=in_tokens,
+        output_tokens=out_tokens,
+        elapsed_s=elapsed,
+        ttfts_s=ttfts,
+        peak_rss_bytes=rss.peak_bytes,
+        config=config,
         extra={"load_s": load_s, "ttft_source": "RequestOutput.metrics.first_token_latency" if ttfts else None},
     )
     if out_tokens != len(prompts) * args.output_len:

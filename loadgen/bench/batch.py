@@ -6,6 +6,7 @@ On one CPU worker (`tandem up`, default model), three phases on the same stack:
   3. Both: the same batch again with the same RT load running until it completes; BE rate and
      RT TTFT p50/p99 while the batch runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,14 +58,24 @@ async def _bench(args) -> dict:
             be_with_rt = await _run_batch(client, name, args)
             done.set()
             rt_with_be = await rt_task
-    return {"model": args.model, "dtype": args.dtype, "items": args.items, "item_max_tokens": args.item_max_tokens,
-            "rt_rate": args.rt_rate, "rt_max_tokens": args.rt_max_tokens,
-            "rt_alone": rt_alone, "batch_alone": be_alone, "batch_with_rt": be_with_rt, "rt_with_batch": rt_with_be}
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "items": args.items,
+        "item_max_tokens": args.item_max_tokens,
+        "rt_rate": args.rt_rate,
+        "rt_max_tokens": args.rt_max_tokens,
+        "rt_alone": rt_alone,
+        "batch_alone": be_alone,
+        "batch_with_rt": be_with_rt,
+        "rt_with_batch": rt_with_be,
+    }
 
 
 def _after(seconds: float):
     async def wait():
         await asyncio.sleep(seconds)
+
     return wait
 
 
@@ -84,8 +95,14 @@ async def _rt_load(client, model: str, args, stop) -> dict:
 
 
 async def _rt_one(client, model: str, args, i: int, ttfts: list[float]) -> None:
-    body = {"model": model, "stream": True, "temperature": 0, "max_tokens": args.rt_max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": f"Question {i}: tell me something about the sea."}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": args.rt_max_tokens,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": f"Question {i}: tell me something about the sea."}],
+    }
     t0 = time.perf_counter()
     first = None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -97,33 +114,60 @@ async def _rt_one(client, model: str, args, i: int, ttfts: list[float]) -> None:
 
 
 async def _run_batch(client, model: str, args) -> dict:
-    lines = [json.dumps({"custom_id": f"item-{i}", "method": "POST", "url": "/v1/chat/completions", "body": {
-        "model": model, "temperature": 0, "max_tokens": args.item_max_tokens, "ignore_eos": True,
-        "messages": [{"role": "user", "content": f"Summarise document {i}: the quick brown fox jumps."}]}})
-        for i in range(args.items)]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"item-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "temperature": 0,
+                    "max_tokens": args.item_max_tokens,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"Summarise document {i}: the quick brown fox jumps."}],
+                },
+            }
+        )
+        for i in range(args.items)
+    ]
     data = ("\n".join(lines) + "\n").encode()
-    f = (await client.post("/v1/files", data={"purpose": "batch"},
-                           files={"file": ("bench.jsonl", io.BytesIO(data))})).json()
+    f = (
+        await client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("bench.jsonl", io.BytesIO(data))})
+    ).json()
     t0 = time.perf_counter()
-    batch = (await client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
-                                                    "completion_window": "24h"})).json()
+    batch = (
+        await client.post(
+            "/v1/batches",
+            json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
+    ).json()
     while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
         await asyncio.sleep(0.5)
         batch = (await client.get(f"/v1/batches/{batch['id']}")).json()
     elapsed = time.perf_counter() - t0
     done = batch["request_counts"]["completed"]
-    return {"status": batch["status"], "completed": done, "failed": batch["request_counts"]["failed"],
-            "seconds": elapsed, "be_requests_per_s": done / elapsed}
+    return {
+        "status": batch["status"],
+        "completed": done,
+        "failed": batch["request_counts"]["failed"],
+        "seconds": elapsed,
+        "be_requests_per_s": done / elapsed,
+    }
 
 
 def _print(r: dict) -> None:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
-    print(f"model {r['model']} ({r['dtype']}), one CPU worker; batch of {r['items']} items x {r['item_max_tokens']} "
-          f"tokens; RT Poisson {r['rt_rate']}/s x {r['rt_max_tokens']} tokens")
+    print(
+        f"model {r['model']} ({r['dtype']}), one CPU worker; batch of {r['items']} items x {r['item_max_tokens']} "
+        f"tokens; RT Poisson {r['rt_rate']}/s x {r['rt_max_tokens']} tokens"
+    )
     for name in ("batch_alone", "batch_with_rt"):
         b = r[name]
-        print(f"{name:14} {b['be_requests_per_s']:.2f} BE req/s ({b['completed']} done in {b['seconds']:.1f} s, "
-              f"status {b['status']})")
+        print(
+            f"{name:14} {b['be_requests_per_s']:.2f} BE req/s ({b['completed']} done in {b['seconds']:.1f} s, "
+            f"status {b['status']})"
+        )
     for name in ("rt_alone", "rt_with_batch"):
         v = r[name]
         print(f"{name:14} TTFT p50 {ms(v['ttft_p50_s'])}, p99 {ms(v['ttft_p99_s'])} ({v['requests']} requests)")

@@ -1,16 +1,20 @@
 """`tandem bench ...`: registers the benchmark subcommands."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (engine throughput, baselines)",
-                       description="Benchmarks. All share the same random-token workload arguments.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks (engine throughput, baselines)",
+        description="Benchmarks. All share the same random-token workload arguments.",
+    )
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
-    from loadgen.bench import batch, compare, engine, gateway, policies, sessions
     from loadgen.baselines import hf_bench
+    from loadgen.bench import batch, compare, engine, gateway, policies, sessions
 
     engine.add_parser(bsub)
     compare.add_parser(bsub)

@@ -3,6 +3,7 @@
 Standard library only (psutil when available): the vLLM baseline imports this from its own
 virtualenv, so nothing here may import torch or the engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,19 +13,32 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def add_workload_args(ap, *, dtype_choices: Sequence[str] = ("auto", "bfloat16", "float32")) -> None:
     """The workload arguments every benchmark in this repository accepts, with the same defaults."""
-    ap.add_argument("--model", default="default", help="model name or path (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model", default="default", help="model name or path (default: the bundled SmolLM2-135M-Instruct)"
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, nargs=2, default=[50, 300], metavar=("LO", "HI"),
-                    help="prompt lengths are uniform in [LO, HI] (inclusive)")
+    ap.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[50, 300],
+        metavar=("LO", "HI"),
+        help="prompt lengths are uniform in [LO, HI] (inclusive)",
+    )
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
-    ap.add_argument("--dtype", default="auto", choices=list(dtype_choices),
-                    help="auto: bfloat16 where the CPU has native bf16, else float32 (kernels/cpu_caps.py)")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(dtype_choices),
+        help="auto: bfloat16 where the CPU has native bf16, else float32 (kernels/cpu_caps.py)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="also write the results here")
 
@@ -63,21 +77,23 @@ class TreeRssSampler:
             import psutil
 
             self._proc = psutil.Process(os.getpid())
-        except Exception:  # pragma: no cover - psutil missing
+        except ImportError:  # pragma: no cover - psutil missing
             self._proc = None
 
     def sample(self) -> int:
         if self._proc is None:
             return self_peak_rss_bytes()
         total = 0
+        import psutil
+
         try:
             procs = [self._proc] + self._proc.children(recursive=True)
-        except Exception:
+        except psutil.Error:
             procs = [self._proc]
         for p in procs:
             try:
                 total += p.memory_info().rss
-            except Exception:
+            except psutil.Error:  # a child that exited meanwhile
                 pass
         self.peak_bytes = max(self.peak_bytes, total)
         return total
@@ -86,7 +102,7 @@ class TreeRssSampler:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def __enter__(self) -> "TreeRssSampler":
+    def __enter__(self) -> TreeRssSampler:
         self.sample()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
         self._thread.start()

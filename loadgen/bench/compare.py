@@ -8,6 +8,7 @@
 
 The two systems never run concurrently (the benchmark machine has 2 cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,27 +25,48 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare-vllm", help="ours vs vLLM on the identical workload",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = sub.add_parser(
+        "compare-vllm",
+        help="ours vs vLLM on the identical workload",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     add_workload_args(p)
     p.add_argument("--max-num-seqs", type=int, default=None, help="ours (default: engine default)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="ours (default: engine default)")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="ours (default: engine default)")
-    p.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"),
-                   help="the vLLM virtualenv's interpreter")
-    p.add_argument("--vllm-kv-cache-gib", type=int, default=None,
-                   help="vLLM KV cache, whole GiB (default: vllm_bench.py's, 4)")
+    p.add_argument(
+        "--vllm-python",
+        default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"),
+        help="the vLLM virtualenv's interpreter",
+    )
+    p.add_argument(
+        "--vllm-kv-cache-gib", type=int, default=None, help="vLLM KV cache, whole GiB (default: vllm_bench.py's, 4)"
+    )
     p.add_argument("--skip-tandem", action="store_true", help="run only vLLM (on freshly generated prompts)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="alternate ours/vLLM this many times and report the median-ratio round (default 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate ours/vLLM this many times and report the median-ratio round (default 1)",
+    )
     p.set_defaults(func=run)
 
 
 def _workload_argv(args: argparse.Namespace) -> list[str]:
     return [
-        "--model", args.model, "--num-prompts", str(args.num_prompts),
-        "--input-len", str(args.input_len[0]), str(args.input_len[1]),
-        "--output-len", str(args.output_len), "--dtype", args.dtype, "--seed", str(args.seed),
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len[0]),
+        str(args.input_len[1]),
+        "--output-len",
+        str(args.output_len),
+        "--dtype",
+        args.dtype,
+        "--seed",
+        str(args.seed),
     ]
 
 
@@ -87,9 +109,15 @@ def run(args: argparse.Namespace) -> int:
     if ratios:  # show the round whose ratio is the median (upper median for even counts)
         shown = next(r for r in rounds if r["ratio_output_tokens_per_s"] == ratios[len(ratios) // 2])
     result = {
-        "workload": {"num_prompts": args.num_prompts, "input_len": list(args.input_len),
-                     "output_len": args.output_len, "dtype": args.dtype, "seed": args.seed,
-                     "model": args.model, "identical_prompts": shown["tandem"] is not None},
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": list(args.input_len),
+            "output_len": args.output_len,
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "model": args.model,
+            "identical_prompts": shown["tandem"] is not None,
+        },
         "tandem": shown["tandem"],
         "vllm": shown["vllm"],
         "ratio_output_tokens_per_s": shown["ratio_output_tokens_per_s"],
@@ -100,8 +128,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_comparison(result))
     if args.rounds > 1:
-        print("ratio per round: " + ", ".join(_fmt_ratio(r) for r in result["ratios_per_round"])
-              + " (table shows the median round)")
+        print(
+            "ratio per round: "
+            + ", ".join(_fmt_ratio(r) for r in result["ratios_per_round"])
+            + " (table shows the median round)"
+        )
     write_json(result, args.json_path)
     if args.json_path:
         print(f"wrote {args.json_path}")
@@ -114,11 +145,24 @@ def _run_pair(args: argparse.Namespace, out_dir: Path, tag: str) -> tuple[dict |
     ours_json, vllm_json = out_dir / f"{tag}.tandem.json", out_dir / f"{tag}.vllm.json"
     ours = None
     if not args.skip_tandem:
-        cmd = [sys.executable, "-m", "services.cli", "bench", "engine", *_workload_argv(args),
-               "--json", str(ours_json), "--dump-prompts", str(prompts_file), "--quiet"]
-        for flag, val in (("--max-num-seqs", args.max_num_seqs),
-                          ("--max-num-batched-tokens", args.max_num_batched_tokens),
-                          ("--kv-cache-gib", args.kv_cache_gib)):
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "bench",
+            "engine",
+            *_workload_argv(args),
+            "--json",
+            str(ours_json),
+            "--dump-prompts",
+            str(prompts_file),
+            "--quiet",
+        ]
+        for flag, val in (
+            ("--max-num-seqs", args.max_num_seqs),
+            ("--max-num-batched-tokens", args.max_num_batched_tokens),
+            ("--kv-cache-gib", args.kv_cache_gib),
+        ):
             if val is not None:
                 cmd += [flag, str(val)]
         _run(cmd, out_dir / f"{tag}.tandem.log")
@@ -126,8 +170,14 @@ def _run_pair(args: argparse.Namespace, out_dir: Path, tag: str) -> tuple[dict |
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [args.vllm_python, str(REPO_ROOT / "loadgen" / "baselines" / "vllm_bench.py"), *_workload_argv(args),
-           "--json", str(vllm_json), "--quiet"]
+    cmd = [
+        args.vllm_python,
+        str(REPO_ROOT / "loadgen" / "baselines" / "vllm_bench.py"),
+        *_workload_argv(args),
+        "--json",
+        str(vllm_json),
+        "--quiet",
+    ]
     if ours is not None:
         cmd += ["--prompts-file", str(prompts_file)]
     if args.vllm_kv_cache_gib is not None:
@@ -166,7 +216,9 @@ def format_comparison(result: dict) -> str:
         rows.append((label, f(a, scale, unit), f(b, scale, unit), r))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     wl = result["workload"]
-    head = (f"workload: {wl['num_prompts']} prompts, input U[{wl['input_len'][0]},{wl['input_len'][1]}], "
-            f"output {wl['output_len']} (ignore_eos, greedy), {wl['dtype']}")
+    head = (
+        f"workload: {wl['num_prompts']} prompts, input U[{wl['input_len'][0]},{wl['input_len'][1]}], "
+        f"output {wl['output_len']} (ignore_eos, greedy), {wl['dtype']}"
+    )
     lines = [head] + ["  ".join(c.rjust(w[i]) if i else c.ljust(w[i]) for i, c in enumerate(r)) for r in rows]
     return "\n".join(lines)

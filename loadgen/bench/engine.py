@@ -5,6 +5,7 @@ token ids with lengths uniform in ``--input-len LO HI``, each generating exactly
 tokens (greedy, EOS ignored), all submitted at once. Model loading and first-call costs are
 excluded by a tiny warm-up generate before the timed call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,11 @@ from loadgen.workloads.random_tokens import random_token_prompts, special_token_
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="offline throughput of the Tandem engine",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = sub.add_parser(
+        "engine",
+        help="offline throughput of the Tandem engine",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -32,12 +36,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: engine default")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="default: engine default")
     p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens; default: engine default")
-    p.add_argument("--attention", default=None, choices=["auto", "fused", "reference"],
-                   help="decode attention kernel; default: engine default (auto)")
-    p.add_argument("--no-compile-layers", dest="compile_layers", action="store_false", default=None,
-                   help="run decode-only steps op by op instead of through compiled layers")
-    p.add_argument("--dump-prompts", default=None, metavar="FILE",
-                   help="write the prompts (JSON list of token-id lists) so another system can run the same ones")
+    p.add_argument(
+        "--attention",
+        default=None,
+        choices=["auto", "fused", "reference"],
+        help="decode attention kernel; default: engine default (auto)",
+    )
+    p.add_argument(
+        "--no-compile-layers",
+        dest="compile_layers",
+        action="store_false",
+        default=None,
+        help="run decode-only steps op by op instead of through compiled layers",
+    )
+    p.add_argument(
+        "--dump-prompts",
+        default=None,
+        metavar="FILE",
+        help="write the prompts (JSON list of token-id lists) so another system can run the same ones",
+    )
     p.add_argument("--quiet", action="store_true", help="no table on stdout (JSON file only)")
 
 
@@ -54,11 +71,18 @@ def run(args: argparse.Namespace) -> int:
 def bench_engine(args: argparse.Namespace) -> dict:
     import torch
 
-    from services.worker.engine import LLM, EngineConfig, SamplingParams
+    from engine import LLM, EngineConfig, SamplingParams
 
     cfg: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
-    for name in ("device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib", "block_size", "attention",
-                 "compile_layers"):
+    for name in (
+        "device",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_gib",
+        "block_size",
+        "attention",
+        "compile_layers",
+    ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)
     t0 = time.perf_counter()
@@ -67,7 +91,10 @@ def bench_engine(args: argparse.Namespace) -> dict:
 
     mc = llm.model_config
     prompts = random_token_prompts(
-        args.num_prompts, tuple(args.input_len), mc.vocab_size, args.seed,
+        args.num_prompts,
+        tuple(args.input_len),
+        mc.vocab_size,
+        args.seed,
         exclude_ids=special_token_ids(llm.tokenizer, extra=[mc.bos_token_id, *mc.eos_token_ids]),
     )
     if args.dump_prompts:
@@ -85,8 +112,11 @@ def bench_engine(args: argparse.Namespace) -> dict:
 
     out_tokens = sum(len(o.token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
-    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time
-             for o in outs if o.metrics is not None and o.metrics.first_token_time]
+    ttfts = [
+        o.metrics.first_token_time - o.metrics.arrival_time
+        for o in outs
+        if o.metrics is not None and o.metrics.first_token_time
+    ]
     if out_tokens != len(prompts) * args.output_len:
         print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)
 
@@ -106,8 +136,14 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "torch_num_threads": torch.get_num_threads(),
     }
     return summarize(
-        system="tandem", num_requests=len(outs), input_tokens=in_tokens, output_tokens=out_tokens,
-        elapsed_s=elapsed, ttfts_s=ttfts, peak_rss_bytes=rss.peak_bytes, config=config,
+        system="tandem",
+        num_requests=len(outs),
+        input_tokens=in_tokens,
+        output_tokens=out_tokens,
+        elapsed_s=elapsed,
+        ttfts_s=ttfts,
+        peak_rss_bytes=rss.peak_bytes,
+        config=config,
         extra={
             "load_s": load_s,
             "num_preemptions": preemptions,
@@ -122,5 +158,7 @@ def _asdict(obj) -> dict | None:
 
     if obj is None or not dataclasses.is_dataclass(obj):
         return None
-    return {k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
-            for k, v in dataclasses.asdict(obj).items()}
+    return {
+        k: (v if isinstance(v, (int, float, str, bool, type(None), list, dict)) else str(v))
+        for k, v in dataclasses.asdict(obj).items()
+    }

@@ -8,6 +8,7 @@ rate the stack sustains with a trivial model (closed loop, one-token completions
 The model defaults to a tiny random-weight Llama (`--model tiny`) so model time is small and
 the transport's share is visible; pass a path or `default` to measure with a real model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,18 @@ def _tiny_model(tmp: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from services.worker.engine.loader import load_tokenizer, resolve_model
+    from engine.loader import load_tokenizer, resolve_model
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     path = os.path.join(tmp, "tiny")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
     load_tokenizer(resolve_model("default")).save_pretrained(path)
@@ -63,14 +71,20 @@ async def _bench(args, model: str) -> dict:
     inproc = await _inproc(args, model)
     stack = await _through_stack(args, model)
     added = {k: stack["sequential"][k] - inproc[k] for k in inproc if k.endswith("_s")}
-    return {"model": args.model, "requests": args.requests, "max_tokens": args.max_tokens,
-            "inproc": inproc, "gateway": stack["sequential"], "added_by_kafka_path": added,
-            "sustained": stack["sustained"]}
+    return {
+        "model": args.model,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "inproc": inproc,
+        "gateway": stack["sequential"],
+        "added_by_kafka_path": added,
+        "sustained": stack["sustained"],
+    }
 
 
 async def _inproc(args, model: str) -> dict:
-    from services.worker.engine import EngineConfig, SamplingParams
-    from services.worker.engine.async_llm import AsyncLLM
+    from engine import EngineConfig, SamplingParams
+    from engine.async_llm import AsyncLLM
 
     llm = AsyncLLM(EngineConfig(model=model, dtype="float32", kv_cache_gib=0.25))
     await llm.start()
@@ -102,8 +116,14 @@ async def _through_stack(args, model: str) -> dict:
 
 
 async def _sequential(client, url: str, model: str, args) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": args.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     ttfts, itls = [], []
     for i in range(args.requests + 3):
         times = await _stream_times(client, url, body)
@@ -138,13 +158,22 @@ async def _sustained(client, url: str, model: str, args) -> dict:
     t0 = time.perf_counter()
     await asyncio.gather(*[loop() for _ in range(args.concurrency)])
     elapsed = time.perf_counter() - t0
-    return {"requests": done, "errors": errors, "seconds": elapsed, "requests_per_s": done / elapsed,
-            "concurrency": args.concurrency}
+    return {
+        "requests": done,
+        "errors": errors,
+        "seconds": elapsed,
+        "requests_per_s": done / elapsed,
+        "concurrency": args.concurrency,
+    }
 
 
 def _latency(ttfts: list[float], itls: list[float]) -> dict:
-    return {"ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99)}
+    return {
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
+    }
 
 
 def _print(r: dict) -> None:
@@ -155,5 +184,7 @@ def _print(r: dict) -> None:
         v = r[name]
         print(f"{name:14}{ms(v['ttft_p50_s'])}  {ms(v['ttft_p99_s'])}  {ms(v['itl_p50_s'])}  {ms(v['itl_p99_s'])}")
     s = r["sustained"]
-    print(f"sustained: {s['requests_per_s']:.1f} req/s ({s['requests']} ok, {s['errors']} errors, "
-          f"{s['concurrency']} clients, 1-token completions)")
+    print(
+        f"sustained: {s['requests_per_s']:.1f} req/s ({s['requests']} ok, {s['errors']} errors, "
+        f"{s['concurrency']} clients, 1-token completions)"
+    )

@@ -7,6 +7,7 @@ TPOT 0.2 s) times ``--slo-scale`` (``auto``: the ratio of this engine's measured
 to OPT-13B on an A100; see docs/loadgen.md). The JSON's ``summary`` holds one summary per
 policy under its name (classes ``rt``, ``be``, ``all``); ``ratios`` divides each by the first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,11 @@ from loadgen.cli import _policies, add_run_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("policies", help="scheduling policies on identical arrivals (in-process engine)",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "policies",
+        help="scheduling policies on identical arrivals (in-process engine)",
+        description=__doc__.split("\n\n")[0],
+    )
     add_run_args(p, workload_default="rt-be", duration_default=60.0)
     p.add_argument("--policies", default="fcfs,rr,bros", help="comma-separated; the first is the baseline")
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results document here")

@@ -18,6 +18,7 @@ returns), KV bytes moved between tiers and workers (the workers' session stats),
 imbalance (max/mean of prefill tokens computed per worker). Then, per mode, the most users
 whose next-turn p99 TTFT stays within `--ttft-p99-target`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,8 +114,16 @@ async def _run_level(args: argparse.Namespace, mode: Mode, url: str, name: str, 
     from loadgen.workloads.sources import HumanSpeeds
 
     speeds = HumanSpeeds(250.0 * args.speedup, 40.0 * args.speedup)
-    cfg = WorkloadConfig("sessions", ArrivalSpec("closed", users=users), args.duration, seed=args.seed + users,
-                         length_scale=args.length_scale, turns_mean=args.turns_mean, speeds=speeds, max_len=2048)
+    cfg = WorkloadConfig(
+        "sessions",
+        ArrivalSpec("closed", users=users),
+        args.duration,
+        seed=args.seed + users,
+        length_scale=args.length_scale,
+        turns_mean=args.turns_mean,
+        speeds=speeds,
+        max_len=2048,
+    )
     workload = build_workload(cfg)
     client = HttpClient(url, name, send_session_ids=mode.session_ids)
     before = await worker_stats(client.client)
@@ -134,7 +143,7 @@ async def worker_stats(client) -> dict:
     try:
         r = await client.get("/v1/sessions/stats")
         return r.json() if r.status_code == 200 else {}
-    except Exception:  # older gateways: the bench still reports everything the client measures
+    except Exception:  # noqa: BLE001 (older gateways: the bench still reports everything the client measures)
         return {}
 
 
@@ -215,24 +224,30 @@ def compare_modes(modes: dict, target_s: float) -> dict:
 
 def _one_line(lv: dict) -> str:
     f = lambda v: "-" if v is None else f"{v * 1e3:.0f}ms"  # noqa: E731
-    return (f"next-turn TTFT p50 {f(lv['next_turn_ttft_p50_s'])} p99 {f(lv['next_turn_ttft_p99_s'])}  "
-            f"TPOT {f(lv['next_turn_tpot_p50_s'])}  recomputed {lv['prompt_tokens_recomputed']} / "
-            f"{lv['prompt_tokens']} prompt tokens  imbalance {lv['per_worker']['imbalance'] or 0:.2f}")
+    return (
+        f"next-turn TTFT p50 {f(lv['next_turn_ttft_p50_s'])} p99 {f(lv['next_turn_ttft_p99_s'])}  "
+        f"TPOT {f(lv['next_turn_tpot_p50_s'])}  recomputed {lv['prompt_tokens_recomputed']} / "
+        f"{lv['prompt_tokens']} prompt tokens  imbalance {lv['per_worker']['imbalance'] or 0:.2f}"
+    )
 
 
 def format_result(res: dict) -> str:
-    lines = ["| mode | users | next turns | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens "
-             "| pulled from peers | host/disk to device | written to disk | imbalance |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | users | next turns | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens "
+        "| pulled from peers | host/disk to device | written to disk | imbalance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     mib = lambda lv, *keys: f"{sum(lv['kv_moved'].get(k, 0) for k in keys) / 2**20:.1f} MiB"  # noqa: E731
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
     for name, mode in res["modes"].items():
         for lv in mode["levels"]:
-            lines.append(f"| {name} | {lv['users']} | {lv['next_turn_requests']} | {ms(lv['next_turn_ttft_p50_s'])} | "
-                         f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
-                         f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {mib(lv, 'bytes_pulled')} | "
-                         f"{mib(lv, 'bytes_host_to_gpu', 'bytes_disk_to_gpu')} | {mib(lv, 'bytes_written_disk')} | "
-                         f"{lv['per_worker']['imbalance'] or 0:.2f} |")
+            lines.append(
+                f"| {name} | {lv['users']} | {lv['next_turn_requests']} | {ms(lv['next_turn_ttft_p50_s'])} | "
+                f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
+                f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {mib(lv, 'bytes_pulled')} | "
+                f"{mib(lv, 'bytes_host_to_gpu', 'bytes_disk_to_gpu')} | {mib(lv, 'bytes_written_disk')} | "
+                f"{lv['per_worker']['imbalance'] or 0:.2f} |"
+            )
     lines.append("")
     lines.append(" ".join(f"{k}={v}" for k, v in res["comparison"].items()))
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 """Starts `tandem up` as a child process for benchmarks that need the whole stack."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,14 @@ import httpx
 
 
 @asynccontextmanager
-async def running_stack(model: str, dtype: str = "float32", kv_cache_gib: float = 0.25, log_path: str | None = None,
-                        workers: int = 1, env: dict[str, str] | None = None):
+async def running_stack(
+    model: str,
+    dtype: str = "float32",
+    kv_cache_gib: float = 0.25,
+    log_path: str | None = None,
+    workers: int = 1,
+    env: dict[str, str] | None = None,
+):
     """Yields (gateway url, served model id); stops the stack (Ctrl-C semantics) on exit.
 
     `env` adds settings for every service (`TANDEM_*`), e.g. a scheduler routing mode."""
@@ -24,10 +31,28 @@ async def running_stack(model: str, dtype: str = "float32", kv_cache_gib: float 
     env.pop("KAFKA_BOOTSTRAP", None)
     env.pop("OMP_WAIT_POLICY", None)  # the bench process's own default; let `tandem up` choose
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--model", model, "--dtype", dtype,
-                             "--kv-cache-gib", str(kv_cache_gib), "--port", str(port),
-                             "--workers", str(workers)], env=env,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--model",
+            model,
+            "--dtype",
+            dtype,
+            "--kv-cache-gib",
+            str(kv_cache_gib),
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+        ],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=120) as client:

@@ -8,6 +8,7 @@ session to another worker and a KV bandwidth is configured, the request arrives 
 `history bytes / bandwidth` seconds with its history in the new worker's prefix cache;
 without a bandwidth the history is simply recomputed there.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -15,9 +16,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
 from loadgen.sim.worker import SimWorker
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
+from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
 
 
 @dataclass(frozen=True)
@@ -92,17 +93,27 @@ class SimTarget(StepTarget):
     def load(self) -> LoadSample:
         ws = list(self.workers.values())
         counts = [w.counts() for w in ws]
-        return LoadSample(self.clock, sum(w.kv_usage() for w in ws) / len(ws),
-                          sum(c["running_rt"] + c["running_be"] for c in counts),
-                          sum(c["waiting_rt"] + c["waiting_be"] for c in counts) + len(self._held))
+        return LoadSample(
+            self.clock,
+            sum(w.kv_usage() for w in ws) / len(ws),
+            sum(c["running_rt"] + c["running_be"] for c in counts),
+            sum(c["waiting_rt"] + c["waiting_be"] for c in counts) + len(self._held),
+        )
 
     def describe(self) -> dict:
         ws = list(self.workers.values())
-        return {"target": "sim", "workers": len(ws), "placement": self.placement.name if self.placement else "direct",
-                "kv_transfer_bytes_per_s": self.spec.kv_transfer_bytes_per_s,
-                "steps": sum(w.steps for w in ws), "busy_s": sum(w.busy_s for w in ws),
-                "prompt_tokens_cached": sum(w.prompt_tokens_cached for w in ws), "kv_transfers": self.transfers, "kv_transferred_tokens": self.transferred_tokens,
-                "cost_model": dict(ws[0].cost.meta)}
+        return {
+            "target": "sim",
+            "workers": len(ws),
+            "placement": self.placement.name if self.placement else "direct",
+            "kv_transfer_bytes_per_s": self.spec.kv_transfer_bytes_per_s,
+            "steps": sum(w.steps for w in ws),
+            "busy_s": sum(w.busy_s for w in ws),
+            "prompt_tokens_cached": sum(w.prompt_tokens_cached for w in ws),
+            "kv_transfers": self.transfers,
+            "kv_transferred_tokens": self.transferred_tokens,
+            "cost_model": dict(ws[0].cost.meta),
+        }
 
     # -- internals -----------------------------------------------------------------------
 
@@ -111,8 +122,13 @@ class SimTarget(StepTarget):
         next(iter(self.workers.values()))._validate(request)
 
     def _place(self, request: PreparedRequest) -> bool:
-        preq = PlacementRequest(request.request_id, request.req_class, len(request.prompt_ids), request.session_id,
-                                self._session_worker.get(request.session_id or ""))
+        preq = PlacementRequest(
+            request.request_id,
+            request.req_class,
+            len(request.prompt_ids),
+            request.session_id,
+            self._session_worker.get(request.session_id or ""),
+        )
         if self.placement is None:
             wid = next(iter(self.workers))
         else:

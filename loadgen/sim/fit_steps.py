@@ -19,13 +19,14 @@ fit settled about 7-10% under the mean step time, which made every simulated lat
 optimistic (docs/simulator.md). The weights are therefore re-derived from the fit's own
 predictions, which do not depend on each step's noise (iteratively reweighted least squares).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from services.worker.engine.cost_model import CostModel, PhaseFit, nonneg_lstsq, phase_sums
+from engine.cost_model import CostModel, PhaseFit, nonneg_lstsq, phase_sums
 
 _REWEIGHTS = 4  # the weights settle after two or three rounds
 
@@ -40,9 +41,12 @@ def fit_steps(steps: StepLog, swap_bytes_per_s: float = 1e10, meta: dict | None 
     coef = nonneg_lstsq(x, y, 1.0 / np.maximum(y, 1e-9))
     for _ in range(_REWEIGHTS):
         coef = nonneg_lstsq(x, y, 1.0 / np.maximum(x @ np.asarray(coef), 1e-9))
-    cost = CostModel(PhaseFit(coef[0], coef[1], coef[4]), PhaseFit(coef[2], coef[3], coef[4]), swap_bytes_per_s,
-                     {"source": "fitted to logged engine steps", "num_steps": len(steps), **(meta or {})})
+    cost = CostModel(
+        PhaseFit(coef[0], coef[1], coef[4]),
+        PhaseFit(coef[2], coef[3], coef[4]),
+        swap_bytes_per_s,
+        {"source": "fitted to logged engine steps", "num_steps": len(steps), **(meta or {})},
+    )
     pred = np.array([cost.estimate(p, d) for p, d, _ in steps])
     cost.meta["step_mape"] = float(np.mean(np.abs(pred - y) / y))
     return cost
-

@@ -8,11 +8,12 @@ run's steps, in run order, and multiplies each simulated step by the next ratio 
 placed run of `block` consecutive ratios (a moving-block bootstrap: slow stretches stay
 stretches, which i.i.d. draws would average away within a request). Deterministic per seed.
 """
+
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class StepJitter:
             raise ValueError("step jitter block must be >= 1")
 
     @classmethod
-    def from_steps(cls, actual: Sequence[float], predicted: Sequence[float], block: int = 20) -> "StepJitter":
+    def from_steps(cls, actual: Sequence[float], predicted: Sequence[float], block: int = 20) -> StepJitter:
         return cls(tuple(round(a / max(p, 1e-9), 4) for a, p in zip(actual, predicted, strict=True)), block)
 
     def sampler(self, seed: int) -> Callable[[], float]:

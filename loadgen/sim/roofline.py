@@ -16,13 +16,14 @@ profiler measures (batch sizes x context lengths), then fit the profiler's model
 Run ``python -m loadgen.sim.roofline --out loadgen/sim/profiles`` to regenerate the shipped
 files; a profile measured with `tandem profile` on the real GPU replaces them.
 """
+
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.worker.engine.cost_model import CostModel, Sample, fit, mape
+from engine.cost_model import CostModel, Sample, fit, mape
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,9 @@ def step_time(m: Model, g: GPU, e: Efficiency, rows: list[tuple[int, int]], deco
     return e.overhead_s + max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
 
 
-def grid_samples(m: Model, g: GPU, e: Efficiency, decode: bool, max_batch: int = 256,
-                 max_tokens: int = 8192) -> list[Sample]:
+def grid_samples(
+    m: Model, g: GPU, e: Efficiency, decode: bool, max_batch: int = 256, max_tokens: int = 8192
+) -> list[Sample]:
     out = []
     for batch in _pow2(1, max_batch):
         for ctx in _pow2(16, m.max_model_len):
@@ -117,11 +119,20 @@ def build_profile(model: str, gpu: str, e: Efficiency = Efficiency()) -> CostMod
     pre, dec = grid_samples(m, g, e, decode=False), grid_samples(m, g, e, decode=True)
     pfit, dfit = fit(pre), fit(dec)
     meta = {
-        "model": m.name, "device": g.name, "dtype": "float16", "source": "roofline (loadgen/sim/roofline.py)",
-        "swap_overlaps": True, "mfu": e.mfu, "mbu": e.mbu, "overhead_s": e.overhead_s,
-        "prefill_mape": mape(pfit, pre), "decode_mape": mape(dfit, dec),
-        "kv_bytes_per_token": m.kv_bytes_per_token, "kv_capacity_tokens": kv_capacity_tokens(m, g, e),
-        "max_model_len": m.max_model_len, "block_size": 16,
+        "model": m.name,
+        "device": g.name,
+        "dtype": "float16",
+        "source": "roofline (loadgen/sim/roofline.py)",
+        "swap_overlaps": True,
+        "mfu": e.mfu,
+        "mbu": e.mbu,
+        "overhead_s": e.overhead_s,
+        "prefill_mape": mape(pfit, pre),
+        "decode_mape": mape(dfit, dec),
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "kv_capacity_tokens": kv_capacity_tokens(m, g, e),
+        "max_model_len": m.max_model_len,
+        "block_size": 16,
     }
     return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta)
 
@@ -136,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, (model, gpu) in SHIPPED.items():
         cm = build_profile(model, gpu)
         cm.save(Path(args.out) / f"{name}.json")
-        print(f"{name}: prefill {cm.prefill}, decode {cm.decode}, MAPE {cm.meta['prefill_mape']:.1%}/"
-              f"{cm.meta['decode_mape']:.1%}, KV {cm.meta['kv_capacity_tokens']} tokens")
+        print(
+            f"{name}: prefill {cm.prefill}, decode {cm.decode}, MAPE {cm.meta['prefill_mape']:.1%}/"
+            f"{cm.meta['decode_mape']:.1%}, KV {cm.meta['kv_capacity_tokens']} tokens"
+        )
     return 0
 
 

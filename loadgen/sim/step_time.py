@@ -4,12 +4,13 @@ A row with one new token is a decode (the runner treats it so), every other row 
 prefill chunk; each row is `(num_new_tokens, context_tokens_after_the_step)`, the
 `CostModel.estimate` contract. Call before the batch's progress is applied.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from services.worker.engine.cost_model import CostModel
-from services.worker.engine.scheduling import ScheduledBatch, ScheduledItem
+from engine.cost_model import CostModel
+from engine.scheduling import ScheduledBatch, ScheduledItem
 
 
 def batch_rows(items: Sequence[ScheduledItem]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

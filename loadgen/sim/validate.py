@@ -17,6 +17,7 @@ to 30%).
 
     python -m loadgen.sim.validate --rates 0.5,1.0 --duration 60 --json docs/results/sim-validation.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,17 @@ import json
 import sys
 from pathlib import Path
 
-METRICS = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "tbt_p99_s", "ttft_attainment",
-           "tpot_attainment", "slo_attainment", "throughput_rps")
+METRICS = (
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "tbt_p99_s",
+    "ttft_attainment",
+    "tpot_attainment",
+    "slo_attainment",
+    "throughput_rps",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,16 +49,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-scale", type=float, default=2.0)
     ap.add_argument("--policy", default="fcfs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-threads", type=int, default=1,
-                    help="torch threads; 1 keeps a shared 2-core machine's other load from stalling every op")
+    ap.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 keeps a shared 2-core machine's other load from stalling every op",
+    )
     ap.add_argument("--fit-rate", type=float, default=1.0, help="rate of the calibration run")
     ap.add_argument("--fit-seed", type=int, default=100)
     ap.add_argument("--cost-model", default=None, help="use this cost model instead of a calibration run")
-    ap.add_argument("--calibration", choices=("separate", "same-run"), default="separate",
-                    help="separate: fit on a calibration run (other seed and rate: out of sample); same-run: fit "
-                         "on each validated run's own steps, which leaves out the machine's drift between runs")
-    ap.add_argument("--jitter", action=argparse.BooleanOptionalAction, default=True,
-                    help="replay the calibration steps' measured noise onto simulated steps (sim/jitter.py)")
+    ap.add_argument(
+        "--calibration",
+        choices=("separate", "same-run"),
+        default="separate",
+        help="separate: fit on a calibration run (other seed and rate: out of sample); same-run: fit "
+        "on each validated run's own steps, which leaves out the machine's drift between runs",
+    )
+    ap.add_argument(
+        "--jitter",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay the calibration steps' measured noise onto simulated steps (sim/jitter.py)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out = validate(args)
@@ -60,12 +82,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def validate(args: argparse.Namespace) -> dict:
-    from services.worker.engine.cost_model import CostModel
+    from engine.cost_model import CostModel
     from loadgen.sim.fit_steps import fit_steps
 
-    ns = argparse.Namespace(model=args.model, dtype=args.dtype, seed=args.seed, cost_model=None, kv_cache_gib=None,
-                            num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None,
-                            num_threads=args.num_threads)
+    ns = argparse.Namespace(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        cost_model=None,
+        kv_cache_gib=None,
+        num_blocks=None,
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+        max_model_len=None,
+        num_threads=args.num_threads,
+    )
     cost = jitter = None
     if args.cost_model:
         cost = CostModel.load(args.cost_model)
@@ -95,10 +126,17 @@ def _compare(args, rate: float, engine_run, target, cost, jitter) -> dict:
 
     e, sim_run = rt(engine_run), _sim_run(args, target, cost, rate, jitter)
     s = rt(sim_run)
-    run = {"rate": rate, "engine": e, "sim": s, "step_mape": _step_mape(cost, target.step_log),
-           "engine_steps": len(target.step_log), "sim_steps": sim_run.target.get("steps"),
-           "cost_model": cost.to_dict(), "jitter": jitter is not None,
-           "relative_error": {k: _rel(s.get(k), e.get(k)) for k in METRICS}}
+    run = {
+        "rate": rate,
+        "engine": e,
+        "sim": s,
+        "step_mape": _step_mape(cost, target.step_log),
+        "engine_steps": len(target.step_log),
+        "sim_steps": sim_run.target.get("steps"),
+        "cost_model": cost.to_dict(),
+        "jitter": jitter is not None,
+        "relative_error": {k: _rel(s.get(k), e.get(k)) for k in METRICS},
+    }
     if jitter is not None:
         plain = rt(_sim_run(args, target, cost, rate))
         run["sim_without_jitter"] = plain
@@ -132,10 +170,14 @@ def _sim_run(args, target, cost, rate: float, jitter=None):
     from loadgen.sim.worker import SimWorker, WorkerSpec
 
     engine = target.engine
-    spec = WorkerSpec(num_blocks=engine.kv.pool.num_blocks, block_size=engine.config.block_size,
-                      max_num_seqs=engine.config.max_num_seqs,
-                      max_num_batched_tokens=engine.config.max_num_batched_tokens,
-                      max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
+    spec = WorkerSpec(
+        num_blocks=engine.kv.pool.num_blocks,
+        block_size=engine.config.block_size,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_num_batched_tokens=engine.config.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.model_config.vocab_size,
+    )
     prompts = PromptBuilder(engine.model_config.vocab_size, args.seed)
     sim = SimTarget([SimWorker("w0", spec, cost, args.policy, jitter=jitter, seed=args.seed)])
     return Driver(sim, _workload(args, rate, args.seed, engine.max_model_len), prompts).run()
@@ -145,8 +187,17 @@ def _workload(args, rate: float, seed: int, max_len: int):
     from loadgen.arrivals import ArrivalSpec
     from loadgen.workloads.build import WorkloadConfig, build_workload
 
-    return build_workload(WorkloadConfig(args.workload, ArrivalSpec("poisson", rate), args.duration, seed,
-                                         length_scale=args.length_scale, slo_scale=args.slo_scale, max_len=max_len))
+    return build_workload(
+        WorkloadConfig(
+            args.workload,
+            ArrivalSpec("poisson", rate),
+            args.duration,
+            seed,
+            length_scale=args.length_scale,
+            slo_scale=args.slo_scale,
+            max_len=max_len,
+        )
+    )
 
 
 def _step_mape(cost, steps) -> float:
@@ -165,8 +216,10 @@ def format_table(out: dict) -> str:
     for run in out["runs"]:
         lines.append(f"rate {run['rate']} req/s (cost model error on this run's steps: {run['step_mape']:.1%})")
         plain = run.get("sim_without_jitter")
-        lines.append(f"{'metric':<18}{'engine':>10}{'sim':>10}{'error':>9}"
-                     + (f"{'sim, no jitter':>16}{'error':>9}" if plain else ""))
+        lines.append(
+            f"{'metric':<18}{'engine':>10}{'sim':>10}{'error':>9}"
+            + (f"{'sim, no jitter':>16}{'error':>9}" if plain else "")
+        )
         for k in METRICS:
             e, s, r = run["engine"].get(k), run["sim"].get(k), run["relative_error"].get(k)
             line = f"{k:<18}{_f(e):>10}{_f(s):>10}{_pct(r):>9}"

@@ -7,16 +7,24 @@ sample one token (`append_token`), then `check_stop`, and finished requests leav
 `scheduler.finish`. The token is a deterministic stand-in (the simulator has no logits);
 outputs are forced to `max_tokens` (EOS ignored), as in the papers' setups.
 """
+
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
 
-from services.worker.engine.cost_model import CostModel
-from services.worker.engine.kv import BlockPool, KVCacheManager, hash_block
-from services.worker.engine.sampling import SamplingParams
-from services.worker.engine.scheduling import (
-    SLO, BatchLimits, FinishReason, Request, RequestClass, ScheduledBatch, Scheduler, make_policy,
+from engine.cost_model import CostModel
+from engine.kv import BlockPool, KVCacheManager, hash_block
+from engine.sampling import SamplingParams
+from engine.scheduling import (
+    SLO,
+    BatchLimits,
+    FinishReason,
+    Request,
+    RequestClass,
+    ScheduledBatch,
+    Scheduler,
+    make_policy,
 )
 from loadgen.sim.jitter import StepJitter
 from loadgen.sim.step_time import step_seconds
@@ -39,13 +47,24 @@ class WorkerSpec:
 
 
 class SimWorker:
-    def __init__(self, worker_id: str, spec: WorkerSpec, cost: CostModel, policy: str,
-                 policy_options: dict | None = None, jitter: StepJitter | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        spec: WorkerSpec,
+        cost: CostModel,
+        policy: str,
+        policy_options: dict | None = None,
+        jitter: StepJitter | None = None,
+        seed: int = 0,
+    ) -> None:
         self.worker_id, self.spec, self.cost = worker_id, spec, cost
         # measured noise on step times (validation against a real machine); None = noise-free
         self._jitter = None if jitter is None else jitter.sampler(seed ^ zlib.crc32(worker_id.encode()))
-        self.kv = KVCacheManager(BlockPool(spec.num_blocks, spec.enable_prefix_caching), spec.block_size,
-                                 bytes_per_token=spec.kv_bytes_per_token)
+        self.kv = KVCacheManager(
+            BlockPool(spec.num_blocks, spec.enable_prefix_caching),
+            spec.block_size,
+            bytes_per_token=spec.kv_bytes_per_token,
+        )
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
         self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))
         self.batch: ScheduledBatch | None = None  # the step in flight
@@ -61,8 +80,16 @@ class SimWorker:
     def add(self, req: PreparedRequest, arrival_time: float) -> Request:
         self._validate(req)
         params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
-        request = Request(req.request_id, list(req.prompt_ids), params, arrival_time, RequestClass(req.req_class),
-                          SLO(req.slo_ttft_s, req.slo_tpot_s), frozenset(), self.spec.max_model_len)
+        request = Request(
+            req.request_id,
+            list(req.prompt_ids),
+            params,
+            arrival_time,
+            RequestClass(req.req_class),
+            SLO(req.slo_ttft_s, req.slo_tpot_s),
+            frozenset(),
+            self.spec.max_model_len,
+        )
         self.scheduler.add(request)
         return request
 
@@ -118,8 +145,9 @@ class SimWorker:
         self.batch = self.step_end_s = None
         live = [it for it in batch.items if it.request.request_id not in self._aborted_in_flight]
         self._aborted_in_flight.clear()
-        sampled = [it.request for it in live if it.request.num_computed_tokens + it.num_new_tokens
-                   == it.request.num_tokens]
+        sampled = [
+            it.request for it in live if it.request.num_computed_tokens + it.num_new_tokens == it.request.num_tokens
+        ]
         for it in live:
             it.request.num_computed_tokens += it.num_new_tokens
             self.kv.commit(it.request)
@@ -135,8 +163,9 @@ class SimWorker:
             self.prompt_tokens_cached += request.num_cached_tokens
             request.stop_reason = stop[1]
             self.scheduler.finish(request, stop[0], now)
-        return TokenEvent(request.request_id, now, [token], stop is not None,
-                          None if stop is None else stop[0].value, self.worker_id)
+        return TokenEvent(
+            request.request_id, now, [token], stop is not None, None if stop is None else stop[0].value, self.worker_id
+        )
 
     def _token(self, request: Request) -> int:
         seed = zlib.crc32(request.request_id.encode())
@@ -161,6 +190,6 @@ class SimWorker:
             raise ValueError(f"the prompt has {n} tokens but the model's context is {self.spec.max_model_len}")
         needed = min(n + req.max_tokens, self.spec.max_model_len)
         if needed > self.kv.capacity_tokens():
-            raise ValueError(f"the request needs up to {needed} KV slots but the pool holds "
-                             f"{self.kv.capacity_tokens()}")
-
+            raise ValueError(
+                f"the request needs up to {needed} KV slots but the pool holds {self.kv.capacity_tokens()}"
+            )

@@ -4,6 +4,7 @@ Times are seconds from the run's start (`begin`). `advance(until_s)` does a boun
 work — one engine step, or simulated events up to the next completion — and returns the
 tokens it produced, so the driver can react to completions (closed-loop sources) promptly.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -8,6 +8,7 @@ messages. Typing hints go to `POST /v1/sessions/{id}/typing` when a user starts 
 gateway without that endpoint (404) is tolerated and counted. Prompts are built from a
 fixed list of common words (about one token each) to the spec's length.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +27,13 @@ from loadgen.workloads.build import Workload
 from loadgen.workloads.sources import Source
 from loadgen.workloads.spec import RequestSpec, Submission
 
-WORDS = ("the of and to in is was for on are with as at be this have from or by one had not but what all were "
-         "when we there can an your which their said if do will each about how up out them then she many some so "
-         "these would other into has more her two like him see time could no make than first been its who now "
-         "people my made over did down only way find use may water long little very after words called just "
-         "where most know").split()
+WORDS = (
+    "the of and to in is was for on are with as at be this have from or by one had not but what all were "
+    "when we there can an your which their said if do will each about how up out them then she many some so "
+    "these would other into has more her two like him see time could no make than first been its who now "
+    "people my made over did down only way find use may water long little very after words called just "
+    "where most know"
+).split()
 
 
 def prompt_text(spec: RequestSpec, seed: int) -> str:
@@ -110,11 +113,18 @@ class HttpClient:
         return self.model
 
     def body(self, spec: RequestSpec, messages: list[dict] | None, seed: int) -> tuple[str, dict, dict]:
-        body = {"model": self.model, "max_tokens": spec.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if spec.slo.ttft_s is not None or spec.slo.tpot_s is not None:
-            body["tandem"] = {k: v * 1e3 for k, v in (("ttft_ms", spec.slo.ttft_s), ("tpot_ms", spec.slo.tpot_s))
-                              if v is not None}
+            body["tandem"] = {
+                k: v * 1e3 for k, v in (("ttft_ms", spec.slo.ttft_s), ("tpot_ms", spec.slo.tpot_s)) if v is not None
+            }
         headers = {"X-Tandem-Class": spec.req_class}
         if spec.session_id and self.send_session_ids:
             headers["X-Session-Id"] = spec.session_id
@@ -142,23 +152,36 @@ class HttpClient:
             r = await self.client.post(f"/v1/sessions/{session_id}/typing", json={})
             if r.status_code == 404:
                 self.typing_unsupported += 1
-        except Exception:  # a hint is advisory: never fail a run for it
+        except Exception:  # noqa: BLE001 (a hint is advisory: never fail a run for it)
             self.typing_unsupported += 1
 
     async def submit_batch(self, specs: list[RequestSpec], seed: int) -> str | None:
         """BE through the batch API (`/v1/files` + `/v1/batches`); None when the gateway lacks it."""
-        lines = [json.dumps({"custom_id": s.request_id, "method": "POST", "url": "/v1/chat/completions",
-                             "body": {"model": self.model, "max_tokens": s.max_tokens, "ignore_eos": True,
-                                      "messages": [{"role": "user", "content": prompt_text(s, seed)}]}})
-                 for s in specs]
+        lines = [
+            json.dumps(
+                {
+                    "custom_id": s.request_id,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": self.model,
+                        "max_tokens": s.max_tokens,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": prompt_text(s, seed)}],
+                    },
+                }
+            )
+            for s in specs
+        ]
         files = {"file": ("batch.jsonl", "\n".join(lines).encode(), "application/jsonl")}
         r = await self.client.post("/v1/files", files=files, data={"purpose": "batch"})
         if r.status_code == 404:
             return None
         r.raise_for_status()
-        b = await self.client.post("/v1/batches", json={"input_file_id": r.json()["id"],
-                                                        "endpoint": "/v1/chat/completions",
-                                                        "completion_window": "24h"})
+        b = await self.client.post(
+            "/v1/batches",
+            json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
         if b.status_code == 404:
             return None
         b.raise_for_status()
@@ -180,8 +203,16 @@ class HttpClient:
 class HttpRun:
     """The asyncio counterpart of `loadgen.driver.Driver` for a live gateway."""
 
-    def __init__(self, client: HttpClient, workload: Workload, seed: int, drain_timeout_s: float | None,
-                 progress: bool, be_via_batch_api: bool = False, send_hints: bool = True) -> None:
+    def __init__(
+        self,
+        client: HttpClient,
+        workload: Workload,
+        seed: int,
+        drain_timeout_s: float | None,
+        progress: bool,
+        be_via_batch_api: bool = False,
+        send_hints: bool = True,
+    ) -> None:
         self.be_via_batch_api, self.send_hints = be_via_batch_api, send_hints
         self.client, self.workload, self.seed = client, workload, seed
         self.duration_s = workload.config.duration_s
@@ -207,9 +238,17 @@ class HttpRun:
         await self._submit_until_window_ends()
         await self._drain()
         elapsed = self.now()
-        return RunResult(list(self.records.values()), elapsed, [], self.hints,
-                         {"target": self.client.base_url, "model": self.client.model,
-                          "typing_hints_unsupported": self.client.typing_unsupported})
+        return RunResult(
+            list(self.records.values()),
+            elapsed,
+            [],
+            self.hints,
+            {
+                "target": self.client.base_url,
+                "model": self.client.model,
+                "typing_hints_unsupported": self.client.typing_unsupported,
+            },
+        )
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -221,7 +260,7 @@ class HttpRun:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             at, _, sub, src = heapq.heappop(self._due)
@@ -246,8 +285,9 @@ class HttpRun:
     def _push(self, sub: Submission, src: Source | None) -> None:
         heapq.heappush(self._due, (sub.at_s, next(self._seq), sub, src))
         if sub.typing_at_s is not None and sub.spec.session_id and self.send_hints:
-            asyncio.get_running_loop().call_later(max(0.0, sub.typing_at_s - self.now()), self._hint,
-                                                  sub.spec.session_id)
+            asyncio.get_running_loop().call_later(
+                max(0.0, sub.typing_at_s - self.now()), self._hint, sub.spec.session_id
+            )
         self._wake.set()
 
     def _hint(self, session_id: str) -> None:
@@ -257,8 +297,17 @@ class HttpRun:
 
     async def _one(self, sub: Submission, src: Source | None) -> None:
         spec = sub.spec
-        rec = RequestRecord(spec.request_id, spec.req_class, sub.at_s, spec.prompt_len, spec.max_tokens,
-                            spec.slo.ttft_s, spec.slo.tpot_s, spec.session_id, turn=spec.turn)
+        rec = RequestRecord(
+            spec.request_id,
+            spec.req_class,
+            sub.at_s,
+            spec.prompt_len,
+            spec.max_tokens,
+            spec.slo.ttft_s,
+            spec.slo.tpot_s,
+            spec.session_id,
+            turn=spec.turn,
+        )
         self.records[spec.request_id] = rec
         messages = self._messages(spec)
         path, body, headers = self.client.body(spec, messages, self.seed)
@@ -272,7 +321,7 @@ class HttpRun:
         except asyncio.CancelledError:
             rec.finish_s, rec.finish_reason = self.now(), "abort"
             raise
-        except Exception as exc:  # a failed request is a data point, not a crash
+        except Exception as exc:  # noqa: BLE001 (a failed request is a data point, not a crash)
             rec.finish_s, rec.finish_reason, rec.error = self.now(), "error", str(exc)[:300]
         finally:
             self.tasks.pop(spec.request_id, None)
@@ -292,7 +341,7 @@ class HttpRun:
         Batch requests have no token timeline: only their completion time is recorded."""
         try:
             batch_id = await self.client.submit_batch([s.spec for s in group], self.seed)
-        except Exception:
+        except Exception:  # noqa: BLE001 (no batch API there, or it failed: stream these instead)
             batch_id = None
         if batch_id is None:
             self.be_via_batch_api = False
@@ -327,8 +376,14 @@ def run_http(url: str, workload: Workload, args, progress: bool = False) -> RunR
     async def main() -> RunResult:
         client = HttpClient(url, getattr(args, "served_model", None))
         try:
-            return await HttpRun(client, workload, workload.config.seed, getattr(args, "drain_timeout", None),
-                                 progress, getattr(args, "be_via", "stream") == "batch-api").run()
+            return await HttpRun(
+                client,
+                workload,
+                workload.config.seed,
+                getattr(args, "drain_timeout", None),
+                progress,
+                getattr(args, "be_via", "stream") == "batch-api",
+            ).run()
         finally:
             await client.close()
 

@@ -10,6 +10,7 @@ simulator would advance it. Policies that read time (slack, pending time) see th
 wall-clock timestamps, so this mode is a harness for comparing the simulator's bookkeeping
 with the engine's (tests, docs/simulator.md), not a way to run time-driven policies.
 """
+
 from __future__ import annotations
 
 import time
@@ -65,9 +66,9 @@ class InprocTarget(StepTarget):
         self._wrap_scheduler()
 
     @classmethod
-    def from_config(cls, config, policy_options: dict | None = None, clock: WallClock | None = None) -> "InprocTarget":
-        from services.worker.engine import LLMEngine
-        from services.worker.engine.scheduling import make_policy
+    def from_config(cls, config, policy_options: dict | None = None, clock: WallClock | None = None) -> InprocTarget:
+        from engine import LLMEngine
+        from engine.scheduling import make_policy
 
         engine = LLMEngine(config)
         if policy_options:  # a policy that needs a cost model or default SLOs
@@ -105,14 +106,18 @@ class InprocTarget(StepTarget):
         return self.clock.now()
 
     def submit(self, request: PreparedRequest) -> None:
-        from services.worker.engine import SamplingParams
-        from services.worker.engine.scheduling import SLO, RequestClass
+        from engine import SamplingParams
+        from engine.scheduling import SLO, RequestClass
 
         params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
-        self.engine.add_request(request.request_id, request.prompt_ids, params,
-                                req_class=RequestClass(request.req_class),
-                                slo=SLO(request.slo_ttft_s, request.slo_tpot_s),
-                                arrival_time=self.clock.to_engine(request.arrival_s))
+        self.engine.add_request(
+            request.request_id,
+            request.prompt_ids,
+            params,
+            req_class=RequestClass(request.req_class),
+            slo=SLO(request.slo_ttft_s, request.slo_tpot_s),
+            arrival_time=self.clock.to_engine(request.arrival_s),
+        )
 
     def advance(self, until_s: float) -> list[TokenEvent]:
         if not self.engine.has_unfinished():
@@ -146,12 +151,20 @@ class InprocTarget(StepTarget):
 
     def describe(self) -> dict:
         cfg = self.engine.config
-        return {"target": "inproc", "model": cfg.model, "policy": cfg.policy, "dtype": cfg.dtype,
-                "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                "kv_blocks": self.engine.kv.pool.num_blocks, "block_size": cfg.block_size,
-                "clock": "model" if isinstance(self.clock, ModelClock) else "wall",
-                "engine_stats": _stats(self.engine), "steps_logged": len(self.step_log),
-                "cost_model_meta": getattr(getattr(self.engine, "cost_model", None), "meta", None)}
+        return {
+            "target": "inproc",
+            "model": cfg.model,
+            "policy": cfg.policy,
+            "dtype": cfg.dtype,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "kv_blocks": self.engine.kv.pool.num_blocks,
+            "block_size": cfg.block_size,
+            "clock": "model" if isinstance(self.clock, ModelClock) else "wall",
+            "engine_stats": _stats(self.engine),
+            "steps_logged": len(self.step_log),
+            "cost_model_meta": getattr(getattr(self.engine, "cost_model", None), "meta", None),
+        }
 
 
 def _stats(engine) -> dict | None:

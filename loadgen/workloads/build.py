@@ -3,10 +3,11 @@
 The same config and seed always give the same requests, in the same order, with the same
 open-loop arrival times: that is what makes policy comparisons fair.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import numpy as np
 
@@ -46,8 +47,11 @@ class Workload:
     sources: list[Source]
 
     def describe(self) -> dict:
-        return {"name": self.config.name, "open_loop_requests": len(self.open_loop),
-                "closed_loop_sources": len(self.sources)}
+        return {
+            "name": self.config.name,
+            "open_loop_requests": len(self.open_loop),
+            "closed_loop_sources": len(self.sources),
+        }
 
 
 def build_workload(cfg: WorkloadConfig, count_tokens: Callable[[str], int] = estimate_tokens) -> Workload:
@@ -66,16 +70,26 @@ def build_workload(cfg: WorkloadConfig, count_tokens: Callable[[str], int] = est
         open_loop, sources = _single_turn(cfg, rt_profile(cfg), rng)
     be_batch = cfg.be_batch or (16 if cfg.name in ("rt-be", "be") else 0)
     if be_batch:
-        sources.append(BEBacklog(_profile(cfg, "be"), be_batch, cfg.be_refill, np.random.default_rng([cfg.seed, 1]),
-                                 cfg.duration_s, cfg.max_len))
+        sources.append(
+            BEBacklog(
+                _profile(cfg, "be"),
+                be_batch,
+                cfg.be_refill,
+                np.random.default_rng([cfg.seed, 1]),
+                cfg.duration_s,
+                cfg.max_len,
+            )
+        )
     return Workload(cfg, open_loop, sources)
 
 
 def _profile(cfg: WorkloadConfig, name: str) -> LengthProfile:
     prof = get_profile(name).scaled(cfg.length_scale, cfg.slo_scale)
     if prof.req_class == "rt" and (cfg.slo_ttft_s is not None or cfg.slo_tpot_s is not None):
-        slo = SLOSpec(cfg.slo_ttft_s if cfg.slo_ttft_s is not None else prof.slo.ttft_s,
-                      cfg.slo_tpot_s if cfg.slo_tpot_s is not None else prof.slo.tpot_s)
+        slo = SLOSpec(
+            cfg.slo_ttft_s if cfg.slo_ttft_s is not None else prof.slo.ttft_s,
+            cfg.slo_tpot_s if cfg.slo_tpot_s is not None else prof.slo.tpot_s,
+        )
         prof = replace(prof, slo=slo)
     return prof
 
@@ -97,8 +111,10 @@ def _single_turn(cfg: WorkloadConfig, prof: LengthProfile, rng) -> tuple[list[Su
 def _closed_users(cfg: WorkloadConfig, prof: LengthProfile) -> list[Source]:
     if cfg.arrival.users < 1:
         raise ValueError("closed-loop arrivals need --users N (N >= 1)")
-    return [ClosedUser(f"u{i}", prof, np.random.default_rng([cfg.seed, 100 + i]), cfg.duration_s, cfg.max_len)
-            for i in range(cfg.arrival.users)]
+    return [
+        ClosedUser(f"u{i}", prof, np.random.default_rng([cfg.seed, 100 + i]), cfg.duration_s, cfg.max_len)
+        for i in range(cfg.arrival.users)
+    ]
 
 
 def _sessions(cfg: WorkloadConfig, rng) -> list[Source]:
@@ -108,12 +124,33 @@ def _sessions(cfg: WorkloadConfig, rng) -> list[Source]:
     if cfg.arrival.kind == "closed":
         if cfg.arrival.users < 1:
             raise ValueError("closed-loop sessions need --users N (N >= 1)")
-        return [SessionUser(f"u{i}", cfg.turns_mean, prof, cfg.speeds, np.random.default_rng([cfg.seed, 1000 + i]),
-                            cfg.duration_s, cfg.max_len) for i in range(cfg.arrival.users)]
+        return [
+            SessionUser(
+                f"u{i}",
+                cfg.turns_mean,
+                prof,
+                cfg.speeds,
+                np.random.default_rng([cfg.seed, 1000 + i]),
+                cfg.duration_s,
+                cfg.max_len,
+            )
+            for i in range(cfg.arrival.users)
+        ]
     starts = open_loop_times(cfg.arrival, cfg.duration_s, rng)
     turns = rng.geometric(1.0 / cfg.turns_mean, size=len(starts))
-    return [Session(f"s{i}", t, int(n), prof, cfg.speeds, np.random.default_rng([cfg.seed, 1000 + i]),
-                    cfg.duration_s, cfg.max_len) for i, (t, n) in enumerate(zip(starts, turns))]
+    return [
+        Session(
+            f"s{i}",
+            t,
+            int(n),
+            prof,
+            cfg.speeds,
+            np.random.default_rng([cfg.seed, 1000 + i]),
+            cfg.duration_s,
+            cfg.max_len,
+        )
+        for i, (t, n) in enumerate(zip(starts, turns))
+    ]
 
 
 def _jsonl(cfg: WorkloadConfig, rng, count_tokens) -> tuple[list[Submission], list[Source]]:
@@ -126,7 +163,8 @@ def _jsonl(cfg: WorkloadConfig, rng, count_tokens) -> tuple[list[Submission], li
     out = []
     for i, t in enumerate(open_loop_times(cfg.arrival, cfg.duration_s, rng)):
         it = items[i % len(items)]
-        spec = RequestSpec(f"rt-{i}", "rt", it.prompt_len, it.max_tokens, slo, prompt_text=it.prompt_text,
-                           messages=it.messages)
+        spec = RequestSpec(
+            f"rt-{i}", "rt", it.prompt_len, it.max_tokens, slo, prompt_text=it.prompt_text, messages=it.messages
+        )
         out.append(Submission(t, spec))
     return out, []

@@ -12,6 +12,7 @@ Default SLOs (seconds) are the papers' GPU values, ``(TTFT, TPOT/P99-TBT)``: cha
 (BROS), code 0.5/0.5 and summarisation 4.0/1.0 (Apt-Serve OPT-13B). Runs on a slower machine
 scale them (``--slo-scale``) together with lengths (``--length-scale``); see docs/loadgen.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,10 +33,15 @@ class LengthProfile:
     slo: SLOSpec
     req_class: str = "rt"
 
-    def scaled(self, length_scale: float, slo_scale: float) -> "LengthProfile":
+    def scaled(self, length_scale: float, slo_scale: float) -> LengthProfile:
         """Lengths times `length_scale`, SLOs times `slo_scale`."""
-        return LengthProfile(self.name, self.prompt.scaled(length_scale), self.output.scaled(length_scale),
-                             self.slo.scaled(slo_scale), self.req_class)
+        return LengthProfile(
+            self.name,
+            self.prompt.scaled(length_scale),
+            self.output.scaled(length_scale),
+            self.slo.scaled(slo_scale),
+            self.req_class,
+        )
 
     def sample_pair(self, rng: np.random.Generator, max_len: int | None) -> tuple[int, int]:
         """One (prompt, output) length pair; pairs longer than the context are redrawn, as

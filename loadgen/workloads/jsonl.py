@@ -1,10 +1,11 @@
 """A user-supplied dataset: one JSON object per line, ``{"prompt": str | "messages": [...], "max_tokens": int}``."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ def load_jsonl(path: str | Path, count_tokens: Callable[[str], int] = estimate_t
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"dataset {path} does not exist")
-    items = [_item(line, f"{path}:{n}", count_tokens)
-             for n, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
+    items = [
+        _item(line, f"{path}:{n}", count_tokens) for n, line in enumerate(p.read_text().splitlines(), 1) if line.strip()
+    ]
     if not items:
         raise ValueError(f"dataset {path} has no requests")
     return items

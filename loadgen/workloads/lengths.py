@@ -6,6 +6,7 @@ std > mean, which a normal cannot produce without mass below zero), then round a
 ``[min_len, max_len]`` (the model's context). Clipping moves the moments slightly; the
 realised mean/std of a workload are reported with its results.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ class LengthDist:
             raise ValueError(f"unknown length distribution {self.kind!r}")
         return np.clip(np.rint(raw), self.min_len, self.max_len).astype(np.int64)
 
-    def scaled(self, factor: float, max_len: int | None = None) -> "LengthDist":
+    def scaled(self, factor: float, max_len: int | None = None) -> LengthDist:
         """The same shape with every length multiplied by `factor` (CPU-sized workloads)."""
         if factor <= 0:
             raise ValueError(f"length scale must be > 0, got {factor}")
@@ -44,7 +45,7 @@ class LengthDist:
         hi = max(lo, min(round(self.max_len * factor), cap))
         return LengthDist(self.kind, max(1.0, self.a * factor), max(1.0, self.b * factor), lo, hi)
 
-    def clipped(self, max_len: int) -> "LengthDist":
+    def clipped(self, max_len: int) -> LengthDist:
         return LengthDist(self.kind, self.a, self.b, self.min_len, min(self.max_len, max_len))
 
     def mean(self) -> float:

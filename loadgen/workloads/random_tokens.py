@@ -3,6 +3,7 @@
 Pure Python + NumPy on purpose: this module is imported from the vLLM virtualenv too (with
 ``PYTHONPATH`` set to the repository root), so it must not import torch or the engine.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

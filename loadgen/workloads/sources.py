@@ -5,6 +5,7 @@ completions. Each owns a generator seeded from (run seed, source index), and dra
 lengths in a fixed order, so the *sequence* of requests is the same for every policy or
 target even though their submission times depend on how fast requests finish.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -48,8 +49,17 @@ class Session(Source):
     whole conversation (the target prepends the session's history), so the prompt grows.
     """
 
-    def __init__(self, session_id: str, start_s: float, turns: int, profile: LengthProfile,
-                 speeds: HumanSpeeds, rng: np.random.Generator, stop_s: float, max_len: int | None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        start_s: float,
+        turns: int,
+        profile: LengthProfile,
+        speeds: HumanSpeeds,
+        rng: np.random.Generator,
+        stop_s: float,
+        max_len: int | None,
+    ) -> None:
         self.session_id, self.start_s, self.turns = session_id, start_s, turns
         self.profile, self.speeds, self.rng, self.stop_s, self.max_len = profile, speeds, rng, stop_s, max_len
         self.context = 0  # tokens of history so far (for the context limit)
@@ -82,8 +92,16 @@ class SessionUser(Source):
     trace generator). Session k of user i is `u{i}-s{k}`.
     """
 
-    def __init__(self, user_id: str, turns_mean: float, profile: LengthProfile, speeds: HumanSpeeds,
-                 rng: np.random.Generator, stop_s: float, max_len: int | None) -> None:
+    def __init__(
+        self,
+        user_id: str,
+        turns_mean: float,
+        profile: LengthProfile,
+        speeds: HumanSpeeds,
+        rng: np.random.Generator,
+        stop_s: float,
+        max_len: int | None,
+    ) -> None:
         self.user_id, self.turns_mean, self.profile, self.speeds = user_id, turns_mean, profile, speeds
         self.rng, self.stop_s, self.max_len = rng, stop_s, max_len
         self.count = 0
@@ -111,8 +129,15 @@ class SessionUser(Source):
 class ClosedUser(Source):
     """One of a fixed number of concurrent users: the next request goes out when the last returns."""
 
-    def __init__(self, user_id: str, profile: LengthProfile, rng: np.random.Generator, stop_s: float,
-                 max_len: int | None, think_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        user_id: str,
+        profile: LengthProfile,
+        rng: np.random.Generator,
+        stop_s: float,
+        max_len: int | None,
+        think_s: float = 0.0,
+    ) -> None:
         self.user_id, self.profile, self.rng, self.stop_s = user_id, profile, rng, stop_s
         self.max_len, self.think_s, self.count = max_len, think_s, 0
 
@@ -138,8 +163,15 @@ class BEBacklog(Source):
     exactly `batch_size` are always outstanding.
     """
 
-    def __init__(self, profile: LengthProfile, batch_size: int, refill: str, rng: np.random.Generator,
-                 stop_s: float, max_len: int | None) -> None:
+    def __init__(
+        self,
+        profile: LengthProfile,
+        batch_size: int,
+        refill: str,
+        rng: np.random.Generator,
+        stop_s: float,
+        max_len: int | None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"BE batch size must be >= 1, got {batch_size}")
         if refill not in ("batch", "each"):

@@ -3,6 +3,7 @@
 A spec carries lengths, not token ids or text: each target materialises the prompt in its own
 form (token ids in-process and in the simulator, text over HTTP), so one workload drives all.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ class SLOSpec:
     ttft_s: float | None = None  # deadline for the first token, from arrival
     tpot_s: float | None = None  # deadline for every later inter-token gap (and for the P99 TBT)
 
-    def scaled(self, factor: float) -> "SLOSpec":
+    def scaled(self, factor: float) -> SLOSpec:
         return SLOSpec(_mul(self.ttft_s, factor), _mul(self.tpot_s, factor))
 
 

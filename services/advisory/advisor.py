@@ -7,6 +7,7 @@ for a session with a live placement on a live worker refreshes it (same target, 
 repeated hints never bounce a session between workers. A hint for a session nobody holds is
 ignored: there is nothing to move, and the scheduler balances the turn like any request.
 """
+
 from __future__ import annotations
 
 import time
@@ -91,18 +92,27 @@ class Advisor:
         candidates = [_candidate(wid, s, pending[wid]) for wid, s in sorted(peers.items())]
         return self.policy.pick(source.worker_id, candidates) or source.worker_id
 
-    def _advise(self, hint: TypingHint, source: SessionLocation, target: str, refreshed: bool,
-                now: float) -> Advice:
+    def _advise(self, hint: TypingHint, source: SessionLocation, target: str, refreshed: bool, now: float) -> Advice:
         sid = hint.session_id
         local = next((c for c in self.directory.copies(sid) if c.worker_id == target), None)
         pull = source if local is None or local.num_tokens < source.num_tokens else None
         ttl = min(self.limits.max_placement_ttl_s, self.limits.placement_ttl_s + (hint.expected_arrival_s or 0.0))
-        placement = SessionPlacement(session_id=sid, worker_id=target, hint_id=hint.hint_id, expires_at=now + ttl,
-                                     source_worker=pull.worker_id if pull else None)
-        prefetch = Prefetch(worker_id=target, session_id=sid, hint_id=hint.hint_id,
-                            source_worker=pull.worker_id if pull else None,
-                            source_url=session_kv_url(pull.kv_url, sid) if pull else None,
-                            source_tokens=pull.num_tokens if pull else 0, ttl_s=ttl)
+        placement = SessionPlacement(
+            session_id=sid,
+            worker_id=target,
+            hint_id=hint.hint_id,
+            expires_at=now + ttl,
+            source_worker=pull.worker_id if pull else None,
+        )
+        prefetch = Prefetch(
+            worker_id=target,
+            session_id=sid,
+            hint_id=hint.hint_id,
+            source_worker=pull.worker_id if pull else None,
+            source_url=session_kv_url(pull.kv_url, sid) if pull else None,
+            source_tokens=pull.num_tokens if pull else 0,
+            ttl_s=ttl,
+        )
         self.placements.apply(sid, placement)
         self.pending[sid] = target
         return Advice(placement, prefetch, refreshed)
@@ -113,5 +123,6 @@ def _candidate(worker_id: str, s: WorkerState, pending: int) -> Candidate:
     if t is None:
         return Candidate(worker_id, pending=pending)
     running = t.rt.running + t.rt.waiting + 0.25 * (t.be.running + t.be.waiting)
-    return Candidate(worker_id, running=running, pending=pending, kv_usage=t.kv_usage,
-                     max_num_seqs=t.max_num_seqs or 128)
+    return Candidate(
+        worker_id, running=running, pending=pending, kv_usage=t.kv_usage, max_num_seqs=t.max_num_seqs or 128
+    )

@@ -9,6 +9,7 @@ Outputs: `SessionPlacement` on `sessions.placement` (the scheduler routes the tu
 whose turn did not come within their TTL. The target releases its prefetch pin on its own after
 `Prefetch.ttl_s` (no release message: a lost message could otherwise pin KV forever).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,15 +58,24 @@ class AdvisoryService:
         await self._restore_placements()
         directory = await self._from_start(self.topics.sessions_directory.name)
         await read_to_end(directory, self._on_location)
-        log.info("directory rebuilt: %d sessions, %d live placements", len(self.advisor.directory),
-                 len(self.advisor.pending))
-        tails = [await self._from_end(t.name) for t in
-                 (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)]
+        log.info(
+            "directory rebuilt: %d sessions, %d live placements", len(self.advisor.directory), len(self.advisor.pending)
+        )
+        tails = [
+            await self._from_end(t.name)
+            for t in (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)
+        ]
         hints = await self.kafka.consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
         self.metrics.serve(self.settings.metrics_port)
-        loops = (self._directory_loop(directory), self._heartbeat_loop(tails[0]), self._telemetry_loop(tails[1]),
-                 self._request_loop(tails[2]), self._request_loop(tails[3]), self._hint_loop(hints),
-                 self._expiry_loop())
+        loops = (
+            self._directory_loop(directory),
+            self._heartbeat_loop(tails[0]),
+            self._telemetry_loop(tails[1]),
+            self._request_loop(tails[2]),
+            self._request_loop(tails[3]),
+            self._hint_loop(hints),
+            self._expiry_loop(),
+        )
         self._tasks = [asyncio.create_task(c) for c in loops]
 
     async def stop(self) -> None:
@@ -145,8 +155,12 @@ class AdvisoryService:
             return
         await self._publish(advice)
         self.m_hints.labels("refreshed" if advice.refreshed else "placed").inc()
-        log.info("session %s -> %s (%s)", hint.session_id, advice.placement.worker_id,
-                 f"pull from {advice.prefetch.source_worker}" if advice.prefetch.source_worker else "local")
+        log.info(
+            "session %s -> %s (%s)",
+            hint.session_id,
+            advice.placement.worker_id,
+            f"pull from {advice.prefetch.source_worker}" if advice.prefetch.source_worker else "local",
+        )
 
     async def _publish(self, advice: Advice) -> None:
         # The prefetch first: the transfer starts while the placement travels to the scheduler.

@@ -7,6 +7,7 @@ yet (Symphony's pitfall: without them a burst of hints all lands on the emptiest
 holder wins ties (no transfer needed), so a session moves only to a strictly less loaded worker.
 Workers above the KV high-water mark are skipped while any other has room.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -1,4 +1,5 @@
 """Live workers as the advisory service sees them: heartbeats (alive, model, KV URL) and telemetry (load)."""
+
 from __future__ import annotations
 
 import time

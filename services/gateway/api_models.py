@@ -4,6 +4,7 @@ Unknown fields are ignored (clients send new OpenAI fields all the time); fields
 cannot honour (n > 1, tools, penalties, top alternatives in logprobs) are rejected with a
 400 that names them, never silently dropped.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -68,10 +69,19 @@ class _Common(BaseModel):
     def sampling(self, max_tokens: int | None, logprobs: bool) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingOptions(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     def slo(self) -> SLOTargets:

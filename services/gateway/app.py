@@ -1,4 +1,5 @@
 """The HTTP API: OpenAI-compatible completions (SSE and plain), models, health, metrics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -78,15 +79,28 @@ class _Handlers:
         return await self._serve(request, body, "completion")
 
     async def models(self) -> dict:
-        data = [{"id": name, "object": "model", "created": int(hb.started_at), "owned_by": "tandem",
-                 "max_model_len": hb.max_model_len, "dtype": hb.dtype, "device": hb.device}
-                for name, hb in sorted(self.core.workers.models().items())]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(hb.started_at),
+                "owned_by": "tandem",
+                "max_model_len": hb.max_model_len,
+                "dtype": hb.dtype,
+                "device": hb.device,
+            }
+            for name, hb in sorted(self.core.workers.models().items())
+        ]
         return {"object": "list", "data": data}
 
     async def health(self) -> JSONResponse:
         live = self.core.workers.live()
-        body = {"status": "ok" if live and self.core.ready else "unavailable", "workers": len(live),
-                "models": sorted({hb.model for hb in live}), "gateway_id": self.core.gateway_id}
+        body = {
+            "status": "ok" if live and self.core.ready else "unavailable",
+            "workers": len(live),
+            "models": sorted({hb.model for hb in live}),
+            "gateway_id": self.core.gateway_id,
+        }
         return JSONResponse(body, status_code=200 if live and self.core.ready else 503)
 
     async def metrics(self) -> Response:
@@ -112,8 +126,12 @@ class _Handlers:
         if not models:
             raise APIError(503, "no workers are available", code="no_workers")
         if body.model not in models:
-            raise APIError(404, f"The model '{body.model}' does not exist; available: {sorted(models)}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{body.model}' does not exist; available: {sorted(models)}",
+                param="model",
+                code="model_not_found",
+            )
         if len(self.core.streams) >= self.core.settings.max_inflight:
             raise APIError(429, "too many requests in flight; retry later", code="overloaded")
         return _request_class(body, request)
@@ -129,10 +147,17 @@ class _Handlers:
         limit = body.token_limit if kind == "chat" else body.max_tokens
         logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
         return GenerateRequest(
-            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex, gateway_id=core.gateway_id,
-            reply_partition=core.reply_partition, model=body.model, kind=kind,
-            messages=body.messages if kind == "chat" else None, prompt=body.prompt if kind == "completion" else None,
-            sampling=body.sampling(limit, logprobs), req_class=req_class, slo=slo, session_id=session,
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            gateway_id=core.gateway_id,
+            reply_partition=core.reply_partition,
+            model=body.model,
+            kind=kind,
+            messages=body.messages if kind == "chat" else None,
+            prompt=body.prompt if kind == "completion" else None,
+            sampling=body.sampling(limit, logprobs),
+            req_class=req_class,
+            slo=slo,
+            session_id=session,
             created_at=time.time(),
         )
 
@@ -153,8 +178,15 @@ class _Handlers:
             ctx.close(completed=False)
             raise
         if body.stream:
-            return StreamingResponse(ctx.sse(), media_type="text/event-stream", headers={
-                "X-Request-Id": gen.request_id, "X-Tandem-Worker": stream.worker_id or "", "Cache-Control": "no-cache"})
+            return StreamingResponse(
+                ctx.sse(),
+                media_type="text/event-stream",
+                headers={
+                    "X-Request-Id": gen.request_id,
+                    "X-Tandem-Worker": stream.worker_id or "",
+                    "Cache-Control": "no-cache",
+                },
+            )
         return await ctx.collect(request)
 
     def _is_open(self, request_id: str) -> bool:
@@ -179,8 +211,11 @@ class _Ctx:
         rid = stream.request.request_id
         created = int(time.time())
         tier = body.service_tier
-        self.shaper = (ChatShaper(f"chatcmpl-{rid}", created, body.model, tier) if kind == "chat"
-                       else CompletionShaper(f"cmpl-{rid}", created, body.model, tier))
+        self.shaper = (
+            ChatShaper(f"chatcmpl-{rid}", created, body.model, tier)
+            if kind == "chat"
+            else CompletionShaper(f"cmpl-{rid}", created, body.model, tier)
+        )
         self.first_token_seen = False
         self.closed = False
         self.cached_tokens: int | None = None
@@ -196,7 +231,7 @@ class _Ctx:
     async def _next(self, first: bool = False):
         try:
             return await asyncio.wait_for(self.stream.events.get(), self._timeout(first))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if first:
                 raise APIError(503, "no worker accepted the request in time", code="no_capacity") from None
             raise APIError(504, "the request timed out", code="timeout") from None
@@ -263,8 +298,13 @@ class _Ctx:
                 return JSONResponse({"error": {"message": "client disconnected"}}, status_code=499)
             result = collector.result()
             self.close(completed=True)
-            return JSONResponse(result, headers={"X-Request-Id": self.stream.request.request_id,
-                                                "X-Tandem-Worker": self.stream.worker_id or ""})
+            return JSONResponse(
+                result,
+                headers={
+                    "X-Request-Id": self.stream.request.request_id,
+                    "X-Tandem-Worker": self.stream.worker_id or "",
+                },
+            )
         except BaseException:
             self.close(completed=False)
             raise

@@ -5,6 +5,7 @@ of) directly: creating a batch is one row in status `validating`, a cancel one c
 update to `cancelling`; the queue service does the rest (see docs/batch.md for why the two
 share the database instead of talking over Kafka).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,12 @@ class _BatchAPI:
         form = await request.form()
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose not in FILE_PURPOSES:
-            raise APIError(400, f"purpose must be one of {list(FILE_PURPOSES)}, not {purpose!r}", param="purpose",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"purpose must be one of {list(FILE_PURPOSES)}, not {purpose!r}",
+                param="purpose",
+                code="invalid_value",
+            )
         if upload is None or isinstance(upload, str):
             raise APIError(400, "a multipart 'file' part is required", param="file", code="missing_required_parameter")
         content = await upload.read()
@@ -108,17 +113,23 @@ class _BatchAPI:
         body = await _json_object(request)
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
-            raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}, not {endpoint!r}", param="endpoint",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"endpoint must be one of {sorted(ENDPOINTS)}, not {endpoint!r}",
+                param="endpoint",
+                code="invalid_value",
+            )
         try:
             window_s = parse_window(window)
         except ValueError as exc:
             raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
         metadata = body.get("metadata")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16
-                                         and all(isinstance(v, str) for v in metadata.values())):
-            raise APIError(400, "metadata must be an object of at most 16 string values", param="metadata",
-                           code="invalid_value")
+        if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= 16 and all(isinstance(v, str) for v in metadata.values())
+        ):
+            raise APIError(
+                400, "metadata must be an object of at most 16 string values", param="metadata", code="invalid_value"
+            )
         f = await self._input_file(body.get("input_file_id"))
         row = await (await self.store()).add_batch(f.id, endpoint, window, window_s, metadata)
         return batch_object(row)
@@ -130,8 +141,12 @@ class _BatchAPI:
         if row is None:
             raise APIError(404, f"No such File object: {file_id}", param="input_file_id", code="not_found")
         if row.purpose != "batch":
-            raise APIError(400, f"file {file_id} has purpose {row.purpose!r}, not 'batch'", param="input_file_id",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"file {file_id} has purpose {row.purpose!r}, not 'batch'",
+                param="input_file_id",
+                code="invalid_value",
+            )
         return row
 
     async def get_batch(self, batch_id: str) -> dict:

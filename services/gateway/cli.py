@@ -1,12 +1,16 @@
 """`tandem gateway`: the OpenAI-compatible HTTP API."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gateway", help="run the HTTP gateway (OpenAI-compatible API)",
-                       description="Run the gateway. Flags override TANDEM_* environment variables.")
+    p = sub.add_parser(
+        "gateway",
+        help="run the HTTP gateway (OpenAI-compatible API)",
+        description="Run the gateway. Flags override TANDEM_* environment variables.",
+    )
     p.add_argument("--host")
     p.add_argument("--port", type=int)
     p.add_argument("--gateway-id")
@@ -23,7 +27,15 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in GatewaySettings.model_fields and v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging("gateway", settings.log_level, settings.log_json)
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-                            http="httptools", log_config=None, access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     uvicorn.Server(config).run()
     return 0

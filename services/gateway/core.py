@@ -1,4 +1,5 @@
 """The gateway's Kafka side: publishes requests and cancels, routes results to streams, tracks workers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,11 @@ class GatewayCore:
         self.gateway_id = settings.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}"
         self.topics = Topics(settings.topic_prefix)
         partitions = self.topics.results.partitions
-        self.reply_partition = (settings.reply_partition if settings.reply_partition is not None
-                                else zlib.crc32(self.gateway_id.encode()) % partitions)
+        self.reply_partition = (
+            settings.reply_partition
+            if settings.reply_partition is not None
+            else zlib.crc32(self.gateway_id.encode()) % partitions
+        )
         self.kafka = KafkaClient(settings, self.gateway_id)
         self.streams = StreamRegistry(self.submit)
         self.workers = WorkerDirectory(settings.worker_timeout_s)
@@ -40,12 +44,13 @@ class GatewayCore:
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
         results = await self.kafka.consumer(group=None, hot=True)
-        await self.kafka.assign_all(results, self.topics.results.name, from_end=True,
-                                    partitions=[self.reply_partition])
+        await self.kafka.assign_all(results, self.topics.results.name, from_end=True, partitions=[self.reply_partition])
         heartbeats = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(heartbeats, self.topics.heartbeats.name, from_end=True)
-        self._tasks = [asyncio.create_task(self._results_loop(results)),
-                       asyncio.create_task(self._heartbeat_loop(heartbeats))]
+        self._tasks = [
+            asyncio.create_task(self._results_loop(results)),
+            asyncio.create_task(self._heartbeat_loop(heartbeats)),
+        ]
         self.ready = True
         log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
 
@@ -69,8 +74,9 @@ class GatewayCore:
 
     async def _cancel(self, request_id: str) -> None:
         try:
-            await self.kafka.send(self.topics.control.name, ControlEnvelope(message=Cancel(request_id=request_id)),
-                                  key=request_id)
+            await self.kafka.send(
+                self.topics.control.name, ControlEnvelope(message=Cancel(request_id=request_id)), key=request_id
+            )
         except Exception:  # noqa: BLE001
             log.warning("cancel not published", exc_info=True, extra={"request_id": request_id})
 

@@ -1,4 +1,5 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,15 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+    500: "internal_error",
+}
 
 
 class APIError(Exception):
@@ -16,8 +24,14 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "api_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "api_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -38,5 +52,6 @@ def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel
     except ValidationError as exc:
         err = exc.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param,
-                       code="invalid_value") from None
+        raise APIError(
+            400, f"{param}: {err['msg']}" if param else err["msg"], param=param, code="invalid_value"
+        ) from None

@@ -5,6 +5,7 @@ one hint per upcoming turn. Per session, at most one hint leaves every `interval
 are answered "debounced". Each gateway replica debounces on its own; the advisory service
 treats a repeated hint for a session with a live placement as a refresh, so that is harmless.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,9 @@ HintStatus = Literal["sent", "debounced"]
 
 
 class HintDebouncer:
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_sessions: int = 100_000) -> None:
+    def __init__(
+        self, interval_s: float, clock: Callable[[], float] = time.monotonic, max_sessions: int = 100_000
+    ) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._max = max_sessions
@@ -58,8 +60,13 @@ class HintPublisher:
         if not self.debouncer.admit(session_id):
             self.debounced += 1
             return "debounced"
-        msg = TypingHint(hint_id=uuid.uuid4().hex, session_id=session_id, sent_at=time.time(),
-                         expected_arrival_s=expected_arrival_s, source=source)
+        msg = TypingHint(
+            hint_id=uuid.uuid4().hex,
+            session_id=session_id,
+            sent_at=time.time(),
+            expected_arrival_s=expected_arrival_s,
+            source=source,
+        )
         await self._kafka.send(self._topic, msg, key=session_id)
         self.sent += 1
         return "sent"

@@ -1,4 +1,5 @@
 """The chat page at `/`: static files packaged with the gateway (no build step, no CDN)."""
+
 from __future__ import annotations
 
 from pathlib import Path

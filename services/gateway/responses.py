@@ -1,4 +1,5 @@
 """OpenAI response objects and SSE chunks, built from a request's stream state."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,11 @@ from shared.schemas.results import Delta
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
-    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens}
+    u = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached_tokens is not None:
         u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return u
@@ -42,8 +46,12 @@ class ChatShaper:
 
     def final(self, text: str, finish: str, logprobs: list[float] | None, texts: list[str] | None, u: dict) -> dict:
         lp = None if logprobs is None else {"content": _content_logprobs(logprobs, texts)}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
         return {**self.base, "object": "chat.completion", "choices": [choice], "usage": u}
 
     @staticmethod
@@ -76,8 +84,9 @@ class CompletionShaper:
 
 def _content_logprobs(logprobs: list[float], texts: list[str] | None) -> list[dict]:
     texts = texts or [""] * len(logprobs)
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(texts, logprobs)]
+    return [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []} for t, lp in zip(texts, logprobs)
+    ]
 
 
 def _legacy_logprobs(logprobs: list[float], texts: list[str] | None) -> dict:

@@ -7,6 +7,7 @@ WebSocket: the client sends `{"type": "keystroke"|"typing", "expected_arrival_s"
 each gets `{"type": "hint", "status": "sent"|"debounced"}`; a bad frame gets
 `{"type": "error", "message": ...}` and the socket stays open.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ class _SessionsAPI:
     def __init__(self, core: GatewayCore) -> None:
         self.core = core
         self.publisher = HintPublisher(core.kafka, core.topics.advisory.name, core.settings.typing_debounce_s)
-        self.m_hints = core.metrics.counter("gateway_typing_hints_total", "typing events received",
-                                            ("source", "status"))
+        self.m_hints = core.metrics.counter(
+            "gateway_typing_hints_total", "typing events received", ("source", "status")
+        )
 
     async def stats(self) -> dict:
         """Every live worker's kept-KV counters, from its heartbeats (the sessions benchmark reads them)."""

@@ -1,4 +1,5 @@
 """The gateway's one settings object (`TANDEM_*` env vars; `tandem gateway` flags override)."""
+
 from __future__ import annotations
 
 from shared.settings import ServiceSettings

@@ -6,6 +6,7 @@ stale attempts are dropped, deltas are placed by `index`. On `Rerouted` the stre
 its request with the tokens already delivered (`GenerateRequest.resumed`), so the client's
 stream continues on another worker with nothing lost or repeated.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -79,8 +80,9 @@ class StreamRegistry:
         if d.index + len(d.token_ids) <= have and d.finish_reason is None:
             return  # a duplicate
         if d.index != have:
-            log.error("delta gap: have %d tokens, delta starts at %d", have, d.index,
-                      extra={"request_id": d.request_id})
+            log.error(
+                "delta gap: have %d tokens, delta starts at %d", have, d.index, extra={"request_id": d.request_id}
+            )
             return
         stream.token_ids.extend(d.token_ids)
         stream.text += d.text
@@ -91,6 +93,7 @@ class StreamRegistry:
     async def _resume(self, stream: RequestStream, event: Rerouted) -> None:
         stream.request = stream.request.resumed(stream.token_ids)
         self.resumed += 1
-        log.warning("resuming after %d tokens: %s", len(stream.token_ids), event.reason,
-                    extra={"request_id": event.request_id})
+        log.warning(
+            "resuming after %d tokens: %s", len(stream.token_ids), event.reason, extra={"request_id": event.request_id}
+        )
         await self._resubmit(stream.request)

@@ -1,4 +1,5 @@
 """Live workers as the gateway sees them (from heartbeats): which models are served, by whom."""
+
 from __future__ import annotations
 
 import time

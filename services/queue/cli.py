@@ -1,13 +1,17 @@
 """`tandem queue`: the BE queue service (batch jobs)."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("queue", help="run the BE queue service (batch jobs)",
-                       description="Run the queue service. Settings come from TANDEM_* environment variables; "
-                                   "it must share TANDEM_DATABASE_URL (or TANDEM_DATA_DIR) with the gateway.")
+    p = sub.add_parser(
+        "queue",
+        help="run the BE queue service (batch jobs)",
+        description="Run the queue service. Settings come from TANDEM_* environment variables; "
+        "it must share TANDEM_DATABASE_URL (or TANDEM_DATA_DIR) with the gateway.",
+    )
     p.add_argument("--queue-id")
     p.add_argument("--database-url")
     p.add_argument("--data-dir")

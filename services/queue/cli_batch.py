@@ -3,6 +3,7 @@
 Talks to the gateway's OpenAI-compatible Files and Batches API over HTTP (httpx), so it works
 against any deployment, and against OpenAI itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,11 @@ FINAL = {"completed", "failed", "expired", "cancelled"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("batch", help="submit and follow batch jobs (OpenAI Batch API)",
-                       description="Submit a JSONL file of requests as a batch job.")
+    p = sub.add_parser(
+        "batch",
+        help="submit and follow batch jobs (OpenAI Batch API)",
+        description="Submit a JSONL file of requests as a batch job.",
+    )
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     actions.required = True
     s = actions.add_parser("submit", help="upload FILE, create a batch, optionally wait and download the output")
@@ -40,9 +44,17 @@ def run_submit(args: argparse.Namespace) -> int:
     with httpx.Client(base_url=args.url.rstrip("/") + "/v1", timeout=60) as client:
         with args.file.open("rb") as fh:
             f = _check(client.post("/files", data={"purpose": "batch"}, files={"file": (args.file.name, fh)}))
-        batch = _check(client.post("/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
-                                                     "completion_window": args.completion_window,
-                                                     "metadata": _metadata(args.metadata) or None}))
+        batch = _check(
+            client.post(
+                "/batches",
+                json={
+                    "input_file_id": f["id"],
+                    "endpoint": endpoint,
+                    "completion_window": args.completion_window,
+                    "metadata": _metadata(args.metadata) or None,
+                },
+            )
+        )
         print(f"batch {batch['id']} created ({batch['status']})", file=sys.stderr)
         if not args.wait:
             print(batch["id"])
@@ -112,6 +124,8 @@ def _finish(client, batch: dict, output: Path) -> int:
         errors.write_bytes(client.get(f"/files/{batch['error_file_id']}/content").content)
         print(f"failed requests written to {errors}", file=sys.stderr)
     c = batch["request_counts"]
-    print(f"batch {batch['id']} {status}: {c['completed']} completed, {c['failed']} failed of {c['total']}",
-          file=sys.stderr)
+    print(
+        f"batch {batch['id']} {status}: {c['completed']} completed, {c['failed']} failed of {c['total']}",
+        file=sys.stderr,
+    )
     return 0 if status == "completed" else 1

@@ -5,6 +5,7 @@ starts with `BEGIN IMMEDIATE`: the gateway and the queue service write the same 
 processes, and a deferred transaction that reads and then writes can fail with SQLITE_BUSY
 instead of waiting; taking the write lock up front makes the busy timeout apply.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,8 +65,10 @@ class ItemRow(Base):
     """One input line. (batch_id, custom_id) is the key results are recorded under, once."""
 
     __tablename__ = "tandem_batch_items"
-    __table_args__ = (Index("ix_items_batch_status_line", "batch_id", "status", "line"),
-                      Index("ix_items_status", "status"))
+    __table_args__ = (
+        Index("ix_items_batch_status_line", "batch_id", "status", "line"),
+        Index("ix_items_status", "status"),
+    )
 
     batch_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     custom_id: Mapped[str] = mapped_column(String(512), primary_key=True)

@@ -1,5 +1,6 @@
 """One batch item on the wire: its `GenerateRequest`, and its result assembled from result events
 into the output line, with a response body shaped exactly like the synchronous endpoint's."""
+
 from __future__ import annotations
 
 import time
@@ -17,18 +18,34 @@ def item_request_id(batch_id: str, line: int) -> str:
     return f"{batch_id}-{line}"
 
 
-def to_request(endpoint: str, body: dict, request_id: str, attempt: int, queue_id: str, partition: int,
-               batch_id: str, custom_id: str) -> GenerateRequest:
+def to_request(
+    endpoint: str,
+    body: dict,
+    request_id: str,
+    attempt: int,
+    queue_id: str,
+    partition: int,
+    batch_id: str,
+    custom_id: str,
+) -> GenerateRequest:
     """The same translation as the gateway's for a synchronous request, as class BE."""
     kind = KINDS[endpoint]
     parsed = ENDPOINTS[endpoint].model_validate(body)
     limit = parsed.token_limit if kind == "chat" else parsed.max_tokens
     logprobs = bool(parsed.logprobs) if kind == "chat" else parsed.logprobs is not None
     return GenerateRequest(
-        request_id=request_id, attempt=attempt, gateway_id=queue_id, reply_partition=partition, model=parsed.model,
-        kind=kind, messages=parsed.messages if kind == "chat" else None,
-        prompt=parsed.prompt if kind == "completion" else None, sampling=parsed.sampling(limit, logprobs),
-        req_class="be", slo=parsed.slo(), created_at=time.time(),
+        request_id=request_id,
+        attempt=attempt,
+        gateway_id=queue_id,
+        reply_partition=partition,
+        model=parsed.model,
+        kind=kind,
+        messages=parsed.messages if kind == "chat" else None,
+        prompt=parsed.prompt if kind == "completion" else None,
+        sampling=parsed.sampling(limit, logprobs),
+        req_class="be",
+        slo=parsed.slo(),
+        created_at=time.time(),
         metadata={"batch_id": batch_id, "custom_id": custom_id},
     )
 
@@ -82,8 +99,14 @@ class ItemRun:
     def output_line(self) -> dict:
         rid = self.request.request_id
         if self.failure is not None:
-            err = {"error": {"message": self.failure.message, "type": "invalid_request_error", "param": None,
-                             "code": self.failure.code}}
+            err = {
+                "error": {
+                    "message": self.failure.message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": self.failure.code,
+                }
+            }
             response = {"status_code": self.failure.status, "request_id": rid, "body": err}
         else:
             response = {"status_code": 200, "request_id": rid, "body": self._body()}
@@ -104,5 +127,9 @@ class ItemRun:
 
 def unfinished_line(request_id: str, custom_id: str, code: str, message: str) -> dict:
     """The error-file line of an item that never ran to the end (batch cancelled or expired)."""
-    return {"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+    return {
+        "id": f"batch_req_{request_id}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }

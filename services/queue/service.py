@@ -8,6 +8,7 @@ outcome recorded once in the database. Nothing that matters lives only in memory
 items that were in flight are queued again as a new attempt (a late result of the old attempt
 is ignored), so every custom_id ends with exactly one result.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +28,7 @@ from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
-from shared.schemas.results import ResultBatch, Rerouted
+from shared.schemas.results import Rerouted, ResultBatch
 from shared.schemas.telemetry import Heartbeat
 from shared.topics import Topics
 
@@ -40,8 +41,11 @@ class QueueService:
         self.topics = Topics(settings.topic_prefix)
         self.queue_id = settings.queue_id
         partitions = self.topics.results.partitions
-        self.partition = (settings.queue_reply_partition if settings.queue_reply_partition is not None
-                          else zlib.crc32(self.queue_id.encode()) % partitions)
+        self.partition = (
+            settings.queue_reply_partition
+            if settings.queue_reply_partition is not None
+            else zlib.crc32(self.queue_id.encode()) % partitions
+        )
         self.kafka = KafkaClient(settings, self.queue_id)
         self.store = BatchStore(settings.resolved_database_url())
         self.workers = WorkerDirectory(settings.worker_timeout_s)
@@ -74,8 +78,12 @@ class QueueService:
         capacity = await self._tail(self.topics.be_capacity.name)
         self.metrics.serve(self.settings.metrics_port)
         self.started = time.monotonic()
-        loops = (self._results_loop(results), self._heartbeat_loop(heartbeats), self._capacity_loop(capacity),
-                 self._tick_loop())
+        loops = (
+            self._results_loop(results),
+            self._heartbeat_loop(heartbeats),
+            self._capacity_loop(capacity),
+            self._tick_loop(),
+        )
         self._tasks = [asyncio.create_task(c) for c in loops]
         log.info("queue %s reading results partition %d", self.queue_id, self.partition)
 
@@ -173,7 +181,7 @@ class QueueService:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.tick_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             try:
@@ -197,14 +205,26 @@ class QueueService:
     async def _validate(self, batch: BatchRow) -> None:
         f = await self.store.get_file(batch.input_file_id)
         if f is None:
-            errors = [{"code": "file_not_found", "message": f"input file {batch.input_file_id} no longer exists",
-                       "param": "input_file_id", "line": None}]
+            errors = [
+                {
+                    "code": "file_not_found",
+                    "message": f"input file {batch.input_file_id} no longer exists",
+                    "param": "input_file_id",
+                    "line": None,
+                }
+            ]
             await self.store.fail_validation(batch.id, errors_object(errors, 1))
             return
         models = set(self.workers.models()) or None  # no live worker: the model cannot be checked yet
         s = self.settings
-        v = await asyncio.to_thread(validate_input, f.content, batch.endpoint, max_lines=s.max_batch_lines,
-                                    max_errors=s.max_batch_errors, models=models)
+        v = await asyncio.to_thread(
+            validate_input,
+            f.content,
+            batch.endpoint,
+            max_lines=s.max_batch_lines,
+            max_errors=s.max_batch_errors,
+            models=models,
+        )
         if v.error_count:
             await self.store.fail_validation(batch.id, errors_object(v.errors, v.error_count))
             self.m_batches.labels("failed").inc()
@@ -238,8 +258,16 @@ class QueueService:
         acks = []
         for item, endpoint in claimed:
             body = json.loads(item.body_json)
-            req = to_request(endpoint, body, item.request_id, item.attempt, self.queue_id, self.partition,
-                             item.batch_id, item.custom_id)
+            req = to_request(
+                endpoint,
+                body,
+                item.request_id,
+                item.attempt,
+                self.queue_id,
+                self.partition,
+                item.batch_id,
+                item.custom_id,
+            )
             self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req, body.get("service_tier"))
             acks.append((item, await self.kafka.send_nowait(self.topics.be_requests.name, req, key=req.request_id)))
         for item, ack in acks:
@@ -267,8 +295,10 @@ class QueueService:
             log.info("batch %s %s (%d items)", batch.id, new, len(items))
 
 
-_UNFINISHED = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request finished"),
-               "expired": ("batch_expired", "the batch expired before this request finished")}
+_UNFINISHED = {
+    "cancelled": ("batch_cancelled", "the batch was cancelled before this request finished"),
+    "expired": ("batch_expired", "the batch expired before this request finished"),
+}
 
 
 def _output_files(items: list[ItemRow]) -> dict[str, bytes]:

@@ -1,5 +1,6 @@
 """Settings of the batch store (shared by the gateway's batch API and the queue service) and of the
 queue service itself (`TANDEM_*` env vars)."""
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@ queue service (validation, release, results, finalisation). Status changes are c
 updates (`WHERE status = ...`), so the two processes never overwrite each other's decision, and
 an item's result is recorded by `UPDATE ... WHERE status = 'in_flight' AND attempt = ?`: once.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,9 @@ class BatchStore:
     # -- files -----------------------------------------------------------------------------
 
     async def add_file(self, content: bytes, filename: str, purpose: str) -> FileRow:
-        row = FileRow(id=new_id("file"), purpose=purpose, filename=filename, bytes=len(content),
-                      created_at=now(), content=content)
+        row = FileRow(
+            id=new_id("file"), purpose=purpose, filename=filename, bytes=len(content), created_at=now(), content=content
+        )
         async with self.session.begin() as s:
             s.add(row)
         return row
@@ -81,12 +83,23 @@ class BatchStore:
 
     # -- batches (API side) ------------------------------------------------------------------
 
-    async def add_batch(self, input_file_id: str, endpoint: str, window: str, window_s: int,
-                        metadata: dict | None) -> BatchRow:
+    async def add_batch(
+        self, input_file_id: str, endpoint: str, window: str, window_s: int, metadata: dict | None
+    ) -> BatchRow:
         t = now()
-        row = BatchRow(id=new_id("batch"), input_file_id=input_file_id, endpoint=endpoint, completion_window=window,
-                       metadata_json=json.dumps(metadata), status="validating", created_at=t,
-                       expires_at=t + window_s, total=0, completed=0, failed=0)
+        row = BatchRow(
+            id=new_id("batch"),
+            input_file_id=input_file_id,
+            endpoint=endpoint,
+            completion_window=window,
+            metadata_json=json.dumps(metadata),
+            status="validating",
+            created_at=t,
+            expires_at=t + window_s,
+            total=0,
+            completed=0,
+            failed=0,
+        )
         async with self.session.begin() as s:
             s.add(row)
         return row
@@ -106,8 +119,11 @@ class BatchStore:
     async def request_cancel(self, batch_id: str) -> bool:
         """validating | in_progress -> cancelling; False when the batch is past that."""
         async with self.session.begin() as s:
-            res = await s.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status.in_(CANCELLABLE))
-                                  .values(status="cancelling", cancelling_at=now()))
+            res = await s.execute(
+                update(BatchRow)
+                .where(BatchRow.id == batch_id, BatchRow.status.in_(CANCELLABLE))
+                .values(status="cancelling", cancelling_at=now())
+            )
             return res.rowcount > 0
 
     # -- batches (queue side) ----------------------------------------------------------------
@@ -123,20 +139,33 @@ class BatchStore:
     async def start_batch(self, batch: BatchRow, lines: Sequence[BatchLine], request_ids: Sequence[str]) -> bool:
         """Insert the items and move validating -> in_progress, in one transaction."""
         async with self.session.begin() as s:
-            res = await s.execute(update(BatchRow).where(BatchRow.id == batch.id, BatchRow.status == "validating")
-                                  .values(status="in_progress", in_progress_at=now(), total=len(lines)))
+            res = await s.execute(
+                update(BatchRow)
+                .where(BatchRow.id == batch.id, BatchRow.status == "validating")
+                .values(status="in_progress", in_progress_at=now(), total=len(lines))
+            )
             if res.rowcount == 0:
                 return False  # cancelled while we validated
-            s.add_all(ItemRow(batch_id=batch.id, custom_id=ln.custom_id, line=ln.line, request_id=rid,
-                              body_json=json.dumps(ln.body), status="queued", attempt=0)
-                      for ln, rid in zip(lines, request_ids))
+            s.add_all(
+                ItemRow(
+                    batch_id=batch.id,
+                    custom_id=ln.custom_id,
+                    line=ln.line,
+                    request_id=rid,
+                    body_json=json.dumps(ln.body),
+                    status="queued",
+                    attempt=0,
+                )
+                for ln, rid in zip(lines, request_ids)
+            )
         return True
 
     async def move(self, batch_id: str, old: str, new: str, **values) -> bool:
         """old -> new status (and timestamps); False when the batch was no longer `old`."""
         async with self.session.begin() as s:
-            res = await s.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status == old)
-                                  .values(status=new, **values))
+            res = await s.execute(
+                update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status == old).values(status=new, **values)
+            )
             return res.rowcount > 0
 
     # -- items -----------------------------------------------------------------------------
@@ -144,8 +173,11 @@ class BatchStore:
     async def requeue_in_flight(self) -> int:
         """After a restart: every item that was in flight is released again as a new attempt."""
         async with self.session.begin() as s:
-            res = await s.execute(update(ItemRow).where(ItemRow.status == "in_flight")
-                                  .values(status="queued", attempt=ItemRow.attempt + 1))
+            res = await s.execute(
+                update(ItemRow)
+                .where(ItemRow.status == "in_flight")
+                .values(status="queued", attempt=ItemRow.attempt + 1)
+            )
             return res.rowcount
 
     async def claim(self, n: int) -> list[tuple[ItemRow, str]]:
@@ -153,10 +185,14 @@ class BatchStore:
         if n <= 0:
             return []
         async with self.session.begin() as s:
-            q = (select(ItemRow, BatchRow.endpoint).join(BatchRow, BatchRow.id == ItemRow.batch_id)
-                 .where(ItemRow.status == "queued", BatchRow.status == "in_progress")
-                 .order_by(BatchRow.seq, ItemRow.line).limit(n)
-                 .with_for_update(of=ItemRow, skip_locked=True))  # PostgreSQL: a concurrent cancel waits
+            q = (
+                select(ItemRow, BatchRow.endpoint)
+                .join(BatchRow, BatchRow.id == ItemRow.batch_id)
+                .where(ItemRow.status == "queued", BatchRow.status == "in_progress")
+                .order_by(BatchRow.seq, ItemRow.line)
+                .limit(n)
+                .with_for_update(of=ItemRow, skip_locked=True)
+            )  # PostgreSQL: a concurrent cancel waits
             rows = [(item, endpoint) for item, endpoint in (await s.execute(q)).all()]
             for item, _ in rows:
                 item.status = "in_flight"
@@ -165,17 +201,31 @@ class BatchStore:
     async def requeue(self, batch_id: str, custom_id: str, attempt: int) -> bool:
         """Put an in-flight item back in the queue as a new attempt (its release failed)."""
         async with self.session.begin() as s:
-            res = await s.execute(update(ItemRow).where(
-                ItemRow.batch_id == batch_id, ItemRow.custom_id == custom_id, ItemRow.status == "in_flight",
-                ItemRow.attempt == attempt).values(status="queued", attempt=attempt + 1))
+            res = await s.execute(
+                update(ItemRow)
+                .where(
+                    ItemRow.batch_id == batch_id,
+                    ItemRow.custom_id == custom_id,
+                    ItemRow.status == "in_flight",
+                    ItemRow.attempt == attempt,
+                )
+                .values(status="queued", attempt=attempt + 1)
+            )
             return res.rowcount > 0
 
     async def bump_attempt(self, batch_id: str, custom_id: str, attempt: int) -> bool:
         """Re-run an in-flight item from scratch as attempt + 1 (its worker was lost)."""
         async with self.session.begin() as s:
-            res = await s.execute(update(ItemRow).where(
-                ItemRow.batch_id == batch_id, ItemRow.custom_id == custom_id, ItemRow.status == "in_flight",
-                ItemRow.attempt == attempt).values(attempt=attempt + 1))
+            res = await s.execute(
+                update(ItemRow)
+                .where(
+                    ItemRow.batch_id == batch_id,
+                    ItemRow.custom_id == custom_id,
+                    ItemRow.status == "in_flight",
+                    ItemRow.attempt == attempt,
+                )
+                .values(attempt=attempt + 1)
+            )
             return res.rowcount > 0
 
     async def record(self, results: Iterable[Finished]) -> list[Finished]:
@@ -183,15 +233,22 @@ class BatchStore:
         recorded = []
         async with self.session.begin() as s:
             for r in results:
-                res = await s.execute(update(ItemRow).where(
-                    ItemRow.batch_id == r.batch_id, ItemRow.custom_id == r.custom_id, ItemRow.status == "in_flight",
-                    ItemRow.attempt == r.attempt).values(status="done" if r.succeeded else "failed",
-                                                         result_json=json.dumps(r.line), finished_at=now()))
+                res = await s.execute(
+                    update(ItemRow)
+                    .where(
+                        ItemRow.batch_id == r.batch_id,
+                        ItemRow.custom_id == r.custom_id,
+                        ItemRow.status == "in_flight",
+                        ItemRow.attempt == r.attempt,
+                    )
+                    .values(
+                        status="done" if r.succeeded else "failed", result_json=json.dumps(r.line), finished_at=now()
+                    )
+                )
                 if res.rowcount:
                     recorded.append(r)
                     counter = BatchRow.completed if r.succeeded else BatchRow.failed
-                    await s.execute(update(BatchRow).where(BatchRow.id == r.batch_id)
-                                    .values({counter: counter + 1}))
+                    await s.execute(update(BatchRow).where(BatchRow.id == r.batch_id).values({counter: counter + 1}))
         return recorded
 
     async def stop_items(self, batch_id: str, status: str) -> list[str]:
@@ -199,13 +256,18 @@ class BatchStore:
 
         Conditional updates, not read-then-write: a result recorded concurrently keeps its item.
         """
-        unfinished = (ItemRow.batch_id == batch_id)
+        unfinished = ItemRow.batch_id == batch_id
         async with self.session.begin() as s:
-            res = await s.execute(update(ItemRow).where(unfinished, ItemRow.status == "in_flight")
-                                  .values(status=status, finished_at=now()).returning(ItemRow.request_id))
+            res = await s.execute(
+                update(ItemRow)
+                .where(unfinished, ItemRow.status == "in_flight")
+                .values(status=status, finished_at=now())
+                .returning(ItemRow.request_id)
+            )
             in_flight = list(res.scalars())
-            queued = await s.execute(update(ItemRow).where(unfinished, ItemRow.status == "queued")
-                                     .values(status=status, finished_at=now()))
+            queued = await s.execute(
+                update(ItemRow).where(unfinished, ItemRow.status == "queued").values(status=status, finished_at=now())
+            )
             n = len(in_flight) + queued.rowcount
             if n:
                 await s.execute(update(BatchRow).where(BatchRow.id == batch_id).values(failed=BatchRow.failed + n))
@@ -218,22 +280,31 @@ class BatchStore:
 
     async def count_items(self, batch_id: str, *statuses: str) -> int:
         async with self.session() as s:
-            q = select(func.count()).select_from(ItemRow).where(ItemRow.batch_id == batch_id,
-                                                                ItemRow.status.in_(statuses))
+            q = (
+                select(func.count())
+                .select_from(ItemRow)
+                .where(ItemRow.batch_id == batch_id, ItemRow.status.in_(statuses))
+            )
             return (await s.execute(q)).scalar_one()
 
-    async def finish_batch(self, batch_id: str, old: str, new: str, outputs: dict[str, bytes],
-                           **values) -> bool:
+    async def finish_batch(self, batch_id: str, old: str, new: str, outputs: dict[str, bytes], **values) -> bool:
         """Write the output/error files and move the batch to its final status, in one transaction."""
         async with self.session.begin() as s:
-            res = await s.execute(update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status == old)
-                                  .values(status=new, **values))
+            res = await s.execute(
+                update(BatchRow).where(BatchRow.id == batch_id, BatchRow.status == old).values(status=new, **values)
+            )
             if res.rowcount == 0:
                 return False
             ids = {}
             for kind, content in outputs.items():
-                row = FileRow(id=new_id("file"), purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
-                              bytes=len(content), created_at=now(), content=content)
+                row = FileRow(
+                    id=new_id("file"),
+                    purpose="batch_output",
+                    filename=f"{batch_id}_{kind}.jsonl",
+                    bytes=len(content),
+                    created_at=now(),
+                    content=content,
+                )
                 s.add(row)
                 ids[f"{kind}_file_id"] = row.id
             if ids:

@@ -5,6 +5,7 @@ batch's endpoint and whose body is a valid request for it (the same pydantic mod
 synchronous endpoints use). Any error fails the whole batch before anything runs, with OpenAI's
 error entries: `{"code", "message", "param", "line"}` (1-based line numbers).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ class Validated:
     error_count: int = 0
 
 
-def validate_input(data: bytes, endpoint: str, *, max_lines: int, max_errors: int = 100,
-                   models: set[str] | None = None) -> Validated:
+def validate_input(
+    data: bytes, endpoint: str, *, max_lines: int, max_errors: int = 100, models: set[str] | None = None
+) -> Validated:
     """`models`: the model ids live workers serve, or None to skip that check."""
     out = Validated()
     try:
@@ -45,8 +47,14 @@ def validate_input(data: bytes, endpoint: str, *, max_lines: int, max_errors: in
     if not raw_lines:
         _error(out, max_errors, "empty_file", "the input file has no requests", None, None)
     if len(raw_lines) > max_lines:
-        _error(out, max_errors, "too_many_lines",
-               f"the input file has {len(raw_lines)} requests; at most {max_lines} are allowed", None, None)
+        _error(
+            out,
+            max_errors,
+            "too_many_lines",
+            f"the input file has {len(raw_lines)} requests; at most {max_lines} are allowed",
+            None,
+            None,
+        )
         return out
     seen: set[str] = set()
     for number, raw in raw_lines:
@@ -56,8 +64,9 @@ def validate_input(data: bytes, endpoint: str, *, max_lines: int, max_errors: in
     return out
 
 
-def _check_line(out: Validated, max_errors: int, number: int, raw: str, endpoint: str, seen: set[str],
-                models: set[str] | None) -> BatchLine | None:
+def _check_line(
+    out: Validated, max_errors: int, number: int, raw: str, endpoint: str, seen: set[str], models: set[str] | None
+) -> BatchLine | None:
     def fail(code: str, message: str, param: str | None = None) -> None:
         _error(out, max_errors, code, message, param, number)
 
@@ -100,8 +109,11 @@ def _body_problem(body, endpoint: str, models: set[str] | None) -> tuple[str, st
     if parsed.stream:
         return "invalid_request", "stream is not supported in a batch", "body.stream"
     if models is not None and parsed.model not in models:
-        return "model_not_found", f"the model {parsed.model!r} does not exist; available: {sorted(models)}", \
-            "body.model"
+        return (
+            "model_not_found",
+            f"the model {parsed.model!r} does not exist; available: {sorted(models)}",
+            "body.model",
+        )
     return None
 
 

@@ -16,6 +16,7 @@ The holder comes from the `sessions.directory` topic (workers publish their copi
 turn was dispatched after the directory's newest entry (its worker has not published the grown
 KV yet), from the scheduler's own memory of that dispatch.
 """
+
 from __future__ import annotations
 
 import time
@@ -77,8 +78,11 @@ class SessionAffinity(ABC):
         own = next((c for c in self.directory.copies(session_id) if c.worker_id == worker_id), None)
         if own is not None and own.num_tokens >= newest.num_tokens:
             return None
-        return KVSourceRef(worker_id=newest.worker_id, url=session_kv_url(newest.kv_url, newest.session_id),
-                           num_tokens=newest.num_tokens)
+        return KVSourceRef(
+            worker_id=newest.worker_id,
+            url=session_kv_url(newest.kv_url, newest.session_id),
+            num_tokens=newest.num_tokens,
+        )
 
     def holder(self, session_id: str | None, live: Container[str]) -> str | None:
         """The live worker with the newest KV of the session (directory, or our own later dispatch)."""
@@ -89,8 +93,11 @@ class SessionAffinity(ABC):
         return newest.worker_id if newest else None
 
     def has_room(self, w: WorkerLoad) -> bool:
-        return (w.waiting_rt == 0 and w.rt < self.limits.holder_room * w.max_num_seqs
-                and w.kv_usage < self.limits.kv_high_water)
+        return (
+            w.waiting_rt == 0
+            and w.rt < self.limits.holder_room * w.max_num_seqs
+            and w.kv_usage < self.limits.kv_high_water
+        )
 
 
 class AdvisoryAffinity(SessionAffinity):
@@ -128,7 +135,8 @@ class NoAffinity(SessionAffinity):
 
 
 _AFFINITIES: dict[str, Callable[[AffinityLimits], SessionAffinity]] = {
-    a.name: a for a in (AdvisoryAffinity, StickyAffinity, NoAffinity)}
+    a.name: a for a in (AdvisoryAffinity, StickyAffinity, NoAffinity)
+}
 
 
 def make_affinity(name: str, limits: AffinityLimits = AffinityLimits()) -> SessionAffinity:

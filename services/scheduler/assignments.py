@@ -4,6 +4,7 @@ The table is the scheduler's memory of dispatched, unfinished requests. Every ch
 to Kafka (key = request id, tombstone on end), so a restarted scheduler reads the topic to its end
 and resumes with the same table: requests already placed are not placed twice.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,4 +64,3 @@ class AssignmentTable:
     def older_than(self, seconds: float) -> list[Assignment]:
         cutoff = time.time() - seconds
         return [a for a in self.by_request.values() if a.assigned_at < cutoff]
-

@@ -1,12 +1,16 @@
 """`tandem scheduler`: places requests on workers."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("scheduler", help="run the scheduler (placement over Kafka)",
-                       description="Run the scheduler. Settings come from TANDEM_* environment variables.")
+    p = sub.add_parser(
+        "scheduler",
+        help="run the scheduler (placement over Kafka)",
+        description="Run the scheduler. Settings come from TANDEM_* environment variables.",
+    )
     p.add_argument("--placement", help="placement policy (default: least-loaded)")
     p.add_argument("--session-routing", help="where session turns go: advisory (default), sticky, none")
     p.set_defaults(func=run)

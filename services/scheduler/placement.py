@@ -10,6 +10,7 @@ or for BE: no worker with RT headroom).
 - BE goes only where RT has headroom: no RT waiting, KV below the high-water mark, and fewer BE
   requests in flight than the per-worker BE cap, and among those to the one with the fewest BE.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -101,8 +102,11 @@ class LeastLoaded(PlacementPolicy):
         return (w.rt + 0.25 * w.be) / max(1, w.max_num_seqs) + 0.5 * w.kv_usage
 
     def _has_rt_headroom(self, w: WorkerLoad) -> bool:
-        return (w.waiting_rt == 0 and w.kv_usage < self.limits.kv_high_water
-                and w.rt < self.limits.rt_headroom * w.max_num_seqs)
+        return (
+            w.waiting_rt == 0
+            and w.kv_usage < self.limits.kv_high_water
+            and w.rt < self.limits.rt_headroom * w.max_num_seqs
+        )
 
 
 _PLACEMENTS: dict[str, Callable[[PlacementLimits], PlacementPolicy]] = {LeastLoaded.name: LeastLoaded}

@@ -1,4 +1,5 @@
 """Live workers, from heartbeats and telemetry."""
+
 from __future__ import annotations
 
 import time

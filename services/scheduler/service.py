@@ -8,6 +8,7 @@ heartbeating, or a request it was given is neither running nor finished there af
 period, the owning gateway is told (`Rerouted`) and re-submits it with the tokens its client has
 already received: the stream resumes on another worker.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,7 +29,7 @@ from shared.metrics import ServiceMetrics
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import ResultBatch, Rerouted
+from shared.schemas.results import Rerouted, ResultBatch
 from shared.schemas.scheduler import Assignment
 from shared.schemas.sessions import SessionLocation, SessionPlacement
 from shared.schemas.telemetry import Heartbeat, Telemetry
@@ -51,10 +52,14 @@ class SchedulerService:
         self.kafka = KafkaClient(settings, settings.scheduler_id)
         self.registry = WorkerRegistry(settings.worker_timeout_s)
         self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
-        self.placement = make_placement(settings.placement, PlacementLimits(
-            kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker))
-        self.affinity: SessionAffinity = make_affinity(settings.session_routing, AffinityLimits(
-            holder_room=settings.holder_room, kv_high_water=settings.kv_high_water))
+        self.placement = make_placement(
+            settings.placement,
+            PlacementLimits(kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker),
+        )
+        self.affinity: SessionAffinity = make_affinity(
+            settings.session_routing,
+            AffinityLimits(holder_room=settings.holder_room, kv_high_water=settings.kv_high_water),
+        )
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()
         self.started = time.monotonic()
@@ -68,9 +73,11 @@ class SchedulerService:
         self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
         self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
         self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
-        self.m_sessions = m.counter("scheduler_session_turns_total",
-                                    "session turns by route: placement, holder, moved (with a KV source), other",
-                                    ("route",))
+        self.m_sessions = m.counter(
+            "scheduler_session_turns_total",
+            "session turns by route: placement, holder, moved (with a KV source), other",
+            ("route",),
+        )
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -83,12 +90,21 @@ class SchedulerService:
         self._ctl = await self._tail(self.topics.control.name)
         self._dir = await self._replay(self.topics.sessions_directory.name, self._on_location)
         self._plc = await self._replay(self.topics.sessions_placement.name, self._on_placement)
-        self._req = await self.kafka.consumer(self.topics.rt_requests.name, self.topics.be_requests.name,
-                                              group="tandem-scheduler", hot=True)
+        self._req = await self.kafka.consumer(
+            self.topics.rt_requests.name, self.topics.be_requests.name, group="tandem-scheduler", hot=True
+        )
         self.metrics.serve(self.settings.metrics_port)
-        loops = (self._request_loop(), self._heartbeat_loop(), self._telemetry_loop(), self._control_loop(),
-                 self._placement_loop(), self._housekeeping_loop(), self._capacity_loop(),
-                 tail(self._dir, self._on_location, 100), tail(self._plc, self._on_placement, 100))
+        loops = (
+            self._request_loop(),
+            self._heartbeat_loop(),
+            self._telemetry_loop(),
+            self._control_loop(),
+            self._placement_loop(),
+            self._housekeeping_loop(),
+            self._capacity_loop(),
+            tail(self._dir, self._on_location, 100),
+            tail(self._plc, self._on_placement, 100),
+        )
         self._tasks = [asyncio.create_task(c) for c in loops]
 
     async def _tail(self, topic: str):
@@ -206,8 +222,9 @@ class SchedulerService:
             routed = self.affinity.route(req.session_id, loads)
             if routed is not None:
                 return routed
-        return self.placement.place(PlacementRequest(request_id=req.request_id, req_class=req.req_class,
-                                                     session_id=req.session_id), loads)
+        return self.placement.place(
+            PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id), loads
+        )
 
     def _loads(self, model: str) -> list[WorkerLoad]:
         counts = self.assignments.counts()
@@ -218,9 +235,15 @@ class SchedulerService:
         kv_source = self.affinity.kv_source(req.session_id, worker_id, live)
         if kv_source is not None or req.kv_source is not None:
             req = req.model_copy(update={"kv_source": kv_source})  # where this worker can pull the KV
-        a = Assignment(request_id=req.request_id, attempt=req.attempt, worker_id=worker_id,
-                       gateway_id=req.gateway_id, reply_partition=req.reply_partition, req_class=req.req_class,
-                       assigned_at=time.time())
+        a = Assignment(
+            request_id=req.request_id,
+            attempt=req.attempt,
+            worker_id=worker_id,
+            gateway_id=req.gateway_id,
+            reply_partition=req.reply_partition,
+            req_class=req.req_class,
+            assigned_at=time.time(),
+        )
         # State and dispatch are written concurrently (one round trip, not two); the request's
         # offset is committed only after both are acknowledged, so a crash in between redelivers
         # it, and a restarted scheduler that finds the state record does not place it twice.
@@ -231,8 +254,12 @@ class SchedulerService:
         self._count_session_turn(req, worker_id, live)
         self.affinity.placed(req.session_id, worker_id)
         self.m_placed.labels(req.req_class).inc()
-        log.debug("dispatched to %s%s", worker_id, f" (KV from {kv_source.worker_id})" if kv_source else "",
-                  extra={"request_id": req.request_id})
+        log.debug(
+            "dispatched to %s%s",
+            worker_id,
+            f" (KV from {kv_source.worker_id})" if kv_source else "",
+            extra={"request_id": req.request_id},
+        )
 
     def _count_session_turn(self, req: GenerateRequest, worker_id: str, live: set[str]) -> None:
         if req.session_id is None:
@@ -275,8 +302,14 @@ class SchedulerService:
         models = {w.heartbeat.model for w in self.registry.live()}
         by_model = {m: self.placement.be_slots(self._loads(m)) for m in sorted(models)}
         in_flight = sum(n for (_, cls), n in self.assignments.counts().items() if cls == "be")
-        return BECapacity(source=self.settings.scheduler_id, sent_at=time.time(), slots=sum(by_model.values()),
-                          in_flight=in_flight, pending=len(self.pending["be"]), by_model=by_model)
+        return BECapacity(
+            source=self.settings.scheduler_id,
+            sent_at=time.time(),
+            slots=sum(by_model.values()),
+            in_flight=in_flight,
+            pending=len(self.pending["be"]),
+            by_model=by_model,
+        )
 
     # -- failure handling ------------------------------------------------------------------
 
@@ -311,9 +344,11 @@ class SchedulerService:
     async def _reroute(self, a: Assignment, reason: str) -> None:
         await self.assignments.remove(a.request_id)
         event = Rerouted(request_id=a.request_id, attempt=a.attempt, reason=reason)
-        await self.kafka.send(self.topics.results.name, ResultBatch(source=self.settings.scheduler_id,
-                                                                    events=[event]),
-                              partition=a.reply_partition)
+        await self.kafka.send(
+            self.topics.results.name,
+            ResultBatch(source=self.settings.scheduler_id, events=[event]),
+            partition=a.reply_partition,
+        )
         self.m_rerouted.inc()
         log.info("rerouting: %s", reason, extra={"request_id": a.request_id})
 
@@ -324,8 +359,12 @@ def _worker_load(w: WorkerInfo, counts: dict[tuple[str, str], int]) -> WorkerLoa
     waiting_rt = t.rt.waiting if t else 0
     waiting_be = t.be.waiting if t else 0
     return WorkerLoad(
-        worker_id=wid, running_rt=max(0, counts.get((wid, "rt"), 0) - waiting_rt), waiting_rt=waiting_rt,
-        running_be=max(0, counts.get((wid, "be"), 0) - waiting_be), waiting_be=waiting_be,
-        kv_usage=t.kv_usage if t else 0.0, max_num_seqs=t.max_num_seqs if t and t.max_num_seqs else 128,
+        worker_id=wid,
+        running_rt=max(0, counts.get((wid, "rt"), 0) - waiting_rt),
+        waiting_rt=waiting_rt,
+        running_be=max(0, counts.get((wid, "be"), 0) - waiting_be),
+        waiting_be=waiting_be,
+        kv_usage=t.kv_usage if t else 0.0,
+        max_num_seqs=t.max_num_seqs if t and t.max_num_seqs else 128,
         draining=w.heartbeat.draining,
     )

@@ -1,4 +1,5 @@
 """The scheduler's one settings object (`TANDEM_*` env vars)."""
+
 from __future__ import annotations
 
 from shared.settings import ServiceSettings

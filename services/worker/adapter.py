@@ -1,11 +1,12 @@
 """Turns a wire `GenerateRequest` into what the engine takes: prompt ids, sampling, class, SLO."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.worker.engine.llm import apply_chat_template
-from services.worker.engine.sampling import SamplingParams
-from services.worker.engine.scheduling import SLO, RequestClass
+from engine.llm import apply_chat_template
+from engine.sampling import SamplingParams
+from engine.scheduling import SLO, RequestClass
 from shared.schemas.requests import GenerateRequest
 
 
@@ -48,12 +49,16 @@ def _prompt_ids(req: GenerateRequest, tokenizer) -> list[int]:
 def _sampling(req: GenerateRequest, n_prompt: int, n_resumed: int, max_model_len: int) -> SamplingParams:
     s = req.sampling
     if n_prompt >= max_model_len:
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-                         f"{n_prompt} tokens. Please shorten the prompt.")
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{n_prompt} tokens. Please shorten the prompt."
+        )
     if s.max_tokens is not None and n_prompt + s.max_tokens > max_model_len:
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                         f"{n_prompt + s.max_tokens} tokens ({n_prompt} in the prompt, {s.max_tokens} for the "
-                         f"completion). Please reduce the prompt or max_tokens.")
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n_prompt + s.max_tokens} tokens ({n_prompt} in the prompt, {s.max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens."
+        )
     total = s.max_tokens if s.max_tokens is not None else max_model_len - n_prompt
     fields = s.model_dump()
     fields.update(max_tokens=max(1, total - n_resumed), min_tokens=max(0, s.min_tokens - n_resumed))

@@ -3,6 +3,7 @@
 Type a message and press Enter; the reply streams as it is generated. ``/reset`` clears the
 history, ``exit`` / ``quit`` or end-of-file (Ctrl-D) leaves, Ctrl-C stops the current reply.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,9 @@ EXIT_WORDS = {"exit", "quit", ":q", "/exit", "/quit"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="interactive chat demo (streams tokens)",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = sub.add_parser(
+        "chat", help="interactive chat demo (streams tokens)", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--system", default=None, help="optional system message")
@@ -42,7 +44,7 @@ async def _read_line(prompt: str) -> str | None:
 
 
 async def _repl(args: argparse.Namespace) -> int:
-    from services.worker.engine import AsyncLLM, EngineConfig, SamplingParams
+    from engine import AsyncLLM, EngineConfig, SamplingParams
 
     cfg = {"model": args.model, "dtype": args.dtype}
     if args.kv_cache_gib is not None:
@@ -75,8 +77,13 @@ async def _repl(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": text})
             prompt_ids = engine.apply_chat_template(system + history)
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, seed=args.seed, ignore_eos=False)
+            params = SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                seed=args.seed,
+                ignore_eos=False,
+            )
             request_id = f"chat-{uuid.uuid4().hex[:12]}"
             reply: list[str] = []
             sys.stdout.write("bot> " if interactive else "")

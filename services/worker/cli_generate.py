@@ -1,4 +1,5 @@
 """`tandem generate`: one prompt through the offline engine, printed as text or JSON."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,8 +9,11 @@ import time
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a completion for one prompt",
-                       description="Generate a completion for one prompt with the offline engine.")
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description="Generate a completion for one prompt with the offline engine.",
+    )
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
@@ -18,8 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = disabled")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto (default): bfloat16 where the CPU has native bf16, else float32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="auto (default): bfloat16 where the CPU has native bf16, else float32",
+    )
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
@@ -27,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.worker.engine import LLM, EngineConfig, SamplingParams
+    from engine import LLM, EngineConfig, SamplingParams
 
     cfg = {"model": args.model, "dtype": args.dtype}
     if args.kv_cache_gib is not None:
@@ -39,8 +47,12 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, ignore_eos=False,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=False,
     )
     t1 = time.perf_counter()
     out = llm.generate([args.prompt], params, chat=args.chat, progress=False)[0]
@@ -70,7 +82,10 @@ def run(args: argparse.Namespace) -> int:
             "e2e_s": total,
             "decode_tokens_per_s": (n - 1) / decode_s if decode_s and n > 1 else None,
         },
-        "config": {k: getattr(args, k) for k in ("model", "dtype", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat")},
+        "config": {
+            k: getattr(args, k)
+            for k in ("model", "dtype", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat")
+        },
     }
     print(json.dumps(res, ensure_ascii=False))
     return 0

@@ -1,4 +1,5 @@
 """`tandem profile`: fit the BROS cost model for a model on this device (cached), print it."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,10 +7,13 @@ import json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profile", help="profile step times and fit the BROS cost model",
-                       description="Time dummy prefill/decode batches and host copies on a power-of-two grid, fit "
-                                   "α0·Ln + α1·Σn·a + β per phase plus swap bandwidth, cache the profile by "
-                                   "model+device+dtype and print it (JSON) with its fit errors.")
+    p = sub.add_parser(
+        "profile",
+        help="profile step times and fit the BROS cost model",
+        description="Time dummy prefill/decode batches and host copies on a power-of-two grid, fit "
+        "α0·Ln + α1·Σn·a + β per phase plus swap bandwidth, cache the profile by "
+        "model+device+dtype and print it (JSON) with its fit errors.",
+    )
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--device", default="cpu")
@@ -22,12 +26,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.worker.engine import EngineConfig, LLMEngine
-    from services.worker.engine.loader import resolve_model
-    from services.worker.engine.profiling import profile, profile_cached, profile_path
+    from engine import EngineConfig, LLMEngine
+    from engine.loader import resolve_model
+    from engine.profiling import profile, profile_cached, profile_path
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_gib=args.kv_cache_gib,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     engine = LLMEngine(config)  # fcfs: the engine itself does not profile
     source = resolve_model(args.model)
     if args.force:

@@ -1,13 +1,17 @@
 """`tandem worker`: one engine process serving its Kafka dispatch topic."""
+
 from __future__ import annotations
 
 import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run a worker (engine + Kafka)",
-                       description="Run one worker: an engine fed by its dispatch topic. Flags override TANDEM_* "
-                                   "environment variables.")
+    p = sub.add_parser(
+        "worker",
+        help="run a worker (engine + Kafka)",
+        description="Run one worker: an engine fed by its dispatch topic. Flags override TANDEM_* "
+        "environment variables.",
+    )
     p.add_argument("--model", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="model id clients use (default: 'default' or the path's name)")
     p.add_argument("--device", choices=["cpu", "cuda"])
@@ -17,10 +21,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
-    p.add_argument("--attention", choices=["auto", "fused", "reference"],
-                   help="decode attention kernel (default auto: fused for bfloat16 on CPU)")
-    p.add_argument("--no-compile-layers", dest="compile_layers", action="store_false", default=None,
-                   help="run decode-only steps op by op instead of through compiled decoder layers")
+    p.add_argument(
+        "--attention",
+        choices=["auto", "fused", "reference"],
+        help="decode attention kernel (default auto: fused for bfloat16 on CPU)",
+    )
+    p.add_argument(
+        "--no-compile-layers",
+        dest="compile_layers",
+        action="store_false",
+        default=None,
+        help="run decode-only steps op by op instead of through compiled decoder layers",
+    )
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.set_defaults(func=run)
 

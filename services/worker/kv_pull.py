@@ -4,6 +4,7 @@ The download only lands bytes; verifying them (magic, version, per-layer CRC32, 
 layout) is the engine's `adopt_file`, which deletes a bad file. A short or failed download is
 refused here and the partial file deleted.
 """
+
 from __future__ import annotations
 
 import time

@@ -8,6 +8,7 @@ Content-Length, so the puller detects truncation and corruption and refuses the 
 A plain asyncio server rather than a second uvicorn: it serves one kind of GET, and uvicorn's
 `serve()` would take over the process's signal handlers from the worker's own shutdown.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,7 +69,7 @@ class KVServer:
         path = urllib.parse.urlsplit(target).path
         if not path.startswith(KV_PATH) or len(path) == len(KV_PATH):
             return await _error(writer, 404, f"no such resource {path!r}")
-        session_id = urllib.parse.unquote(path[len(KV_PATH):])
+        session_id = urllib.parse.unquote(path[len(KV_PATH) :])
         file = await self._export_path(session_id)
         if file is None:
             return await _error(writer, 404, f"session {session_id!r} has no KV here")
@@ -91,8 +92,10 @@ class KVServer:
 
 
 def _head(status: int, content_type: str, length: int) -> bytes:
-    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+    return (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {length}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
 
 async def _error(writer: asyncio.StreamWriter, status: int, message: str) -> None:

@@ -5,6 +5,7 @@ appends its delta here and the first one schedules a flush with `call_soon`, whi
 all of them. So one step's tokens for N requests leave as one message per gateway partition,
 with no timer delay added to any token.
 """
+
 from __future__ import annotations
 
 import asyncio

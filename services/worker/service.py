@@ -5,6 +5,7 @@ heartbeats and telemetry. Token deltas leave through `ResultOutbox`, one message
 partition per engine step. A request is keyed "request_id:attempt" so a re-delivered dispatch
 (consumer restart) is applied once and a resumed attempt never collides with a stale one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,9 @@ from collections import OrderedDict, deque
 
 from aiokafka import AIOKafkaConsumer
 
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
 from services.worker.adapter import EngineRequest, to_engine_request
-from services.worker.engine.async_llm import AsyncLLM
-from services.worker.engine.config import EngineConfig
 from services.worker.outbox import ResultOutbox
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
@@ -58,8 +59,9 @@ class WorkerService:
         self.session_dir = settings.resolved_session_dir(self.worker_id)
         self.llm = AsyncLLM(self._engine_config(settings, self.session_dir))
         self.outbox = ResultOutbox(self.kafka, self.topics.results.name, self.worker_id)
-        self.sessions = WorkerSessions(self.llm, self.kafka, self.topics.sessions_directory.name, self.worker_id,
-                                       settings, self.session_dir)
+        self.sessions = WorkerSessions(
+            self.llm, self.kafka, self.topics.sessions_directory.name, self.worker_id, settings, self.session_dir
+        )
         self.telemetry = TelemetryWindow()
         self.draining = False
         self.started_at = time.time()
@@ -79,14 +81,25 @@ class WorkerService:
 
     @staticmethod
     def _engine_config(s: WorkerSettings, session_dir) -> EngineConfig:
-        return EngineConfig(model=s.model, device=s.device, dtype=s.dtype, kv_cache_gib=s.kv_cache_gib,
-                            policy=s.policy, max_num_seqs=s.max_num_seqs,
-                            max_num_batched_tokens=s.max_num_batched_tokens, max_model_len=s.max_model_len,
-                            num_threads=s.num_threads, attention=s.attention, compile_layers=s.compile_layers,
-                            enable_prefix_caching=s.enable_prefix_caching,
-                            session_dir=str(session_dir), session_host_gib=s.session_host_gib,
-                            session_disk_gib=s.session_disk_gib, session_eviction=s.session_eviction,
-                            session_prefetch_ttl_s=s.session_prefetch_ttl_s)
+        return EngineConfig(
+            model=s.model,
+            device=s.device,
+            dtype=s.dtype,
+            kv_cache_gib=s.kv_cache_gib,
+            policy=s.policy,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=s.max_model_len,
+            num_threads=s.num_threads,
+            attention=s.attention,
+            compile_layers=s.compile_layers,
+            enable_prefix_caching=s.enable_prefix_caching,
+            session_dir=str(session_dir),
+            session_host_gib=s.session_host_gib,
+            session_disk_gib=s.session_disk_gib,
+            session_eviction=s.session_eviction,
+            session_prefetch_ttl_s=s.session_prefetch_ttl_s,
+        )
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -99,8 +112,7 @@ class WorkerService:
         dispatch = self.topics.dispatch(self.worker_id)
         await self.kafka.start([*self.topics.static(), dispatch])
         await self.sessions.start()
-        self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}",
-                                                   hot=True)
+        self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True)
         self._control = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
         loops = (self._dispatch_loop(), self._control_loop(), self._heartbeat_loop(), self._telemetry_loop())
@@ -165,8 +177,15 @@ class WorkerService:
             self.outbox.put(part, Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc)))
             self._forget(req)
             return
-        self.outbox.put(part, Accepted(request_id=req.request_id, attempt=req.attempt, worker_id=self.worker_id,
-                                       prompt_tokens=len(er.prompt_token_ids)))
+        self.outbox.put(
+            part,
+            Accepted(
+                request_id=req.request_id,
+                attempt=req.attempt,
+                worker_id=self.worker_id,
+                prompt_tokens=len(er.prompt_token_ids),
+            ),
+        )
         try:
             if req.session_id is not None:
                 await self.sessions.prepare(req, len(er.prompt_token_ids))
@@ -176,20 +195,34 @@ class WorkerService:
 
     async def _stream(self, req: GenerateRequest, er: EngineRequest) -> None:
         index = len(er.resumed_output_ids)
-        async for d in self.llm.generate(er.key, er.prompt_token_ids, er.params, req_class=er.req_class,
-                                         slo=er.slo, resumed_output_ids=er.resumed_output_ids,
-                                         session_id=req.session_id):
+        async for d in self.llm.generate(
+            er.key,
+            er.prompt_token_ids,
+            er.params,
+            req_class=er.req_class,
+            slo=er.slo,
+            resumed_output_ids=er.resumed_output_ids,
+            session_id=req.session_id,
+        ):
             if index == len(er.resumed_output_ids):
                 log.debug("first delta", extra={"request_id": req.request_id})
             self.telemetry.add_tokens(len(d.token_ids))
             final = d.metrics
-            self.outbox.put(req.reply_partition, Delta(
-                request_id=req.request_id, attempt=req.attempt, index=index, token_ids=d.token_ids, text=d.text,
-                logprobs=d.logprobs, finish_reason=d.finish_reason,
-                token_texts=self._token_texts(d.token_ids) if d.logprobs is not None else None,
-                prompt_tokens=len(er.prompt_token_ids) if d.finished else None,
-                cached_tokens=final.num_cached_tokens if final else None,
-            ))
+            self.outbox.put(
+                req.reply_partition,
+                Delta(
+                    request_id=req.request_id,
+                    attempt=req.attempt,
+                    index=index,
+                    token_ids=d.token_ids,
+                    text=d.text,
+                    logprobs=d.logprobs,
+                    finish_reason=d.finish_reason,
+                    token_texts=self._token_texts(d.token_ids) if d.logprobs is not None else None,
+                    prompt_tokens=len(er.prompt_token_ids) if d.finished else None,
+                    cached_tokens=final.num_cached_tokens if final else None,
+                ),
+            )
             index += len(d.token_ids)
             if final is not None:
                 self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
@@ -236,12 +269,21 @@ class WorkerService:
             self._finished.popleft()
         running = [t.get_name() for t in self._tasks.values()]
         engine_config = self.llm.engine.config
-        hb = Heartbeat(worker_id=self.worker_id, model=self.model_name, max_model_len=self.llm.engine.max_model_len,
-                       dtype=engine_config.dtype, device=engine_config.device,
-                       dispatch_topic=self.topics.dispatch(self.worker_id).name, started_at=self.started_at,
-                       sent_at=time.time(), draining=self.draining, running_ids=running,
-                       finished_ids=[k for _, k in self._finished], kv_url=self.sessions.kv_url,
-                       session_stats=self._session_stats())
+        hb = Heartbeat(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            max_model_len=self.llm.engine.max_model_len,
+            dtype=engine_config.dtype,
+            device=engine_config.device,
+            dispatch_topic=self.topics.dispatch(self.worker_id).name,
+            started_at=self.started_at,
+            sent_at=time.time(),
+            draining=self.draining,
+            running_ids=running,
+            finished_ids=[k for _, k in self._finished],
+            kv_url=self.sessions.kv_url,
+            session_stats=self._session_stats(),
+        )
         try:
             await self.kafka.send(self.topics.heartbeats.name, hb, key=self.worker_id)
         except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)

@@ -13,6 +13,7 @@
 A refused transfer (corrupt, truncated, other model) leaves no file behind and the turn
 recomputes: the output is the same, only slower.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +22,8 @@ import socket
 from collections import Counter
 from pathlib import Path
 
-from services.worker.engine.async_llm import AsyncLLM
-from services.worker.engine.sessions import KVFormatError, SessionInfo
+from engine.async_llm import AsyncLLM
+from engine.sessions import KVFormatError, SessionInfo
 from services.worker.kv_pull import KVPuller, PullError
 from services.worker.kv_server import KVServer
 from services.worker.settings import WorkerSettings
@@ -48,13 +49,21 @@ def _release(engine, session_id: str) -> None:
 
 
 class WorkerSessions:
-    def __init__(self, llm: AsyncLLM, kafka: KafkaClient, directory_topic: str, worker_id: str,
-                 settings: WorkerSettings, session_dir: Path) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        kafka: KafkaClient,
+        directory_topic: str,
+        worker_id: str,
+        settings: WorkerSettings,
+        session_dir: Path,
+    ) -> None:
         self.llm, self.kafka, self.topic, self.worker_id = llm, kafka, directory_topic, worker_id
         self.settings = settings
         self.server = KVServer(settings.kv_host, settings.kv_port, self._export_path)
-        self.puller = KVPuller(session_dir / ".incoming", settings.kv_pull_timeout_s,
-                               int(settings.session_disk_gib * _GIB))
+        self.puller = KVPuller(
+            session_dir / ".incoming", settings.kv_pull_timeout_s, int(settings.session_disk_gib * _GIB)
+        )
         self.counters: Counter[str] = Counter()
         self._pulls: dict[str, asyncio.Task] = {}  # session id -> its pull under way
         self._prefetch_hint: dict[str, str] = {}  # session id -> the hint whose pin is held
@@ -113,9 +122,16 @@ class WorkerSessions:
             log.warning("session locations not published", exc_info=True)
 
     def _location(self, info: SessionInfo) -> SessionLocation:
-        return SessionLocation(session_id=info.session_id, worker_id=self.worker_id, kv_url=self.kv_url,
-                               tiers=list(info.tiers), num_tokens=info.num_tokens, nbytes=info.nbytes,
-                               last_activity=info.last_activity, dropped=not info.tiers)
+        return SessionLocation(
+            session_id=info.session_id,
+            worker_id=self.worker_id,
+            kv_url=self.kv_url,
+            tiers=list(info.tiers),
+            num_tokens=info.num_tokens,
+            nbytes=info.nbytes,
+            last_activity=info.last_activity,
+            dropped=not info.tiers,
+        )
 
     async def _export_path(self, session_id: str) -> Path | None:
         return await asyncio.to_thread(self.store.export_path, session_id)
@@ -190,8 +206,9 @@ class WorkerSessions:
         task = self._pulls.get(session_id)
         if task is None:
             task = self._pulls[session_id] = asyncio.create_task(self._pull_once(session_id, url))
-            task.add_done_callback(lambda t: self._pulls.pop(session_id, None) if self._pulls.get(
-                session_id) is t else None)
+            task.add_done_callback(
+                lambda t: self._pulls.pop(session_id, None) if self._pulls.get(session_id) is t else None
+            )
         return await asyncio.shield(task)
 
     async def _pull_once(self, session_id: str, url: str) -> bool:
@@ -214,8 +231,13 @@ class WorkerSessions:
             self.store.record_pull(pulled.nbytes, pulled.seconds)
         self.counters["pulls"] += 1
         self.counters["bytes_pulled"] += pulled.nbytes
-        log.info("pulled session %s: %d tokens, %d bytes in %.3fs", info.session_id, info.num_tokens,
-                 pulled.nbytes, pulled.seconds)
+        log.info(
+            "pulled session %s: %d tokens, %d bytes in %.3fs",
+            info.session_id,
+            info.num_tokens,
+            pulled.nbytes,
+            pulled.seconds,
+        )
         return info.session_id == session_id
 
     # -- reporting ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """The worker's one settings object (`TANDEM_*` env vars; `tandem worker` flags override)."""
+
 from __future__ import annotations
 
 import os

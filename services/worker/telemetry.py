@@ -1,12 +1,13 @@
 """Per-interval SLO and load figures a worker publishes (`Telemetry`)."""
+
 from __future__ import annotations
 
 import time
 from collections import deque
 
-from services.worker.engine.engine import LLMEngine
-from services.worker.engine.outputs import RequestMetrics
-from services.worker.engine.scheduling import SLO, RequestClass
+from engine.engine import LLMEngine
+from engine.outputs import RequestMetrics
+from engine.scheduling import SLO, RequestClass
 from shared.schemas.telemetry import ClassLoad, RequestTiming, Telemetry
 
 _WINDOW_S = 30.0  # percentiles cover requests finished in this window
@@ -17,8 +18,14 @@ def request_timing(request_id: str, req_class: RequestClass, slo: SLO, m: Reques
     tpot = None
     if m.finish_time is not None and m.first_token_time is not None and m.num_output_tokens > 1:
         tpot = (m.finish_time - m.first_token_time) / (m.num_output_tokens - 1)
-    return RequestTiming(request_id=request_id, req_class=req_class.value, ttft_s=ttft, tpot_s=tpot,
-                         output_tokens=m.num_output_tokens, met_slo=_met(slo, ttft, tpot))
+    return RequestTiming(
+        request_id=request_id,
+        req_class=req_class.value,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        output_tokens=m.num_output_tokens,
+        met_slo=_met(slo, ttft, tpot),
+    )
 
 
 def _met(slo: SLO, ttft: float | None, tpot: float | None) -> bool | None:
@@ -53,12 +60,20 @@ class TelemetryWindow:
         slo = [t.met_slo for t in timings if t.met_slo is not None]
         pool = engine.kv.pool
         msg = Telemetry(
-            worker_id=worker_id, sent_at=time.time(), dtype=engine.config.dtype, rt=_load(engine, RequestClass.RT),
-            be=_load(engine, RequestClass.BE), kv_usage=pool.usage(),
-            kv_blocks=pool.num_blocks, max_num_seqs=max_num_seqs,
+            worker_id=worker_id,
+            sent_at=time.time(),
+            dtype=engine.config.dtype,
+            rt=_load(engine, RequestClass.RT),
+            be=_load(engine, RequestClass.BE),
+            kv_usage=pool.usage(),
+            kv_blocks=pool.num_blocks,
+            max_num_seqs=max_num_seqs,
             tokens_per_s=self._tokens / max(now - self._last_report, 1e-6),
-            ttft_p50_s=_pct(ttfts, 0.5), ttft_p99_s=_pct(ttfts, 0.99), tpot_p50_s=_pct(tpots, 0.5),
-            tpot_p99_s=_pct(tpots, 0.99), slo_attainment=sum(slo) / len(slo) if slo else None,
+            ttft_p50_s=_pct(ttfts, 0.5),
+            ttft_p99_s=_pct(ttfts, 0.99),
+            tpot_p50_s=_pct(tpots, 0.5),
+            tpot_p99_s=_pct(tpots, 0.99),
+            slo_attainment=sum(slo) / len(slo) if slo else None,
             finished=self._since_report,
         )
         self._since_report, self._tokens, self._last_report = [], 0, now

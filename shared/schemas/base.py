@@ -3,6 +3,7 @@
 Readers accept any message whose major `schema_version` they know; fields added later must have
 defaults so older producers stay readable (pydantic ignores unknown fields from newer ones).
 """
+
 from __future__ import annotations
 
 from typing import TypeVar

@@ -4,6 +4,7 @@ The scheduler publishes this periodically from its live workers' loads and its a
 the queue service keeps at most `slots` batch items in flight, so BE only fills the room RT
 traffic leaves (a worker with RT waiting, or near its RT or KV limits, contributes nothing).
 """
+
 from __future__ import annotations
 
 from pydantic import Field

@@ -1,7 +1,8 @@
 """`control`: commands every worker and the scheduler read (`Prefetch` is in `sessions.py`)."""
+
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -23,7 +24,7 @@ class Drain(WireModel):
     worker_id: str
 
 
-ControlMessage = Annotated[Union[Cancel, Drain, Prefetch], Field(discriminator="type")]
+ControlMessage = Annotated[Cancel | Drain | Prefetch, Field(discriminator="type")]
 
 
 class ControlEnvelope(WireModel):

@@ -5,6 +5,7 @@ the worker tokenizes (chat template or raw prompt). A resumed request (its first
 is the same request with `attempt + 1` and the tokens the client already has in
 `resume_token_ids`: they become part of the prompt, so the stream continues where it stopped.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -71,5 +72,5 @@ class GenerateRequest(WireModel):
     resume_token_ids: list[int] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. batch id / custom_id for batch items
 
-    def resumed(self, token_ids: list[int]) -> "GenerateRequest":
+    def resumed(self, token_ids: list[int]) -> GenerateRequest:
         return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

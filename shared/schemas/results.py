@@ -6,9 +6,10 @@ since the last flush (a few ms), not one message per token per request. Events c
 and `Delta.index` (output tokens before this delta, counting resumed ones) so a delta is applied
 exactly once and in order.
 """
+
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -59,7 +60,7 @@ class Rerouted(_Event):
     reason: str
 
 
-ResultEvent = Annotated[Union[Accepted, Delta, Failed, Rerouted], Field(discriminator="type")]
+ResultEvent = Annotated[Accepted | Delta | Failed | Rerouted, Field(discriminator="type")]
 
 
 class ResultBatch(WireModel):

@@ -3,6 +3,7 @@
 Written before a request is dispatched and tombstoned (null value) when it ends, so a restarted
 scheduler reads this topic to the end and knows every request still in flight.
 """
+
 from __future__ import annotations
 
 from shared.schemas.base import WireModel

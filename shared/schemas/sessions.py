@@ -11,6 +11,7 @@
 - `control`: `Prefetch`, from the advisory service to the placement's worker: make the session's
   KV ready (promote it locally, or pull it from `source_url` first).
 """
+
 from __future__ import annotations
 
 import urllib.parse

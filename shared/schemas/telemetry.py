@@ -4,6 +4,7 @@ Heartbeats (every `heartbeat_interval_s`) say a worker is alive, what it serves 
 requests it holds; the scheduler uses the id lists to tell finished requests from lost ones.
 Telemetry (every second) carries load and the SLO figures the worker achieved.
 """
+
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -1,5 +1,6 @@
 """The CPU capability probe: flags capped by our override and by torch's own ISA settings, and
 dtype "auto" decided from it."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,6 +15,7 @@ ZEN3 = {"avx2", "fma", "avx", "sse4_2"}
 @pytest.fixture
 def fake_cpu(monkeypatch):
     """Probe a CPU with the given flags, under the given environment."""
+
     def make(flags: set[str], **env: str) -> cpu_caps.CpuCaps:
         for var in (cpu_caps.ENV_OVERRIDE, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
             monkeypatch.delenv(var, raising=False)
@@ -27,15 +29,18 @@ def fake_cpu(monkeypatch):
     cpu_caps.probe.cache_clear()
 
 
-@pytest.mark.parametrize("flags,isa,bf16", [(AMX, "amx", True), (ZEN4, "avx512", True), (ZEN3, "avx2", False),
-                                            ({"sse4_2"}, "baseline", False)])
+@pytest.mark.parametrize(
+    "flags,isa,bf16",
+    [(AMX, "amx", True), (ZEN4, "avx512", True), (ZEN3, "avx2", False), ({"sse4_2"}, "baseline", False)],
+)
 def test_levels_from_flags(fake_cpu, flags, isa, bf16):
     caps = fake_cpu(flags)
     assert (caps.isa, caps.native_bf16, caps.capped_by) == (isa, bf16, ())
 
 
-@pytest.mark.parametrize("env", [{"TANDEM_CPU_ISA": "avx2"}, {"ATEN_CPU_CAPABILITY": "avx2"},
-                                 {"ONEDNN_MAX_CPU_ISA": "AVX2"}])
+@pytest.mark.parametrize(
+    "env", [{"TANDEM_CPU_ISA": "avx2"}, {"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}]
+)
 def test_any_cap_makes_an_amx_host_look_like_avx2(fake_cpu, env):
     caps = fake_cpu(AMX, **env)
     assert caps.isa == "avx2" and not caps.native_bf16
@@ -74,13 +79,13 @@ def test_explicit_dtype_is_kept_with_a_warning_when_emulated(fake_cpu, caplog):
 
 
 def test_engine_config_resolves_auto_once(fake_cpu):
-    from services.worker.engine.config import EngineConfig
+    from engine.config import EngineConfig
 
     fake_cpu(ZEN3)
     cfg = EngineConfig()
     assert cfg.dtype == "auto"
     with pytest.raises(ValueError, match="resolved"):
-        cfg.torch_dtype
+        _ = cfg.torch_dtype
     resolved = cfg.resolved()
     assert resolved.dtype == "float32" and resolved.decode_kernel == "reference" and resolved.resolved() is resolved
 

@@ -1,4 +1,5 @@
 """The sessions benchmark's figures, on hand-made request records."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,12 @@ def _rec(sid: str, turn: int, worker: str, ttft: float, prompt: int, cached: int
 
 
 def test_session_figures_split_next_turns_by_worker_and_count_recomputed_tokens():
-    recs = [_rec("a", 0, "w0", 0.5, 100, 0), _rec("a", 1, "w0", 0.2, 300, 240),
-            _rec("b", 0, "w1", 0.6, 80, 0), _rec("b", 1, "w0", 0.4, 200, 160)]
+    recs = [
+        _rec("a", 0, "w0", 0.5, 100, 0),
+        _rec("a", 1, "w0", 0.2, 300, 240),
+        _rec("b", 0, "w1", 0.6, 80, 0),
+        _rec("b", 1, "w0", 0.4, 200, 160),
+    ]
     f = session_figures(recs)
     assert f["next_turn_requests"] == 2
     assert f["next_turn_ttft_p50_s"] == pytest.approx(0.3)
@@ -30,13 +35,19 @@ def test_session_figures_split_next_turns_by_worker_and_count_recomputed_tokens(
 
 
 def test_capacity_is_the_most_users_within_the_latency_bar():
-    levels = [{"users": 2, "next_turn_ttft_p99_s": 0.5}, {"users": 4, "next_turn_ttft_p99_s": 1.9},
-              {"users": 8, "next_turn_ttft_p99_s": 3.0}, {"users": 16, "next_turn_ttft_p99_s": None}]
+    levels = [
+        {"users": 2, "next_turn_ttft_p99_s": 0.5},
+        {"users": 4, "next_turn_ttft_p99_s": 1.9},
+        {"users": 8, "next_turn_ttft_p99_s": 3.0},
+        {"users": 16, "next_turn_ttft_p99_s": None},
+    ]
     assert max_users_at(levels, 2.0) == 4
     assert max_users_at(levels, 0.1) is None
-    modes = {"recompute": {"levels": [{"next_turn_ttft_p50_s": 1.0}], "max_users_at_target": 2},
-             "sticky": {"levels": [{"next_turn_ttft_p50_s": 0.20}], "max_users_at_target": 4},
-             "hints": {"levels": [{"next_turn_ttft_p50_s": 0.21}], "max_users_at_target": 8}}
+    modes = {
+        "recompute": {"levels": [{"next_turn_ttft_p50_s": 1.0}], "max_users_at_target": 2},
+        "sticky": {"levels": [{"next_turn_ttft_p50_s": 0.20}], "max_users_at_target": 4},
+        "hints": {"levels": [{"next_turn_ttft_p50_s": 0.21}], "max_users_at_target": 8},
+    }
     cmp = compare_modes(modes, 2.0)
     assert cmp["hint_vs_on_device_ttft_p50"] == pytest.approx(1.05)
     assert cmp["hints_vs_recompute_users"] == 4

@@ -1,4 +1,5 @@
 """`tandem sim`, `tandem loadgen` and `tandem bench policies` as a user runs them."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,20 @@ import sys
 
 import pytest
 
-KEYS = ("requests", "completed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tbt_p99_s", "normalized_latency_s",
-        "ttft_attainment", "tpot_attainment", "slo_attainment", "throughput_rps", "output_tokens_per_s")
+KEYS = (
+    "requests",
+    "completed",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "tbt_p99_s",
+    "normalized_latency_s",
+    "ttft_attainment",
+    "tpot_attainment",
+    "slo_attainment",
+    "throughput_rps",
+    "output_tokens_per_s",
+)
 
 
 def tandem(*args: str) -> subprocess.CompletedProcess:
@@ -18,8 +31,24 @@ def tandem(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(300)
 def test_sim_comparison_writes_report(tmp_path):
     out = tmp_path / "sim"
-    res = tandem("sim", "--workload", "rt-be", "--rate", "2", "--duration", "30", "--policies", "fcfs,rr",
-                 "--out", str(out), "--find-rate", "--attainment", "0.5", "--length-scale", "0.5")
+    res = tandem(
+        "sim",
+        "--workload",
+        "rt-be",
+        "--rate",
+        "2",
+        "--duration",
+        "30",
+        "--policies",
+        "fcfs,rr",
+        "--out",
+        str(out),
+        "--find-rate",
+        "--attainment",
+        "0.5",
+        "--length-scale",
+        "0.5",
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads((out / "results.json").read_text())
     for policy in ("fcfs", "rr"):
@@ -36,8 +65,22 @@ def test_sim_comparison_writes_report(tmp_path):
 @pytest.mark.timeout(300)
 def test_bench_policies_json_holds_a_summary_per_policy(tmp_path):
     path = tmp_path / "p.json"
-    res = tandem("bench", "policies", "--target", "sim", "--policies", "fcfs,rr", "--duration", "20",
-                 "--slo-scale", "1", "--rate", "2", "--json", str(path))
+    res = tandem(
+        "bench",
+        "policies",
+        "--target",
+        "sim",
+        "--policies",
+        "fcfs,rr",
+        "--duration",
+        "20",
+        "--slo-scale",
+        "1",
+        "--rate",
+        "2",
+        "--json",
+        str(path),
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads(path.read_text())
     assert set(doc["summary"]) == {"fcfs", "rr"}
@@ -47,9 +90,30 @@ def test_bench_policies_json_holds_a_summary_per_policy(tmp_path):
 @pytest.mark.timeout(300)
 def test_loadgen_run_inproc(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
-    res = tandem("loadgen", "run", "--target", "inproc", "--model", str(tiny_model_dir("llama")), "--dtype",
-                 "float32", "--workload", "sharegpt", "--rate", "4", "--duration", "3", "--length-scale", "0.1",
-                 "--slo-scale", "auto", "--out", str(out), "--num-blocks", "256")
+    res = tandem(
+        "loadgen",
+        "run",
+        "--target",
+        "inproc",
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--dtype",
+        "float32",
+        "--workload",
+        "sharegpt",
+        "--rate",
+        "4",
+        "--duration",
+        "3",
+        "--length-scale",
+        "0.1",
+        "--slo-scale",
+        "auto",
+        "--out",
+        str(out),
+        "--num-blocks",
+        "256",
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads((out / "results.json").read_text())
     assert doc["summary"]["rt"]["completed"] == doc["summary"]["rt"]["requests"] > 3
@@ -68,8 +132,23 @@ def test_bad_input_is_a_clear_error():
 def test_sim_bros_with_explicit_slos(tmp_path):
     """BROS takes default SLOs and the cost model: both reach it through the simulator's workers."""
     out = tmp_path / "bros"
-    res = tandem("sim", "--workload", "rt-be", "--rate", "2", "--duration", "20", "--policies", "fcfs,bros",
-                 "--slo-ttft", "0.4", "--slo-tpot", "0.2", "--out", str(out))
+    res = tandem(
+        "sim",
+        "--workload",
+        "rt-be",
+        "--rate",
+        "2",
+        "--duration",
+        "20",
+        "--policies",
+        "fcfs,bros",
+        "--slo-ttft",
+        "0.4",
+        "--slo-tpot",
+        "0.2",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr
     doc = json.loads((out / "results.json").read_text())
     bros, fcfs = doc["summary"]["bros"]["rt"], doc["summary"]["fcfs"]["rt"]

@@ -1,4 +1,5 @@
 """Effective-throughput bisection against attainment curves with a known crossing."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,11 +1,12 @@
 """Fitting the cost model to logged engine steps (`loadgen.sim.fit_steps`)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from engine.cost_model import CostModel, PhaseFit
 from loadgen.sim.fit_steps import fit_steps
-from services.worker.engine.cost_model import CostModel, PhaseFit
 
 TRUE = CostModel(PhaseFit(1e-3, 4e-7, 0.02), PhaseFit(2.5e-3, 1e-7, 0.02), 1e10, {})
 
@@ -17,7 +18,7 @@ def _logged_steps(noise: float, n: int = 600, seed: int = 0):
     for _ in range(n):
         decodes = [(1, int(rng.integers(20, 400))) for _ in range(int(rng.integers(1, 12)))]
         prefills = [(int(rng.integers(16, 300)), 0)] if rng.random() < 0.2 else []
-        factor = rng.lognormal(-noise**2 / 2, noise)  # E[factor] = 1
+        factor = rng.lognormal(-(noise**2) / 2, noise)  # E[factor] = 1
         steps.append((prefills, decodes, TRUE.estimate(prefills, decodes) * factor))
     return steps
 

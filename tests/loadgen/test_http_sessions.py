@@ -6,6 +6,7 @@ prefix cache. What the server saw is read back from the broker: typing hints fro
 topic, requests (session id, conversation, gateway arrival time) from `requests.rt`, and the
 workers' session-turn counters from `GET /v1/sessions/stats`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -62,8 +63,10 @@ def _workload(tag: str) -> Workload:
     profile = LengthProfile("chat", constant(PROMPT_WORDS), constant(OUTPUT_TOKENS), SLOSpec())
     cfg = WorkloadConfig("sessions", duration_s=DURATION_S, seed=3, speeds=SPEEDS, max_len=512)
     starts = [TYPING_S + 0.1 + 0.2 * i for i in range(SESSIONS)]  # typing starts at 0.1 s, 0.3 s, ...
-    sessions = [Session(f"{tag}-s{i}", at, TURNS, profile, SPEEDS, np.random.default_rng(i), cfg.duration_s,
-                        cfg.max_len) for i, at in enumerate(starts)]
+    sessions = [
+        Session(f"{tag}-s{i}", at, TURNS, profile, SPEEDS, np.random.default_rng(i), cfg.duration_s, cfg.max_len)
+        for i, at in enumerate(starts)
+    ]
     return Workload(cfg, [], sessions)
 
 
@@ -71,8 +74,9 @@ def _run(url: str, mode: Mode, tag: str):
     async def main():
         client = HttpClient(url, "tiny", send_session_ids=mode.session_ids)
         try:
-            return await HttpRun(client, _workload(tag), seed=3, drain_timeout_s=60.0, progress=False,
-                                 send_hints=mode.hints).run()
+            return await HttpRun(
+                client, _workload(tag), seed=3, drain_timeout_s=60.0, progress=False, send_hints=mode.hints
+            ).run()
         finally:
             await client.close()
 

@@ -1,4 +1,5 @@
 """The HTTP target: SSE parsing on hand-made lines, and token timing against the real gateway stack."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,17 @@ def test_token_timing_against_the_real_gateway(make_stack):  # noqa: F811
     stack.worker("w0")
     stack.gateway()
     stack.wait_workers(1)
-    cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 2.0), 4.0, seed=1, length_scale=0.05, be_batch=2,
-                         max_len=512, slo_ttft_s=5.0, slo_tpot_s=5.0)
+    cfg = WorkloadConfig(
+        "rt-be",
+        ArrivalSpec("poisson", 2.0),
+        4.0,
+        seed=1,
+        length_scale=0.05,
+        be_batch=2,
+        max_len=512,
+        slo_ttft_s=5.0,
+        slo_tpot_s=5.0,
+    )
     args = argparse.Namespace(served_model=None, drain_timeout=60.0, be_via="stream")
     res = run_http(stack.url, build_workload(cfg), args)
     rt = [r for r in res.records if r.req_class == "rt"]

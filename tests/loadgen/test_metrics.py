@@ -1,18 +1,35 @@
 """Metric definitions on hand-made timelines."""
+
 from __future__ import annotations
 
 import pytest
 
 from loadgen.metrics import (
-    RequestRecord, gap_attainment, normalized_latency, slo_ok, summarize, tbt_p99, tokens_on_time, tpot, ttft,
+    RequestRecord,
+    gap_attainment,
+    normalized_latency,
+    slo_ok,
+    summarize,
+    tbt_p99,
+    tokens_on_time,
+    tpot,
+    ttft,
 )
 
 
 def rec(times, arrival=0.0, max_tokens=None, finish=None, ttft_slo=1.0, tpot_slo=0.5, cls="rt", rid="r"):
-    return RequestRecord(rid, cls, arrival, 10, max_tokens or len(times), ttft_slo if cls == "rt" else None,
-                         tpot_slo if cls == "rt" else None, token_times_s=list(times),
-                         finish_s=(times[-1] if times else None) if finish is None else finish,
-                         finish_reason="length")
+    return RequestRecord(
+        rid,
+        cls,
+        arrival,
+        10,
+        max_tokens or len(times),
+        ttft_slo if cls == "rt" else None,
+        tpot_slo if cls == "rt" else None,
+        token_times_s=list(times),
+        finish_s=(times[-1] if times else None) if finish is None else finish,
+        finish_reason="length",
+    )
 
 
 def test_ttft_tpot_and_normalized_latency():
@@ -57,9 +74,20 @@ def test_summary_classes_and_keys():
     recs = [rec([1.0, 1.2], rid="a"), rec([3.0, 3.1], rid="b"), rec([0.5, 0.6, 0.7], cls="be", rid="c")]
     s = summarize(recs, elapsed_s=10.0)
     for cls in ("rt", "be", "all"):
-        for key in ("requests", "completed", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tbt_p99_s",
-                    "normalized_latency_s", "ttft_attainment", "tpot_attainment", "slo_attainment",
-                    "throughput_rps", "output_tokens_per_s"):
+        for key in (
+            "requests",
+            "completed",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "tpot_p50_s",
+            "tbt_p99_s",
+            "normalized_latency_s",
+            "ttft_attainment",
+            "tpot_attainment",
+            "slo_attainment",
+            "throughput_rps",
+            "output_tokens_per_s",
+        ):
             assert key in s[cls]
     assert s["rt"]["requests"] == 2 and s["be"]["requests"] == 1 and s["all"]["requests"] == 3
     assert s["rt"]["slo_attainment"] == pytest.approx(0.5)  # b's TTFT 3.0 > 1.0

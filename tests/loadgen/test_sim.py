@@ -1,8 +1,10 @@
 """The simulator: determinism, multi-worker placement, and agreement with the real engine."""
+
 from __future__ import annotations
 
 import pytest
 
+from engine.cost_model import CostModel, PhaseFit
 from loadgen.arrivals import ArrivalSpec
 from loadgen.driver import Driver
 from loadgen.metrics import summarize
@@ -10,14 +12,20 @@ from loadgen.prompts import PromptBuilder
 from loadgen.sim.cluster import ClusterSpec, SimTarget
 from loadgen.sim.worker import SimWorker, WorkerSpec
 from loadgen.workloads.build import WorkloadConfig, build_workload
-from services.worker.engine.cost_model import CostModel, PhaseFit
 
 COST = CostModel(PhaseFit(2e-4, 1e-8, 0.01), PhaseFit(1e-4, 5e-7, 0.02), 25e9, {"model": "test"})
 
 
 def sim_run(cfg: WorkloadConfig, workers=1, policy="fcfs", num_blocks=256, bw=None, **spec):
-    ws = [SimWorker(f"w{i}", WorkerSpec(num_blocks=num_blocks, max_model_len=2048, kv_bytes_per_token=100_000,
-                                        **spec), COST, policy) for i in range(workers)]
+    ws = [
+        SimWorker(
+            f"w{i}",
+            WorkerSpec(num_blocks=num_blocks, max_model_len=2048, kv_bytes_per_token=100_000, **spec),
+            COST,
+            policy,
+        )
+        for i in range(workers)
+    ]
     target = SimTarget(ws, ClusterSpec(kv_transfer_bytes_per_s=bw))
     return Driver(target, build_workload(cfg), PromptBuilder(49152, cfg.seed)).run(), target
 

@@ -1,10 +1,12 @@
 """Step-time jitter in the simulator (`loadgen.sim.jitter`)."""
+
 from __future__ import annotations
 
 import zlib
 
 import pytest
 
+from engine.cost_model import CostModel, PhaseFit
 from loadgen.arrivals import ArrivalSpec
 from loadgen.driver import Driver
 from loadgen.prompts import PromptBuilder
@@ -13,7 +15,6 @@ from loadgen.sim.jitter import StepJitter
 from loadgen.sim.step_time import step_seconds
 from loadgen.sim.worker import SimWorker, WorkerSpec
 from loadgen.workloads.build import WorkloadConfig, build_workload
-from services.worker.engine.cost_model import CostModel, PhaseFit
 
 COST = CostModel(PhaseFit(2e-4, 1e-8, 0.01), PhaseFit(1e-4, 5e-7, 0.02), 25e9, {"model": "test"})
 RATIOS = tuple(1.0 + i / 100 for i in range(100))

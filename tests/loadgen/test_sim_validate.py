@@ -1,5 +1,6 @@
 """`python -m loadgen.sim.validate` end to end on a tiny model (a real engine run, then the
 simulator with a cost model fitted to that run's steps)."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,25 @@ from loadgen.sim.validate import METRICS, main
 @pytest.mark.timeout(180)
 def test_same_run_calibration_with_jitter(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "validation.json"
-    assert main(["--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--rates", "2", "--duration", "6",
-                 "--calibration", "same-run", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--dtype",
+                "float32",
+                "--rates",
+                "2",
+                "--duration",
+                "6",
+                "--calibration",
+                "same-run",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     (run,) = doc["runs"]
     assert doc["cost_model"] is None and run["jitter"] is True

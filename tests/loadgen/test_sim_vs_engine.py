@@ -7,10 +7,13 @@ request must get its tokens at the same (virtual) times, so any divergence in th
 simulator's bookkeeping (progress, commits, which rows sample, stop checks, preemption)
 shows up here. Timing fidelity of the cost model itself is validated in docs/simulator.md.
 """
+
 from __future__ import annotations
 
 import pytest
 
+from engine import EngineConfig
+from engine.cost_model import CostModel, PhaseFit
 from loadgen.arrivals import ArrivalSpec
 from loadgen.driver import Driver
 from loadgen.prompts import PromptBuilder
@@ -18,8 +21,6 @@ from loadgen.sim.cluster import SimTarget
 from loadgen.sim.worker import SimWorker, WorkerSpec
 from loadgen.targets.inproc import InprocTarget, ModelClock
 from loadgen.workloads.build import WorkloadConfig, build_workload
-from services.worker.engine import EngineConfig
-from services.worker.engine.cost_model import CostModel, PhaseFit
 
 COST = CostModel(PhaseFit(2e-4, 1e-7, 0.01), PhaseFit(1e-3, 2e-6, 0.02), 1e9, {"model": "test"})
 
@@ -28,16 +29,22 @@ COST = CostModel(PhaseFit(2e-4, 1e-7, 0.01), PhaseFit(1e-3, 2e-6, 0.02), 1e9, {"
 @pytest.mark.parametrize("policy,num_blocks", [("fcfs", 40), ("rr", 40), ("fcfs", 400)])
 def test_sim_matches_engine_step_for_step(tiny_model_dir, policy, num_blocks):
     # 40 blocks of 16 = 640 slots: small enough that FCFS preempts under this load
-    cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 6.0), 3.0, seed=11, length_scale=0.2, be_batch=4,
-                         max_len=512)
-    engine_cfg = EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=num_blocks,
-                              max_num_seqs=8, max_num_batched_tokens=128, policy=policy)
+    cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 6.0), 3.0, seed=11, length_scale=0.2, be_batch=4, max_len=512)
+    engine_cfg = EngineConfig(
+        model=str(tiny_model_dir("llama")),
+        dtype="float32",
+        num_blocks=num_blocks,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        policy=policy,
+    )
     inproc = InprocTarget.from_config(engine_cfg, clock=ModelClock(COST))
     real = Driver(inproc, build_workload(cfg), PromptBuilder(49152, cfg.seed)).run()
 
     spec = WorkerSpec(num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512)
-    sim = Driver(SimTarget([SimWorker("w0", spec, COST, policy)]), build_workload(cfg),
-                 PromptBuilder(49152, cfg.seed)).run()
+    sim = Driver(
+        SimTarget([SimWorker("w0", spec, COST, policy)]), build_workload(cfg), PromptBuilder(49152, cfg.seed)
+    ).run()
 
     def timeline(res):
         return {r.request_id: ([round(t, 9) for t in r.token_times_s], r.finish_reason) for r in res.records}

@@ -1,4 +1,5 @@
 """Length-distribution fitting, arrival processes, determinism of workloads."""
+
 from __future__ import annotations
 
 import json
@@ -119,8 +120,10 @@ def test_be_backlog_refills_by_batch():
 
 def test_jsonl_dataset(tmp_path):
     p = tmp_path / "d.jsonl"
-    p.write_text('{"prompt": "hello world, how are you", "max_tokens": 5}\n'
-                 '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}\n')
+    p.write_text(
+        '{"prompt": "hello world, how are you", "max_tokens": 5}\n'
+        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}\n'
+    )
     items = load_jsonl(p)
     assert [i.max_tokens for i in items] == [5, 7] and items[1].messages
     w = build_workload(WorkloadConfig("jsonl", ArrivalSpec("poisson", 2.0), 10.0, dataset_path=str(p)))

@@ -1,11 +1,13 @@
 """Batch input validation, window parsing, item result assembly and the store's exactly-once record."""
+
 from __future__ import annotations
 
 import asyncio
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.gateway.batch_api import parse_window
 from services.queue.items import ItemRun, to_request
@@ -31,22 +33,32 @@ def test_valid_lines_keep_their_numbers_and_blank_lines_are_skipped():
     assert v.error_count == 0 and [(x.line, x.custom_id) for x in v.lines] == [(1, "a"), (3, "b")]
 
 
-@pytest.mark.parametrize("bad, code, param", [
-    ("[1, 2]", "invalid_json_line", None),
-    ('{"custom_id": ', "invalid_json_line", None),
-    (json.dumps({"url": CHAT, "body": {}}), "missing_required_parameter", "custom_id"),
-    (_line("x", url="/v1/completions"), "invalid_url", "url"),
-    (_line("x", body={"model": "m", "messages": "hi"}), "invalid_request", "body.messages"),
-    (_line("x", body={"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}),
-     "unsupported_parameter", "body.n"),
-    (_line("x", body={"model": "other", "messages": [{"role": "user", "content": "a"}]}), "model_not_found",
-     "body.model"),
-    (json.dumps({"custom_id": "x", "method": "GET", "url": CHAT, "body": {}}), "invalid_value", "method"),
-])
+@pytest.mark.parametrize(
+    "bad, code, param",
+    [
+        ("[1, 2]", "invalid_json_line", None),
+        ('{"custom_id": ', "invalid_json_line", None),
+        (json.dumps({"url": CHAT, "body": {}}), "missing_required_parameter", "custom_id"),
+        (_line("x", url="/v1/completions"), "invalid_url", "url"),
+        (_line("x", body={"model": "m", "messages": "hi"}), "invalid_request", "body.messages"),
+        (
+            _line("x", body={"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}),
+            "unsupported_parameter",
+            "body.n",
+        ),
+        (
+            _line("x", body={"model": "other", "messages": [{"role": "user", "content": "a"}]}),
+            "model_not_found",
+            "body.model",
+        ),
+        (json.dumps({"custom_id": "x", "method": "GET", "url": CHAT, "body": {}}), "invalid_value", "method"),
+    ],
+)
 def test_each_bad_line_is_reported_with_its_line_number(bad, code, param):
     v = _validate(_line("a"), bad, models={"m"})
-    assert v.error_count == 1 and v.errors == [{"code": code, "message": v.errors[0]["message"], "param": param,
-                                               "line": 2}]
+    assert v.error_count == 1 and v.errors == [
+        {"code": code, "message": v.errors[0]["message"], "param": param, "line": 2}
+    ]
 
 
 def test_duplicates_limits_and_error_cap():
@@ -83,8 +95,11 @@ def test_be_slots_only_where_rt_has_headroom():
 
 
 def _run(kind: str = "chat") -> ItemRun:
-    body = ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5} if kind == "chat"
-            else {"model": "m", "prompt": "hi", "max_tokens": 5})
+    body = (
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        if kind == "chat"
+        else {"model": "m", "prompt": "hi", "max_tokens": 5}
+    )
     endpoint = CHAT if kind == "chat" else "/v1/completions"
     req = to_request(endpoint, body, "b-1", 0, "queue", 3, "b", "c1")
     assert req.req_class == "be" and req.reply_partition == 3 and req.metadata == {"batch_id": "b", "custom_id": "c1"}
@@ -104,8 +119,12 @@ def test_item_assembly_applies_deltas_once_in_order_and_shapes_like_the_sync_end
     assert line["custom_id"] == "c1" and line["response"]["status_code"] == 200 and line["error"] is None
     assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-b-1"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "abc"}
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
     failed = _run("completion")
     failed.apply(Failed(request_id="b-1", status=400, message="prompt too long"))
     assert failed.finished and failed.output_line()["response"]["status_code"] == 400

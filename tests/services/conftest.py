@@ -4,6 +4,7 @@ as separate processes (`python -m services.cli ...`), on a tiny random-weight Ll
 Each stack uses its own topic prefix, so stacks sharing the session's broker never see each
 other's messages. Child logs go to files under the test's tmp dir (printed on failure).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,17 +28,27 @@ class Stack:
     def __init__(self, bootstrap: str, model_dir: Path, log_dir: Path, prefix: str, **env) -> None:
         self.bootstrap, self.model_dir, self.log_dir, self.prefix = bootstrap, model_dir, log_dir, prefix
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**os.environ, "KAFKA_BOOTSTRAP": bootstrap, "TANDEM_TOPIC_PREFIX": prefix,
-                    "TANDEM_LOG_LEVEL": "INFO", "TANDEM_HEARTBEAT_INTERVAL_S": "0.25",
-                    "TANDEM_WORKER_TIMEOUT_S": "1.5", "TANDEM_DATA_DIR": str(log_dir / "data"),
-                    **{k: str(v) for k, v in env.items()}}
+        self.env = {
+            **os.environ,
+            "KAFKA_BOOTSTRAP": bootstrap,
+            "TANDEM_TOPIC_PREFIX": prefix,
+            "TANDEM_LOG_LEVEL": "INFO",
+            "TANDEM_HEARTBEAT_INTERVAL_S": "0.25",
+            "TANDEM_WORKER_TIMEOUT_S": "1.5",
+            "TANDEM_DATA_DIR": str(log_dir / "data"),
+            **{k: str(v) for k, v in env.items()},
+        }
         self.gateway_urls: dict[str, str] = {}
         self.stopped: set[str] = set()  # children the test stopped on purpose
 
     def spawn(self, name: str, *argv: str, **env) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                env={**self.env, **{k: str(v) for k, v in env.items()}})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**self.env, **{k: str(v) for k, v in env.items()}},
+        )
         self.procs[name] = proc
         return proc
 
@@ -45,9 +56,23 @@ class Stack:
         self.spawn(name, "scheduler")
 
     def worker(self, worker_id: str, **env) -> None:
-        self.spawn(worker_id, "worker", "--model", str(self.model_dir), "--served-model-name", "tiny",
-                   "--dtype", "float32", "--kv-cache-gib", "0.05", "--num-threads", "1", "--worker-id", worker_id,
-                   **env)
+        self.spawn(
+            worker_id,
+            "worker",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            "tiny",
+            "--dtype",
+            "float32",
+            "--kv-cache-gib",
+            "0.05",
+            "--num-threads",
+            "1",
+            "--worker-id",
+            worker_id,
+            **env,
+        )
 
     def gateway(self, name: str = "gateway", **env) -> str:
         port = free_port()
@@ -63,7 +88,7 @@ class Stack:
         """The batch queue service; it shares the stack's data dir (or TANDEM_DATABASE_URL) with the gateway."""
         self.spawn(name, "queue", "--queue-id", f"{self.prefix}-queue", **env)
 
-    def start(self, workers: tuple[str, ...] = ("w0",), *, queue: bool = False) -> "Stack":
+    def start(self, workers: tuple[str, ...] = ("w0",), *, queue: bool = False) -> Stack:
         """The usual test stack: scheduler, tiny-model workers, gateway (and the batch queue),
         returned once the gateway sees every worker."""
         self.scheduler()
@@ -137,8 +162,13 @@ def make_stack(kafka_bootstrap, tiny_model_dir, tmp_path_factory, request):
 
 
 def chat_body(content: str, max_tokens: int = 16, **extra) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def openai_client(stack: Stack):

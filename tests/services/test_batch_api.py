@@ -1,5 +1,6 @@
 """Batch jobs through the real stack and the official `openai` client: gateway (Files/Batches API)
 → database → queue service → Kafka → scheduler → workers → queue service → database."""
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,13 @@ def jsonl(lines: list) -> bytes:
 
 
 def chat_lines(n: int, max_tokens: int = 8, prefix: str = "item") -> list[dict]:
-    return [line(f"{prefix}-{i}", chat_body(f"{prefix} number {i}: tell me something", max_tokens=max_tokens,
-                                            ignore_eos=True)) for i in range(n)]
+    return [
+        line(
+            f"{prefix}-{i}",
+            chat_body(f"{prefix} number {i}: tell me something", max_tokens=max_tokens, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
 
 
 def submit(client, lines: list, endpoint: str = "/v1/chat/completions", window: str = "24h"):
@@ -117,8 +123,9 @@ def attempts(stack, batch_id: str) -> dict[str, int]:
 
 def in_flight(stack, batch_id: str) -> int:
     with sqlite3.connect(_db(stack)) as conn:
-        return conn.execute("SELECT COUNT(*) FROM tandem_batch_items WHERE batch_id = ? AND status = 'in_flight'",
-                            (batch_id,)).fetchone()[0]
+        return conn.execute(
+            "SELECT COUNT(*) FROM tandem_batch_items WHERE batch_id = ? AND status = 'in_flight'", (batch_id,)
+        ).fetchone()[0]
 
 
 def test_200_line_job_completes_under_flow_control_with_bodies_equal_to_sync(stack, client):
@@ -145,21 +152,30 @@ def test_200_line_job_completes_under_flow_control_with_bodies_equal_to_sync(sta
 
 
 def test_every_validation_failure_fails_the_batch_with_line_numbers_and_runs_nothing(stack, client):
-    lines = [line("ok-1", chat_body("fine")),
-             "{not json",
-             {"method": "POST", "url": "/v1/chat/completions", "body": chat_body("no id")},
-             line("ok-1", chat_body("same id again")),
-             line("wrong-url", {"model": "tiny", "prompt": "x"}, url="/v1/completions"),
-             line("bad-body", {"model": "tiny", "messages": [], "max_tokens": 4}),
-             line("bad-tokens", chat_body("x", max_tokens=-3)),
-             line("unknown-model", {**chat_body("x"), "model": "nope"}),
-             line("streaming", chat_body("x", stream=True))]
+    lines = [
+        line("ok-1", chat_body("fine")),
+        "{not json",
+        {"method": "POST", "url": "/v1/chat/completions", "body": chat_body("no id")},
+        line("ok-1", chat_body("same id again")),
+        line("wrong-url", {"model": "tiny", "prompt": "x"}, url="/v1/completions"),
+        line("bad-body", {"model": "tiny", "messages": [], "max_tokens": 4}),
+        line("bad-tokens", chat_body("x", max_tokens=-3)),
+        line("unknown-model", {**chat_body("x"), "model": "nope"}),
+        line("streaming", chat_body("x", stream=True)),
+    ]
     done = wait_final(client, submit(client, lines).id, timeout=60)
     assert done.status == "failed" and done.failed_at
     errors = [(e.line, e.code) for e in done.errors.data]
-    assert errors == [(2, "invalid_json_line"), (3, "missing_required_parameter"), (4, "duplicate_custom_id"),
-                      (5, "invalid_url"), (6, "invalid_request"), (7, "invalid_request"), (8, "model_not_found"),
-                      (9, "invalid_request")]
+    assert errors == [
+        (2, "invalid_json_line"),
+        (3, "missing_required_parameter"),
+        (4, "duplicate_custom_id"),
+        (5, "invalid_url"),
+        (6, "invalid_request"),
+        (7, "invalid_request"),
+        (8, "model_not_found"),
+        (9, "invalid_request"),
+    ]
     assert "messages" in done.errors.data[4].message and done.errors.data[5].param == "body.max_tokens"
     assert done.request_counts.total == 0 and done.output_file_id is None
     with sqlite3.connect(_db(stack)) as conn:  # nothing was expanded, so nothing can have run
@@ -193,8 +209,12 @@ def test_files_api_and_batch_list_pagination(stack, client):
     assert client.files.retrieve(f.id).id == f.id
     assert client.files.content(f.id).content == content
     assert f.id in [x.id for x in client.files.list(purpose="batch")]
-    ids = [client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                 metadata={"n": str(i)}).id for i in range(3)]
+    ids = [
+        client.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"n": str(i)}
+        ).id
+        for i in range(3)
+    ]
     page = client.batches.list(limit=2)
     assert [b.id for b in page.data] == ids[::-1][:2] and page.has_more  # newest first
     rest = client.batches.list(limit=2, after=page.data[-1].id)
@@ -243,8 +263,7 @@ def test_cancel_stops_releasing_and_ends_in_flight_items(stack, client):
 
 
 def test_expiry_keeps_what_finished(stack, client):
-    lines = (chat_lines(4, max_tokens=4, prefix="exp-short")
-             + chat_lines(60, max_tokens=400, prefix="exp-long"))
+    lines = chat_lines(4, max_tokens=4, prefix="exp-short") + chat_lines(60, max_tokens=400, prefix="exp-long")
     batch = submit(client, lines, window="4s")
     done = wait_final(client, batch.id, timeout=60, stack=stack)
     assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 4

@@ -4,6 +4,7 @@ and the queue service sharing the database through `TANDEM_DATABASE_URL` (asyncp
 A throwaway cluster is created with Debian's `initdb`/`pg_ctl` (`make test` installs the
 `postgresql` package when missing). Skipped, saying why, only where no server can be started.
 """
+
 from __future__ import annotations
 
 import glob
@@ -15,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.conftest import openai_client
-
 from services.broker import free_port
+from tests.services.conftest import openai_client
 from tests.services.test_batch_api import chat_lines, read_lines, submit, wait_final, wait_until
 
 pytestmark = pytest.mark.timeout(400)
@@ -42,17 +42,37 @@ def postgres_url():
         shutil.chown(data, "postgres")
     port = free_port()
     try:
-        subprocess.run(_as_postgres_user([initdb, "-D", str(data), "-A", "trust", "-U", "tandem"]), check=True,
-                       capture_output=True, timeout=120)
-        subprocess.run(_as_postgres_user([pg_ctl, "-D", str(data), "-l", str(data / "server.log"), "-w", "start",
-                                          "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1"]),
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            _as_postgres_user([initdb, "-D", str(data), "-A", "trust", "-U", "tandem"]),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        subprocess.run(
+            _as_postgres_user(
+                [
+                    pg_ctl,
+                    "-D",
+                    str(data),
+                    "-l",
+                    str(data / "server.log"),
+                    "-w",
+                    "start",
+                    "-o",
+                    f"-p {port} -k {data} -c listen_addresses=127.0.0.1",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         pytest.skip(f"a PostgreSQL server could not be started here: {exc} {detail.decode(errors='replace')}")
     yield f"postgresql+asyncpg://tandem@127.0.0.1:{port}/postgres"
-    subprocess.run(_as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True,
-                   timeout=60)
+    subprocess.run(
+        _as_postgres_user([pg_ctl, "-D", str(data), "-m", "immediate", "stop"]), capture_output=True, timeout=60
+    )
     shutil.rmtree(data, ignore_errors=True)
 
 
@@ -72,7 +92,8 @@ def test_job_completes_on_postgresql(stack, client):
     done = wait_final(client, submit(client, lines).id, stack=stack)
     assert done.status == "completed" and done.request_counts.completed == 30
     assert sorted(o["custom_id"] for o in read_lines(client, done.output_file_id)) == sorted(
-        ln["custom_id"] for ln in lines)
+        ln["custom_id"] for ln in lines
+    )
 
 
 def test_cancel_on_postgresql(stack, client):

@@ -10,6 +10,7 @@ usage line are checked against the SSE stream the gateway sent.
 The default model, not a tiny one: a tiny model decodes so fast that a whole answer can reach the
 browser in one network read, and "streamed, token by token" could not be told from "one shot".
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +23,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
+from engine.config import EngineConfig
 from services.gateway.settings import GatewaySettings
-from services.worker.engine.config import EngineConfig
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.schemas.sessions import SessionPlacement, TypingHint
 from shared.settings import ServiceSettings
@@ -94,8 +95,20 @@ NO_WEBSOCKET_JS = """window.WebSocket = class {
 def stack(make_stack):
     s = make_stack()
     s.scheduler()
-    s.spawn("w0", "worker", "--model", "default", "--dtype", "bfloat16", "--kv-cache-gib", "0.25",
-            "--num-threads", "1", "--worker-id", "w0")
+    s.spawn(
+        "w0",
+        "worker",
+        "--model",
+        "default",
+        "--dtype",
+        "bfloat16",
+        "--kv-cache-gib",
+        "0.25",
+        "--num-threads",
+        "1",
+        "--worker-id",
+        "w0",
+    )
     s.spawn("advisory", "advisory")
     s.gateway()
     s.wait_workers(1)
@@ -178,10 +191,13 @@ class ChatPage:
         usage = bubble.locator("[data-testid=usage]")
         await expect(usage).to_be_visible(timeout=UI_TIMEOUT_MS)
         await expect(self.view(sid)).to_have_attribute("data-busy", "false", timeout=UI_TIMEOUT_MS)
-        shown = {"text": await bubble.locator(".content").text_content(),
-                 **{k: await usage.get_attribute(f"data-{k}-tokens") for k in ("prompt", "cached", "completion")}}
-        raw = await (await self.page.wait_for_function(
-            "i => window.__sse[i]?.done && window.__sse[i].text", arg=sent["index"])).json_value()
+        shown = {
+            "text": await bubble.locator(".content").text_content(),
+            **{k: await usage.get_attribute(f"data-{k}-tokens") for k in ("prompt", "cached", "completion")},
+        }
+        raw = await (
+            await self.page.wait_for_function("i => window.__sse[i]?.done && window.__sse[i].text", arg=sent["index"])
+        ).json_value()
         streamed_text, streamed_usage = _sse_content(raw)
         assert shown["text"] == streamed_text
         assert shown["prompt"] == str(streamed_usage["prompt_tokens"])
@@ -241,8 +257,13 @@ def test_type_send_stream_follow_up_and_new_conversation(stack):
 
 async def _conversation(stack) -> None:
     t = Topics(stack.prefix)
-    async with (_readers(stack, (t.advisory.name, TypingHint), (t.sessions_placement.name, SessionPlacement))
-                as (hints, placements), _chat_page(stack) as chat):
+    async with (
+        _readers(stack, (t.advisory.name, TypingHint), (t.sessions_placement.name, SessionPlacement)) as (
+            hints,
+            placements,
+        ),
+        _chat_page(stack) as chat,
+    ):
         sid = await chat.session_id()
         question = "Tell me a story about the sea."
         hint1 = await _type_first_question(chat, hints, sid, question)
@@ -299,8 +320,11 @@ async def _follow_up(chat, hints, placements, sid: str, hint1: TypingHint, first
     assert placed.session_id == sid and placed.worker_id == "w0"
     await chat.page.evaluate(WATCH_STREAM_JS, sid)
     sent = await chat.send()
-    assert sent["body"]["messages"] == [*body1["messages"], {"role": "assistant", "content": first["text"]},
-                                        {"role": "user", "content": "And then?"}]
+    assert sent["body"]["messages"] == [
+        *body1["messages"],
+        {"role": "assistant", "content": first["text"]},
+        {"role": "user", "content": "And then?"},
+    ]
     second = await chat.answer(sid, 1, sent)
     _assert_streamed(await chat.page.evaluate("window.__streamed"))
     turn1_prompt = int(first["prompt"])
@@ -336,8 +360,10 @@ def test_hints_fall_back_to_post_and_errors_are_shown(stack):
 async def _fallback_and_errors(stack) -> None:
     from playwright.async_api import expect
 
-    async with (_readers(stack, (Topics(stack.prefix).advisory.name, TypingHint)) as (hints,),
-                _chat_page(stack, NO_WEBSOCKET_JS) as chat):
+    async with (
+        _readers(stack, (Topics(stack.prefix).advisory.name, TypingHint)) as (hints,),
+        _chat_page(stack, NO_WEBSOCKET_JS) as chat,
+    ):
         sid = await chat.session_id()
         await chat.type("Hi")
         hint = await hints.wait_for(lambda h: h.session_id == sid)
@@ -349,8 +375,11 @@ async def _fallback_and_errors(stack) -> None:
         too_long = "word " * 9000  # the default model has 8192 positions
         await chat.page.fill("#input", too_long)
         await chat.send()
-        expected = httpx.post(f"{stack.url}/v1/chat/completions", timeout=60, json={
-            "model": "default", "messages": [{"role": "user", "content": too_long.strip()}], "stream": True})
+        expected = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            timeout=60,
+            json={"model": "default", "messages": [{"role": "user", "content": too_long.strip()}], "stream": True},
+        )
         assert expected.status_code == 400, expected.text
         message = expected.json()["error"]["message"]
         await expect(chat.page.locator("#error")).to_have_text(message, timeout=UI_TIMEOUT_MS)

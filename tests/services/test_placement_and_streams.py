@@ -1,4 +1,5 @@
 """Placement policy and the gateway's stream bookkeeping (pure logic, no processes)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import pytest
 from services.gateway.streams import StreamRegistry
 from services.scheduler.placement import LeastLoaded, PlacementLimits, PlacementRequest, WorkerLoad, make_placement
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import Accepted, Delta, ResultBatch, Rerouted
+from shared.schemas.results import Accepted, Delta, Rerouted, ResultBatch
 
 RT = PlacementRequest("r", "rt")
 BE = PlacementRequest("b", "be")
@@ -42,8 +43,16 @@ def test_be_only_where_rt_has_headroom():
 
 
 def _req(attempt: int = 0) -> GenerateRequest:
-    return GenerateRequest(request_id="r", attempt=attempt, gateway_id="g", reply_partition=0, model="m",
-                           kind="completion", prompt="x", created_at=0.0)
+    return GenerateRequest(
+        request_id="r",
+        attempt=attempt,
+        gateway_id="g",
+        reply_partition=0,
+        model="m",
+        kind="completion",
+        prompt="x",
+        created_at=0.0,
+    )
 
 
 def test_stream_applies_each_delta_once_in_order_and_resumes_with_delivered_tokens():
@@ -56,8 +65,9 @@ def test_stream_applies_each_delta_once_in_order_and_resumes_with_delivered_toke
         reg = StreamRegistry(resubmit)
         s = reg.open(_req())
         d0 = Delta(request_id="r", index=0, token_ids=[1, 2], text="ab")
-        await reg.on_batch(ResultBatch(source="w", events=[Accepted(request_id="r", worker_id="w",
-                                                                    prompt_tokens=4), d0, d0]))
+        await reg.on_batch(
+            ResultBatch(source="w", events=[Accepted(request_id="r", worker_id="w", prompt_tokens=4), d0, d0])
+        )
         assert s.token_ids == [1, 2] and s.text == "ab"  # the duplicate was dropped
         await reg.on_batch(ResultBatch(source="s", events=[Rerouted(request_id="r", reason="lost")]))
         assert resubmitted[0].attempt == 1 and resubmitted[0].resume_token_ids == [1, 2]

@@ -1,5 +1,6 @@
 """The queue service under failure and load: a worker or the queue service itself SIGKILLed mid-job
 loses and duplicates nothing; RT requests keep priority over a running batch; `tandem batch submit`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,17 @@ from shared.schemas.capacity import BECapacity
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, openai_client, worker_heartbeat
-from tests.services.test_batch_api import (attempts, chat_lines, comparable, in_flight, jsonl, read_lines, submit,
-                                           wait_final, wait_until)
+from tests.services.test_batch_api import (
+    attempts,
+    chat_lines,
+    comparable,
+    in_flight,
+    jsonl,
+    read_lines,
+    submit,
+    wait_final,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,8 +128,7 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
     batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
     wait_until(client, batch.id, 1)
     for i in range(4):  # interactive requests are served while the batch holds the BE slots
-        r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True),
-                       timeout=60)
+        r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
     assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
     assert wait_final(client, batch.id, stack=stack).request_counts.completed == 30
@@ -129,15 +138,48 @@ def test_batch_submit_cli_waits_and_writes_the_output(stack, tmp_path):
     lines = chat_lines(12, max_tokens=6, prefix="cli")
     src = tmp_path / "jobs.jsonl"
     src.write_bytes(jsonl(lines))
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "batch", "submit", str(src), "--wait", "--url",
-                           stack.url, "--poll-interval", "0.2", "--metadata", "team=qa"],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "batch",
+            "submit",
+            str(src),
+            "--wait",
+            "--url",
+            stack.url,
+            "--poll-interval",
+            "0.2",
+            "--metadata",
+            "team=qa",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     out = [json.loads(x) for x in (tmp_path / "jobs.output.jsonl").read_text().splitlines()]
     assert sorted(o["custom_id"] for o in out) == sorted(ln["custom_id"] for ln in lines)
     assert "12 completed, 0 failed of 12" in proc.stderr and "req" in proc.stderr  # the progress bar ran
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\n')
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "batch", "submit", str(bad), "--wait", "--url",
-                           stack.url, "--poll-interval", "0.2"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "batch",
+            "submit",
+            str(bad),
+            "--wait",
+            "--url",
+            stack.url,
+            "--poll-interval",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "line 1: invalid_request" in proc.stderr

@@ -8,6 +8,7 @@ a holder running one RT request has no room for a turn without a hint. Workers p
 whenever it has a source (`session_pull=always`): the cost model's choice on this tiny model is a
 coin toss, and the test must know which path ran.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,8 @@ import time
 import httpx
 import pytest
 
-from services.worker.engine.llm import LLM, apply_chat_template
-from services.worker.engine.sampling import SamplingParams
+from engine.llm import LLM, apply_chat_template
+from engine.sampling import SamplingParams
 from shared.kafka import KafkaClient
 from shared.schemas.control import ControlEnvelope
 from shared.schemas.sessions import Prefetch, SessionLocation, SessionPlacement, session_kv_url
@@ -38,8 +39,10 @@ BLOCK = 16  # the engine's block size: only full blocks are kept and moved
 
 def _turn1(sid: str) -> list[dict]:
     # The session id leads the system message, so no two sessions share a first KV block.
-    return [{"role": "system", "content": f"{sid} session. You are a friendly assistant."},
-            {"role": "user", "content": "Hello there. Tell me about the weather today, please."}]
+    return [
+        {"role": "system", "content": f"{sid} session. You are a friendly assistant."},
+        {"role": "user", "content": "Hello there. Tell me about the weather today, please."},
+    ]
 
 
 def _turn2(sid: str, reply: str) -> list[dict]:
@@ -66,8 +69,9 @@ class Reference:
     """The same conversations on an in-process engine with no sessions and no prefix cache."""
 
     def __init__(self, model_dir) -> None:
-        self.llm = LLM(model=str(model_dir), dtype="float32", kv_cache_gib=0.05, enable_prefix_caching=False,
-                       num_threads=1)
+        self.llm = LLM(
+            model=str(model_dir), dtype="float32", kv_cache_gib=0.05, enable_prefix_caching=False, num_threads=1
+        )
 
     def history(self, sid: str) -> int:
         """Tokens of turn 1's prompt in full blocks: what turn 2 reuses at least when the KV is there."""
@@ -111,17 +115,20 @@ class Probe:
             await kafka.stop()
 
     def location(self, sid: str, worker: str, disk: bool = True) -> SessionLocation:
-        return asyncio.run(self.read_until(
-            self.topics.sessions_directory.name,
-            lambda loc: loc.session_id == sid and loc.worker_id == worker and (not disk or "disk" in loc.tiers),
-            SessionLocation.decode))
-
+        return asyncio.run(
+            self.read_until(
+                self.topics.sessions_directory.name,
+                lambda loc: loc.session_id == sid and loc.worker_id == worker and (not disk or "disk" in loc.tiers),
+                SessionLocation.decode,
+            )
+        )
 
 
 @pytest.fixture(scope="module")
 def stack(make_stack, tiny_model_dir):
-    s = make_stack(TANDEM_MAX_NUM_SEQS=4, TANDEM_HOLDER_ROOM=0.25, TANDEM_PLACEMENT_TTL_S=60,
-                   TANDEM_SESSION_PULL="always")
+    s = make_stack(
+        TANDEM_MAX_NUM_SEQS=4, TANDEM_HOLDER_ROOM=0.25, TANDEM_PLACEMENT_TTL_S=60, TANDEM_SESSION_PULL="always"
+    )
     s.scheduler()
     s.advisory()
     s.worker("wa")
@@ -149,8 +156,11 @@ def test_first_turns_are_kept_on_their_worker_and_reported_in_the_directory(stac
 
 def _hint_placement(stack, sid: str) -> SessionPlacement:
     assert httpx.post(f"{stack.url}/v1/sessions/{sid}/typing", timeout=30).json()["hint"] == "sent"
-    return asyncio.run(stack.probe.read_until(stack.probe.topics.sessions_placement.name,
-                                              lambda p: p.session_id == sid, SessionPlacement.decode))
+    return asyncio.run(
+        stack.probe.read_until(
+            stack.probe.topics.sessions_placement.name, lambda p: p.session_id == sid, SessionPlacement.decode
+        )
+    )
 
 
 def test_hint_moves_the_session_to_the_less_loaded_worker_which_pulls_its_kv_over_http(stack):
@@ -182,10 +192,17 @@ class BusyHolder:
 
     def _run(self) -> None:
         messages = _turn2("busy", _text(self.stack.turn1["busy"]))
-        body = {"model": "tiny", "messages": messages, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", f"{self.stack.url}/v1/chat/completions", json=body,
-                          headers={"X-Session-Id": "busy"}, timeout=120) as r:
+        body = {
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{self.stack.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "busy"}, timeout=120
+        ) as r:
             self.worker = r.headers.get("x-tandem-worker")
             for line in r.iter_lines():
                 if '"content"' in line:
@@ -258,8 +275,16 @@ def _evil_heartbeats(stack, url: str, stop: threading.Event) -> None:
         kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-evil")
         await kafka.start()
         while not stop.is_set():
-            hb = Heartbeat(worker_id="evil", model="tiny", max_model_len=512, dispatch_topic="none", started_at=0,
-                           sent_at=time.time(), draining=True, kv_url=url)
+            hb = Heartbeat(
+                worker_id="evil",
+                model="tiny",
+                max_model_len=512,
+                dispatch_topic="none",
+                started_at=0,
+                sent_at=time.time(),
+                draining=True,
+                kv_url=url,
+            )
             await kafka.send(stack.probe.topics.heartbeats.name, hb, key="evil")
             await asyncio.sleep(0.25)
         await kafka.stop()
@@ -277,16 +302,34 @@ def test_corrupt_and_truncated_transfers_are_refused_and_the_turn_recomputes(sta
     topics = stack.probe.topics
     try:
         refused_before = _stats(stack, "wb").get("pulls_refused", 0)
-        loc = SessionLocation(session_id="flip", worker_id="evil", kv_url=flipped.url, tiers=["disk"],
-                              num_tokens=10_000, nbytes=len(real), last_activity=time.time() + 3600)
-        placement = SessionPlacement(session_id="flip", worker_id="wb", hint_id="test", expires_at=time.time() + 600,
-                                     source_worker="evil")
-        asyncio.run(stack.probe.publish((topics.sessions_directory.name, loc, "flip"),
-                                        (topics.sessions_placement.name, placement, "flip")))
+        loc = SessionLocation(
+            session_id="flip",
+            worker_id="evil",
+            kv_url=flipped.url,
+            tiers=["disk"],
+            num_tokens=10_000,
+            nbytes=len(real),
+            last_activity=time.time() + 3600,
+        )
+        placement = SessionPlacement(
+            session_id="flip", worker_id="wb", hint_id="test", expires_at=time.time() + 600, source_worker="evil"
+        )
+        asyncio.run(
+            stack.probe.publish(
+                (topics.sessions_directory.name, loc, "flip"), (topics.sessions_placement.name, placement, "flip")
+            )
+        )
         for n, server in enumerate((flipped, truncated), start=1):  # one after the other: a second
-            prefetch = ControlEnvelope(message=Prefetch(  # prefetch would join the pull under way
-                worker_id="wb", session_id="flip", hint_id=f"test{n}", source_worker="evil",
-                source_url=session_kv_url(server.url, "flip"), source_tokens=10_000))
+            prefetch = ControlEnvelope(
+                message=Prefetch(  # prefetch would join the pull under way
+                    worker_id="wb",
+                    session_id="flip",
+                    hint_id=f"test{n}",
+                    source_worker="evil",
+                    source_url=session_kv_url(server.url, "flip"),
+                    source_tokens=10_000,
+                )
+            )
             asyncio.run(stack.probe.publish((topics.control.name, prefetch, "flip")))
             _wait_stat(stack, "wb", "pulls_refused", refused_before + n)
         messages = _turn2("flip", _text(stack.turn1["flip"]))
@@ -315,11 +358,19 @@ def test_a_restarted_worker_finds_its_sessions_on_disk_and_reuses_them(stack):
 
 def _stream_chat(stack, messages: list[dict], session: str) -> tuple[str, str, dict]:
     """A streamed turn: its worker, text and the usage chunk (which carries cached_tokens too)."""
-    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text, usage = "", None
-    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", json=body, headers={"X-Session-Id": session},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/chat/completions", json=body, headers={"X-Session-Id": session}, timeout=120
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):

@@ -1,5 +1,6 @@
 """Session routing logic without processes: hint debouncing, the advisory service's target choice
 and advice, and the scheduler's session affinity policies."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,8 +48,15 @@ def test_least_loaded_target_counts_pending_hints_and_keeps_the_holder_on_ties()
 
 
 def _worker(wid: str, running: int = 0, model: str = "m") -> WorkerState:
-    hb = Heartbeat(worker_id=wid, model=model, max_model_len=512, dispatch_topic="d", started_at=0, sent_at=0,
-                   kv_url=f"http://{wid}:1")
+    hb = Heartbeat(
+        worker_id=wid,
+        model=model,
+        max_model_len=512,
+        dispatch_topic="d",
+        started_at=0,
+        sent_at=0,
+        kv_url=f"http://{wid}:1",
+    )
     return WorkerState(hb, 0.0, Telemetry(worker_id=wid, sent_at=0, rt=ClassLoad(running=running), max_num_seqs=4))
 
 
@@ -57,8 +65,14 @@ def _hint(sid: str, t: float = 1000.0, hint_id: str = "h1") -> TypingHint:
 
 
 def _loc(sid: str, worker: str, t: float = 1.0, tokens: int = 32) -> SessionLocation:
-    return SessionLocation(session_id=sid, worker_id=worker, kv_url=f"http://{worker}:1", tiers=["gpu", "disk"],
-                           num_tokens=tokens, last_activity=t)
+    return SessionLocation(
+        session_id=sid,
+        worker_id=worker,
+        kv_url=f"http://{worker}:1",
+        tiers=["gpu", "disk"],
+        num_tokens=tokens,
+        last_activity=t,
+    )
 
 
 def test_advisor_moves_a_session_off_a_busy_holder_and_spreads_a_burst_of_hints():

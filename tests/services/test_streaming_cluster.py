@@ -1,4 +1,5 @@
 """Two workers behind one gateway: concurrency, cancellation, worker loss and scheduler restart."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,16 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, on_chunk=None
 
 
 def _bodies(n: int, max_tokens: int) -> list[dict]:
-    return [chat_body(f"request number {i}: say something", max_tokens=max_tokens, stream=True, ignore_eos=True,
-                      stream_options={"include_usage": True}) for i in range(n)]
+    return [
+        chat_body(
+            f"request number {i}: say something",
+            max_tokens=max_tokens,
+            stream=True,
+            ignore_eos=True,
+            stream_options={"include_usage": True},
+        )
+        for i in range(n)
+    ]
 
 
 def _reference(url: str, bodies: list[dict]) -> list[str]:
@@ -109,20 +118,26 @@ def test_worker_killed_mid_stream_resumes_on_the_other_with_identical_text(stack
 
     async def run():
         async with httpx.AsyncClient(timeout=180) as client:
+
             async def kill_once(n_chunks):
                 if n_chunks == 30 and not killed:
                     killed.append("w0")
                     stack.kill("w0", signal.SIGKILL)
-            tasks = [_stream(client, stack.url, b, on_chunk=kill_once if i == 0 else None)
-                     for i, b in enumerate(bodies)]
+
+            tasks = [
+                _stream(client, stack.url, b, on_chunk=kill_once if i == 0 else None) for i, b in enumerate(bodies)
+            ]
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(run())
     assert killed == ["w0"]
     on_w0 = sum(r["worker"] == "w0" for r in results)
     assert on_w0, "no stream started on the killed worker"
-    resumed = [ln for ln in httpx.get(f"{stack.url}/metrics").text.splitlines()
-               if ln.startswith("tandem_gateway_resumed_requests ")]
+    resumed = [
+        ln
+        for ln in httpx.get(f"{stack.url}/metrics").text.splitlines()
+        if ln.startswith("tandem_gateway_resumed_requests ")
+    ]
     assert float(resumed[0].split()[1]) >= on_w0  # each of them was resumed elsewhere
     for r, ref in zip(results, reference):
         assert r["finish"] == "length" and r["usage"]["completion_tokens"] == 200

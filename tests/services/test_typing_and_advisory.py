@@ -4,6 +4,7 @@ The workers here are played by the test (heartbeats, telemetry and session locat
 the broker as workers do), so the advisory service's choices can be steered by load; the real
 workers' side (pull, serve, cached tokens) is tested in test_session_migration.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,21 +51,38 @@ class FakeWorkers:
             while not self._stop.is_set():
                 for wid, running in (("wa", 1), ("wb", 0)):
                     await kafka.send(self.topics.heartbeats.name, _heartbeat(wid), key=wid)
-                    await kafka.send(self.topics.telemetry.name, Telemetry(
-                        worker_id=wid, sent_at=time.time(), rt=ClassLoad(running=running), max_num_seqs=4), key=wid)
+                    await kafka.send(
+                        self.topics.telemetry.name,
+                        Telemetry(worker_id=wid, sent_at=time.time(), rt=ClassLoad(running=running), max_num_seqs=4),
+                        key=wid,
+                    )
                 await asyncio.sleep(0.25)
         finally:
             await kafka.stop()
 
 
 def _heartbeat(wid: str) -> Heartbeat:
-    return Heartbeat(worker_id=wid, model="tiny", max_model_len=512, dispatch_topic=f"d.{wid}", started_at=0,
-                     sent_at=time.time(), kv_url=f"http://{wid}:9")
+    return Heartbeat(
+        worker_id=wid,
+        model="tiny",
+        max_model_len=512,
+        dispatch_topic=f"d.{wid}",
+        started_at=0,
+        sent_at=time.time(),
+        kv_url=f"http://{wid}:9",
+    )
 
 
 def _location(sid: str, wid: str = "wa") -> SessionLocation:
-    return SessionLocation(session_id=sid, worker_id=wid, kv_url=f"http://{wid}:9", tiers=["gpu", "disk"],
-                           num_tokens=64, nbytes=4096, last_activity=time.time())
+    return SessionLocation(
+        session_id=sid,
+        worker_id=wid,
+        kv_url=f"http://{wid}:9",
+        tiers=["gpu", "disk"],
+        num_tokens=64,
+        nbytes=4096,
+        last_activity=time.time(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +207,14 @@ def test_websocket_events_are_debounced_and_bad_frames_keep_the_socket_open(stac
 def _websocket_session(url: str) -> list[dict]:
     answers = []
     with connect(url) as ws:
-        for frame in ('{"type": "keystroke"}', '{"type": "keystroke"}', '{"type": "typing"}',
-                      "{not json", '{"type": "paste"}', '{"type": "typing", "expected_arrival_s": -3}'):
+        for frame in (
+            '{"type": "keystroke"}',
+            '{"type": "keystroke"}',
+            '{"type": "typing"}',
+            "{not json",
+            '{"type": "paste"}',
+            '{"type": "typing", "expected_arrival_s": -3}',
+        ):
             ws.send(frame)
             answers.append(json.loads(ws.recv(timeout=30)))
         time.sleep(DEBOUNCE_S + 0.1)  # the burst is over
@@ -199,14 +223,17 @@ def _websocket_session(url: str) -> list[dict]:
     return answers
 
 
-@pytest.mark.parametrize("path,body,status,param,code", [
-    ("/v1/sessions/s/typing", b"{not json", 400, None, "invalid_json"),
-    ("/v1/sessions/s/typing", b"[1, 2]", 400, None, "invalid_json"),
-    ("/v1/sessions/s/typing", b'{"expected_arrival_s": -1}', 400, "expected_arrival_s", "invalid_value"),
-    ("/v1/sessions/s/typing", b'{"expected_arrival_s": "soon"}', 400, "expected_arrival_s", "invalid_value"),
-    ("/v1/sessions/s/typing", b" " * 5000, 413, None, "request_too_large"),
-    ("/v1/sessions/" + "x" * 300 + "/typing", b"", 400, "session_id", "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param,code",
+    [
+        ("/v1/sessions/s/typing", b"{not json", 400, None, "invalid_json"),
+        ("/v1/sessions/s/typing", b"[1, 2]", 400, None, "invalid_json"),
+        ("/v1/sessions/s/typing", b'{"expected_arrival_s": -1}', 400, "expected_arrival_s", "invalid_value"),
+        ("/v1/sessions/s/typing", b'{"expected_arrival_s": "soon"}', 400, "expected_arrival_s", "invalid_value"),
+        ("/v1/sessions/s/typing", b" " * 5000, 413, None, "request_too_large"),
+        ("/v1/sessions/" + "x" * 300 + "/typing", b"", 400, "session_id", "invalid_value"),
+    ],
+)
 def test_bad_typing_requests_get_openai_errors(stack, path, body, status, param, code):
     r = httpx.post(stack.url + path, content=body, timeout=30, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
@@ -230,8 +257,9 @@ async def _hint_and_collect(stack, sid: str) -> tuple[Prefetch, SessionPlacement
     topics = Topics(stack.prefix)
     async with Reader(stack, topics.control.name) as control, Reader(stack, topics.sessions_placement.name) as plc:
         assert _post_typing(stack.url, sid).json()["hint"] == "sent"
-        prefetches = await control.until(lambda k, v: isinstance(v.message, Prefetch) and v.message.session_id == sid,
-                                         ControlEnvelope.decode)
+        prefetches = await control.until(
+            lambda k, v: isinstance(v.message, Prefetch) and v.message.session_id == sid, ControlEnvelope.decode
+        )
         placements = await plc.until(_placed(sid), SessionPlacement.decode)
     return prefetches[-1][1].message, placements[-1][1]
 

@@ -1,5 +1,6 @@
 """`tandem up`: one command starts broker, scheduler, worker and gateway; Ctrl-C stops them; a
 crashed child is reported, not silently restarted."""
+
 from __future__ import annotations
 
 import signal
@@ -16,11 +17,19 @@ from services.broker import free_port
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start(model_dir, port: int, flags: tuple[str, ...] = ("--dtype", "float32", "--kv-cache-gib", "0.05"),
-           env: dict | None = None) -> tuple[subprocess.Popen, list[str]]:
+def _start(
+    model_dir,
+    port: int,
+    flags: tuple[str, ...] = ("--dtype", "float32", "--kv-cache-gib", "0.05"),
+    env: dict | None = None,
+) -> tuple[subprocess.Popen, list[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), *flags, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**_env(), **(env or {})})
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_env(), **(env or {})},
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -36,7 +45,6 @@ def _start(model_dir, port: int, flags: tuple[str, ...] = ("--dtype", "float32",
 
 def _env() -> dict:
     import os
-
     import tempfile
 
     env = dict(os.environ)
@@ -49,11 +57,16 @@ def _batch_completes(url: str, model: str) -> None:
     """`up` runs the queue service: a small batch job goes through."""
     import json
 
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-            "body": {"model": model, "prompt": "hi", "max_tokens": 2}}
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": model, "prompt": "hi", "max_tokens": 2},
+    }
     f = httpx.post(f"{url}/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", json.dumps(line))}).json()
-    batch = httpx.post(f"{url}/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                               "completion_window": "24h"}).json()
+    batch = httpx.post(
+        f"{url}/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
+    ).json()
     deadline = time.monotonic() + 60
     while batch["status"] != "completed" and time.monotonic() < deadline:
         time.sleep(0.3)
@@ -66,12 +79,18 @@ def test_up_serves_and_stops_cleanly(tiny_model_dir):
     proc, lines = _start(tiny_model_dir("llama"), port)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) >= 6  # broker, scheduler, advisory, worker, queue, gateway
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                   json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "temperature": 0})
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions",
+        timeout=60,
+        json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 3, "temperature": 0},
+    )
     if r.status_code == 404:  # the served name is the model directory's name
         name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": name, "prompt": "hi", "max_tokens": 3, "temperature": 0},
+        )
     assert r.status_code == 200, r.text
     prefixes = {ln.split("|")[0].strip() for ln in lines if "|" in ln}
     assert {"broker", "scheduler", "advisory", "worker-0", "queue", "gateway", "up"} <= prefixes
@@ -101,8 +120,11 @@ def test_up_without_flags_decides_the_dtype_for_this_cpu(tiny_model_dir):
     try:
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
         assert model["dtype"] == resolve_dtype("auto", "cpu")[0] and model["device"] == "cpu", "".join(lines)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": model["id"], "prompt": "hi", "max_tokens": 3, "temperature": 0})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": model["id"], "prompt": "hi", "max_tokens": 3, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
     finally:
         proc.send_signal(signal.SIGINT)

@@ -1,4 +1,5 @@
 """The Kafka layer and wire schemas against the real broker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ from aiokafka import TopicPartition
 from shared.kafka import KafkaClient, OffsetTracker
 from shared.schemas.control import Cancel, ControlEnvelope, Drain
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import Accepted, Delta, ResultBatch, Rerouted
+from shared.schemas.results import Accepted, Delta, Rerouted, ResultBatch
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 
@@ -17,8 +18,16 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _request(**kw) -> GenerateRequest:
-    return GenerateRequest(request_id="r1", gateway_id="g", reply_partition=3, model="m", kind="chat",
-                           messages=[{"role": "user", "content": "hi"}], created_at=1.0, **kw)
+    return GenerateRequest(
+        request_id="r1",
+        gateway_id="g",
+        reply_partition=3,
+        model="m",
+        kind="chat",
+        messages=[{"role": "user", "content": "hi"}],
+        created_at=1.0,
+        **kw,
+    )
 
 
 def test_schemas_round_trip_and_discriminate():
@@ -26,9 +35,14 @@ def test_schemas_round_trip_and_discriminate():
     assert GenerateRequest.decode(req.encode()) == req
     resumed = req.resumed([5, 6])
     assert resumed.attempt == 1 and resumed.resume_token_ids == [5, 6] and req.attempt == 0
-    batch = ResultBatch(source="w", events=[Accepted(request_id="a", worker_id="w", prompt_tokens=3),
-                                            Delta(request_id="a", index=0, token_ids=[1], text="x"),
-                                            Rerouted(request_id="b", reason="lost")])
+    batch = ResultBatch(
+        source="w",
+        events=[
+            Accepted(request_id="a", worker_id="w", prompt_tokens=3),
+            Delta(request_id="a", index=0, token_ids=[1], text="x"),
+            Rerouted(request_id="b", reason="lost"),
+        ],
+    )
     assert [type(e) for e in ResultBatch.decode(batch.encode()).events] == [Accepted, Delta, Rerouted]
     env = ControlEnvelope.decode(ControlEnvelope(message=Drain(worker_id="w")).encode())
     assert isinstance(env.message, Drain)
@@ -51,9 +65,19 @@ def test_offset_tracker_commits_only_below_unfinished_work():
 
 def test_topic_catalogue_is_complete():
     names = {t.name for t in Topics("p").static()}
-    assert {"p.requests.rt", "p.requests.be", "p.results", "p.control", "p.telemetry", "p.heartbeats",
-            "p.scheduler.state", "p.be.capacity", "p.advisory", "p.sessions.directory",
-            "p.sessions.placement"} == names
+    assert {
+        "p.requests.rt",
+        "p.requests.be",
+        "p.results",
+        "p.control",
+        "p.telemetry",
+        "p.heartbeats",
+        "p.scheduler.state",
+        "p.be.capacity",
+        "p.advisory",
+        "p.sessions.directory",
+        "p.sessions.placement",
+    } == names
     assert Topics("p").sessions_directory.compacted and Topics("p").sessions_placement.compacted
     assert Topics("p").scheduler_state.compacted and Topics("p").dispatch("w1").name == "p.dispatch.w1"
 

@@ -1,17 +1,32 @@
 """The session directory and placement book every session reader keeps (pure logic)."""
+
 from __future__ import annotations
 
 import pytest
 
 from shared.schemas.control import ControlEnvelope
-from shared.schemas.sessions import (Prefetch, SessionLocation, SessionPlacement, TypingHint, check_session_id,
-                                     session_kv_url)
+from shared.schemas.sessions import (
+    Prefetch,
+    SessionLocation,
+    SessionPlacement,
+    TypingHint,
+    check_session_id,
+    session_kv_url,
+)
 from shared.session_state import PlacementBook, SessionDirectory
 
 
 def _loc(worker: str, t: float, tokens: int = 32, sid: str = "s", **kw) -> SessionLocation:
-    return SessionLocation(session_id=sid, worker_id=worker, kv_url=f"http://{worker}:1", tiers=["disk"],
-                           num_tokens=tokens, nbytes=tokens * 10, last_activity=t, **kw)
+    return SessionLocation(
+        session_id=sid,
+        worker_id=worker,
+        kv_url=f"http://{worker}:1",
+        tiers=["disk"],
+        num_tokens=tokens,
+        nbytes=tokens * 10,
+        last_activity=t,
+        **kw,
+    )
 
 
 def test_holder_is_the_newest_live_copy_and_drops_fall_back_to_older_copies():

@@ -1,0 +1,31 @@
+"""Tandem's inference engine: paged KV cache, continuous batching, pluggable scheduling.
+
+from engine import LLM, EngineConfig, SamplingParams
+llm = LLM(EngineConfig(model="default"))  # dtype "auto": bf16 with native bf16, else float32
+out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0), chat=True)
+"""
+
+from engine.async_llm import AsyncLLM, StreamDelta
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import EngineStats, LLMEngine
+from engine.llm import LLM, apply_chat_template
+from engine.outputs import GenerationOutput, RequestMetrics, RequestOutput
+from engine.sampling import SamplingParams
+from engine.scheduling import SLO, RequestClass
+
+__all__ = [
+    "AsyncLLM",
+    "EngineConfig",
+    "EngineStats",
+    "GenerationOutput",
+    "LLM",
+    "LLMEngine",
+    "ModelConfig",
+    "RequestClass",
+    "RequestMetrics",
+    "RequestOutput",
+    "SLO",
+    "SamplingParams",
+    "StreamDelta",
+    "apply_chat_template",
+]

@@ -1,0 +1,121 @@
+"""Frozen configuration objects for the engine.
+
+`ModelConfig` is the architecture as the engine sees it, normalised from a Hugging Face
+`config.json` or from GGUF metadata; `EngineConfig` is how one engine instance runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from kernels.cpu_caps import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters, independent of where the weights came from."""
+
+    architecture: str  # "llama" (Llama/Mistral/Qwen2/Qwen3/SmolLM2) or "opt"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # MLP inner size (OPT: ffn_dim)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6  # OPT: layer_norm eps (1e-5)
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling dict ("llama3", "linear", ...) or None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2: True)
+    o_proj_bias: bool = False  # output-projection bias (Llama/Mistral/Qwen3 with attention_bias; never Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"  # OPT: "relu"
+    # OPT-specific
+    do_layer_norm_before: bool = True
+    word_embed_proj_dim: int | None = None  # OPT-350m projects embeddings; None = hidden_size
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # recorded; not used (Mistral v0.1 only)
+    name: str = ""  # human-readable model name / path
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V per token across all layers for a float32 cache (scale for dtype)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs: device, dtype, memory and batching limits."""
+
+    model: str = "default"
+    device: str = "cpu"
+    # "auto" | "float32" | "bfloat16" | "float16". auto: bfloat16 on a CPU with native bf16
+    # (AVX512-BF16 or AMX) or a GPU with bf16, float32 on other CPUs; `resolved()` decides it
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_blocks: int | None = None  # overrides kv_cache_gib when set (tests)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024  # token budget per step (chunked prefill)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: model's max_position_embeddings
+    policy: str = "fcfs"  # "fcfs", "rr" or "bros"
+    # RT class defaults (per-request SLO fields override them); BE requests have no SLO
+    rt_ttft_s: float = 0.4
+    rt_tpot_s: float = 0.2
+    bros_base_cap: int = 128  # adaptive batch cap starts (and resets) here, doubling up to max_num_seqs
+    cost_model_path: str | None = None  # bros: load this profile instead of profiling at start
+    swap_space_gib: float = 1.0  # host space for checkpointed / swapped-out KV
+    num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
+    # decode attention kernel: "fused" (kernels/compiled/decode.py, CPU only), "reference"
+    # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
+    # stays on the path the transformers parity tests check)
+    attention: str = "auto"
+    # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
+    # (models/decode_graph.py; Llama family); False keeps them op by op
+    compile_layers: bool = True
+    # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
+    session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
+    session_host_gib: float = 1.0  # host-memory budget for kept session KV
+    session_disk_gib: float = 20.0  # disk budget; least recently active sessions are deleted beyond it
+    session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
+    session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
+
+    def resolved(self) -> EngineConfig:
+        """This config with `dtype="auto"` decided for this machine (kernels/cpu_caps.py), logged.
+        A concrete dtype is checked and kept."""
+        dtype, why = resolve_dtype(self.dtype, self.device)
+        if self.dtype == "auto":
+            log.info("dtype auto -> %s: %s", dtype, why)
+        return self if dtype == self.dtype else replace(self, dtype=dtype)
+
+    @property
+    def decode_kernel(self) -> str:
+        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        if self.attention == "auto":
+            if self.dtype == "auto":
+                raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
+            return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
+        if self.attention not in ("fused", "reference"):
+            raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
+        if self.attention == "fused" and self.device != "cpu":
+            raise ValueError("attention='fused' is the CPU kernel; use 'reference' on other devices")
+        return self.attention
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

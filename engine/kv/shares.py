@@ -1,0 +1,53 @@
+"""Two-ended blocks: the BE request at a block's right end, and the RT request that may fill
+its left end (the paper's preemption table is the set of shares with checkpointed slots).
+
+Every device block a BE request fills from the right has a `Share`. While no RT request
+uses its left end the block is *stealable*; `StealIndex` finds the one with the most empty
+slots in O(block_size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Share:
+    block_id: int
+    be_id: str
+    be_entry: int  # logical block index in the BE request's table
+    be_fill: int  # BE slots still resident, counted from the right end
+    be_len: int  # BE tokens of this logical block (resident + checkpointed); be_fill <= be_len
+    rt_id: str | None = None  # RT request filling from the left, if any
+    rt_entry: int = -1
+
+    def checkpointed(self, block_size: int) -> range:
+        """In-block slots whose BE contents were checkpointed to host (overwritten by the RT end)."""
+        return range(block_size - self.be_len, block_size - self.be_fill)
+
+
+class StealIndex:
+    """Stealable shares bucketed by empty slots; ties go to the most recently indexed."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._buckets: list[dict[int, Share]] = [{} for _ in range(block_size + 1)]
+        self._where: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def update(self, share: Share, stealable: bool) -> None:
+        old = self._where.pop(share.block_id, None)
+        if old is not None:
+            del self._buckets[old][share.block_id]
+        if stealable:
+            empty = self.block_size - share.be_fill
+            self._buckets[empty][share.block_id] = share
+            self._where[share.block_id] = empty
+
+    def best(self) -> Share | None:
+        for bucket in reversed(self._buckets):
+            if bucket:
+                return next(reversed(bucket.values()))
+        return None

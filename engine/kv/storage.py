@@ -1,0 +1,81 @@
+"""The KV cache tensors and their sizing from a memory budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import groupby
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv.copies import CopyKind, KVCopy
+from engine.platform_tuning import empty_hugepage_tensor
+
+_GIB = 1 << 30
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def num_blocks_for_budget(model: ModelConfig, block_size: int, dtype: torch.dtype, gib: float) -> int:
+    """Blocks that fit in `gib` GiB (one of them is the reserved null block)."""
+    return int(gib * _GIB) // bytes_per_block(model, block_size, dtype)
+
+
+class KVCacheStorage:
+    """One tensor `[layers, 2, kv_heads, num_blocks, block_size, head_dim]` with per-layer views.
+
+    Head-major per layer (see kernels/attention.py); a block's data for one layer is
+    `data[layer, :, :, block]`, which block copies (swap, transfer) index directly.
+    """
+
+    def __init__(
+        self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device, host_blocks: int = 0
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (model.num_layers, 2, model.num_kv_heads, num_blocks, block_size, model.head_dim)
+        if torch.device(device).type == "cpu":
+            self.data = empty_hugepage_tensor(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [self.data[i] for i in range(model.num_layers)]
+        self._host_shape = (model.num_layers, 2, model.num_kv_heads, host_blocks, block_size, model.head_dim)
+        self._host: torch.Tensor | None = None  # swap space, allocated on first use
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // (self.num_blocks * self.block_size)
+
+    def host(self) -> torch.Tensor:
+        if self._host is None:  # pinned on GPU machines so copies can be asynchronous
+            pin = self.data.device.type == "cuda"
+            self._host = torch.empty(self._host_shape, dtype=self.data.dtype, pin_memory=pin)
+        return self._host
+
+    def execute(self, copies: Sequence[KVCopy]) -> None:
+        """Run a step's KV copies in order; consecutive copies of one kind go as one gather/scatter.
+
+        Within such a run no copy reads what another writes (a run only reads one side and
+        writes the other, or for device moves writes only freshly taken blocks), so gathering
+        every source before scattering is exact.
+        """
+        for kind, run in groupby(copies, key=lambda c: c.kind):
+            run = list(run)
+            src = torch.tensor([s for c in run for s in c.src_slots], dtype=torch.long)
+            dst = torch.tensor([d for c in run for d in c.dst_slots], dtype=torch.long)
+            src_t, dst_t = self._flat(kind is CopyKind.H2D), self._flat(kind is CopyKind.D2H)
+            moved = src_t.index_select(3, src.to(src_t.device))
+            dst_t.index_copy_(3, dst.to(dst_t.device), moved.to(dst_t.device))
+
+    def _flat(self, on_host: bool) -> torch.Tensor:
+        """`[layers, 2, kv_heads, blocks * block_size, head_dim]` view of the device cache or host space."""
+        t = self.host() if on_host else self.data
+        layers, two, heads, blocks, bs, dim = t.shape
+        return t.view(layers, two, heads, blocks * bs, dim)

@@ -1,0 +1,216 @@
+"""Turns a scheduled batch into one forward pass.
+
+Builds the flattened inputs (token ids, positions, cache slots) and the layer-invariant
+attention metadata, runs the model, and returns logits only for the rows that produce a
+token this step (the last new token of each sequence that reached its end; partial prefill
+chunks produce none).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.kv import KVCacheManager, KVCacheStorage
+from engine.models.decode_graph import DecodeGraph, supports_decode_graph
+from engine.scheduling import Request, ScheduledItem
+from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, write_kv_cache_layers
+from kernels.compiled import decode as compiled_decode
+
+log = logging.getLogger(__name__)
+_BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
+_BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
+_BUCKET_MAX = 32  # and holds at most this many rows (bounds one gather's temporary; 64 measured no better)
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor | None  # [N, vocab] float32, one row per request in `sampled`
+    sampled: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        storage: KVCacheStorage,
+        kv: KVCacheManager,
+        device: torch.device,
+        decode_kernel: str = "reference",
+        fallback: bool = False,
+        compile_layers: bool = True,
+    ) -> None:
+        """`fallback`: if the fused kernel cannot be compiled here, warn and use the reference
+        (`attention="auto"`); otherwise the error propagates (`attention="fused"`).
+        `compile_layers`: with the fused kernel, run decode-only steps through compiled
+        layers (models/decode_graph.py) where the model supports it."""
+        self.model = model
+        self.storage = storage
+        self.kv = kv
+        self.device = device
+        self.block_size = storage.block_size
+        self.scale = model.config.head_dim**-0.5
+        self.decode_kernel = decode_kernel
+        self.decode_graph: DecodeGraph | None = None
+        if decode_kernel == "fused":  # compile now rather than in the first request's step
+            try:
+                self._compile(compile_layers)
+            except Exception as exc:  # e.g. no C++ compiler in a slim image
+                if not fallback:
+                    raise
+                log.warning(
+                    "fused decode attention unavailable (%s: %s); using the reference kernel",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                self.decode_kernel, self.decode_graph = "reference", None
+
+    def _compile(self, compile_layers: bool) -> None:
+        compiled_decode.warm_up(self.storage.layers[0], self.model.config.num_heads, self.scale)
+        if compile_layers and supports_decode_graph(self.model):
+            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size)
+            self.decode_graph.warm_up(self.storage.layers)
+
+    @torch.inference_mode()
+    def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
+        """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
+        decodes = [it for it in items if it.num_new_tokens == 1]
+        prefills = [it for it in items if it.num_new_tokens > 1]
+        if self._graph_applies(decodes, prefills, wait_layer):
+            return self._execute_decode_graph(decodes)
+        ordered = decodes + prefills
+        input_ids, positions, slots, rows, sampled = self._flatten(ordered)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decode_buckets=self._decode_buckets([it.request for it in decodes]),
+            prefills=self._prefill_spans(prefills, start=len(decodes)),
+            scale=self.scale,
+            wait_layer=wait_layer,
+            decode_kernel=self.decode_kernel,
+        )
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
+        if not rows:
+            return StepResult(None, [])
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        return StepResult(logits, sampled)
+
+    def _graph_applies(self, decodes, prefills, wait_layer) -> bool:
+        """Decode-only steps in which every row has context in the cache and no KV is still loading."""
+        return (
+            self.decode_graph is not None
+            and bool(decodes)
+            and not prefills
+            and wait_layer is None
+            and all(it.request.num_computed_tokens for it in decodes)
+        )
+
+    def _execute_decode_graph(self, items: list[ScheduledItem]) -> StepResult:
+        """A decode-only step through the compiled layers, then one K/V write for all layers."""
+        input_ids, positions, slots, _, sampled = self._flatten(items)
+        requests = [it.request for it in items]
+        context = self._whole_bucket(requests, [r.num_computed_tokens for r in requests])
+        hidden, keys, values = self.decode_graph(
+            self._tensor(input_ids), self._tensor(positions), self.storage.layers, context
+        )
+        write_kv_cache_layers(self.storage.data, keys, values, self._tensor(slots))
+        return StepResult(self.model.compute_logits(hidden), sampled)
+
+    def _flatten(self, items: list[ScheduledItem]):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        for it in items:
+            req, n = it.request, it.num_new_tokens
+            start = req.num_computed_tokens
+            table = self.kv.table(req)
+            ids = table.ids
+            input_ids.extend(req.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            if any(table.rev[start // bs :]):  # logical positions stay; reversed blocks flip the slot
+                rev = table.rev
+                slots.extend(ids[p // bs] * bs + (bs - 1 - p % bs if rev[p // bs] else p % bs) for p in pos)
+            else:
+                slots.extend(ids[p // bs] * bs + p % bs for p in pos)
+            if start + n == req.num_tokens:
+                rows.append(len(input_ids) - 1)
+                sampled.append(req)
+        return input_ids, positions, slots, rows, sampled
+
+    def _decode_buckets(self, requests: list[Request]) -> list[DecodeBucket]:
+        """Group decode rows by context length so padding stays small.
+
+        Rows are taken longest first; a new bucket starts when a row is shorter than
+        `_BUCKET_FILL` of the bucket's longest and the bucket already has enough rows to
+        amortise the per-bucket op overhead. The fused kernel splits contexts into chunks
+        itself, so it gets every decode row in one bucket.
+        """
+        lens = [r.num_computed_tokens + 1 for r in requests]
+        if self.decode_kernel == "fused":  # split-K over chunks: one bucket of any lengths
+            return [self._whole_bucket(requests, lens)] if requests else []
+        order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
+        buckets: list[list[int]] = []
+        for i in order:
+            current = buckets[-1] if buckets else None
+            if (
+                current is None
+                or len(current) >= _BUCKET_MAX
+                or (lens[i] < _BUCKET_FILL * lens[current[0]] and len(current) >= _BUCKET_MIN)
+            ):
+                buckets.append([])
+            buckets[-1].append(i)
+        return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]
+
+    def _whole_bucket(self, requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """Every request in one bucket, rows in order (for kernels that cut contexts into chunks)."""
+        return self._decode_bucket(list(range(len(requests))), requests, lens)
+
+    def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""
+        bs = self.block_size
+        max_blocks = -(-max(lens) // bs)
+        tables = [self.kv.table(r) for r in requests]
+        ids = [t.ids[: -(-n // bs)] for t, n in zip(tables, lens)]
+        table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)
+        valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        return DecodeBucket(
+            rows=self._tensor(rows),
+            block_table=table.to(self.device),
+            bias=bias.unsqueeze(1).to(self.device),
+            reversed=self._directions(tables, max_blocks),
+        )
+
+    def _directions(self, tables, width: int) -> torch.Tensor | None:
+        """[len(tables), width] direction bits, or None when every block is forward (the common case)."""
+        rows = [t.rev[:width] for t in tables]
+        if not any(any(r) for r in rows):
+            return None
+        return torch.tensor([r + [False] * (width - len(r)) for r in rows], dtype=torch.bool, device=self.device)
+
+    def _prefill_spans(self, items: list[ScheduledItem], start: int) -> list[PrefillSpan]:
+        spans, row = [], start
+        bs = self.block_size
+        for it in items:
+            req, n = it.request, it.num_new_tokens
+            ctx = req.num_computed_tokens
+            block_ids = reversed_bits = None
+            if ctx:
+                table = self.kv.table(req)
+                width = -(-(ctx + n) // bs)
+                block_ids = self._tensor(table.ids[:width])
+                bits = self._directions([table], width)
+                reversed_bits = None if bits is None else bits[0]
+            spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, block_ids=block_ids, reversed=reversed_bits))
+            row += n
+        return spans
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,29 @@
+"""Request state, the scheduling-policy interface, and the scheduler that drives it."""
+
+from engine.scheduling.policy import (
+    BatchLimits,
+    ScheduledBatch,
+    ScheduledItem,
+    SchedulerState,
+    SchedulingPolicy,
+    make_policy,
+    register_policy,
+)
+from engine.scheduling.request import SLO, FinishReason, Request, RequestClass, RequestStatus
+from engine.scheduling.scheduler import Scheduler
+
+__all__ = [
+    "BatchLimits",
+    "FinishReason",
+    "Request",
+    "RequestClass",
+    "RequestStatus",
+    "SLO",
+    "ScheduledBatch",
+    "ScheduledItem",
+    "Scheduler",
+    "SchedulerState",
+    "SchedulingPolicy",
+    "make_policy",
+    "register_policy",
+]

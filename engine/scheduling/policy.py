@@ -1,0 +1,130 @@
+"""The one seam for batch policies: `SchedulingPolicy.schedule(state) -> ScheduledBatch`.
+
+A policy sees the queues, the KV-cache manager and the step's limits; it decides which
+requests run and how many new tokens each computes, allocating KV as it goes and preempting
+(recompute) when it must. The engine then executes the batch. FCFS is the first policy;
+BROS, Apt-Serve and eLLM plug in here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from engine.kv.copies import KVCopy
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.scheduling.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    num_new_tokens: int
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # recompute-preempted (KV dropped)
+    copies: list[KVCopy] = field(default_factory=list)  # executed in order before the forward pass
+    swapped_out: list[Request] = field(default_factory=list)  # whole requests moved to host this step
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.items.append(ScheduledItem(request, num_new_tokens))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.num_new_tokens for it in self.items)
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes crossing host <-> device this step (what the cost model's swap term charges)."""
+        return sum(c.nbytes for c in self.copies if c.crosses_host)
+
+    @property
+    def swap_slots(self) -> int:
+        """Token slots crossing host <-> device (for callers that price bytes themselves)."""
+        return sum(c.num_slots for c in self.copies if c.crosses_host)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+@dataclass
+class SchedulerState:
+    waiting: deque[Request]  # arrival order; preempted requests return to the front
+    running: list[Request]  # admitted requests holding KV, in admission order
+    kv: KVCacheManager
+    limits: BatchLimits
+    now: float
+
+    def preempt(self, request: Request) -> None:
+        """Recompute-preemption: drop the request's KV and put it back at the head of the queue."""
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+
+    def admit(self, request: Request, num_cached_tokens: int) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.now
+            request.num_cached_tokens = num_cached_tokens
+        request.num_computed_tokens = num_cached_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+
+class SchedulingPolicy(ABC):
+    """Chooses each step's batch. One instance per engine (adaptive policies keep state)."""
+
+    name: ClassVar[str]
+
+    def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
+        """Called after the batch ran, with its measured (or simulated) duration."""
+
+    @abstractmethod
+    def schedule(self, state: SchedulerState) -> ScheduledBatch:
+        """Return the requests to run this step with their new-token counts.
+
+        Must allocate KV (through `state.kv`) for every scheduled token, may preempt
+        running requests with `state.preempt`, and must never schedule more than
+        `limits.max_num_batched_tokens` tokens or `limits.max_num_seqs` sequences.
+        """
+
+
+_POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {}
+
+
+def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
+    _POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **options) -> SchedulingPolicy:
+    """Build a registered policy; `options` go to its constructor (e.g. `make_policy("bros",
+    cost_model=CostModel.load(path), default_slo=SLO(0.4, 0.2))`)."""
+    import engine.scheduling.bros  # noqa: F401  (registers built-in policies)
+    import engine.scheduling.fcfs  # noqa: F401
+    import engine.scheduling.rr  # noqa: F401
+
+    try:
+        cls = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduling policy {name!r}; available: {sorted(_POLICIES)}") from None
+    return cls(**options)

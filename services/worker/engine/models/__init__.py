@@ -1,4 +1,0 @@
-"""Model implementations on flattened token batches with paged attention."""
-from services.worker.engine.models.registry import build_model
-
-__all__ = ["build_model"]

@@ -1,0 +1,78 @@
+"""Profiling a real (tiny) model: the fitted cost model is sane, cached by model+device+dtype,
+reloaded instead of re-measured, and `tandem profile` prints it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, profiling
+from engine.cost_model import CostModel
+from engine.loader import resolve_model
+
+
+def _config(path, **kw) -> EngineConfig:
+    cfg = dict(
+        model=str(path), dtype="float32", num_blocks=96, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256
+    )
+    return EngineConfig(**{**cfg, **kw})
+
+
+@pytest.mark.timeout(300)
+def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch):
+    path = tiny_model_dir("llama")
+    engine = LLMEngine(_config(path))
+    model = profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path)
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert len(files) == 1 and "float32" in files[0].name and "cpu" in files[0].name
+    assert CostModel.load(files[0]) == model
+    for phase in (model.prefill, model.decode):
+        assert min(phase.alpha0, phase.alpha1, phase.beta) >= 0 and phase.predict(64, 64) > 0
+    meta = model.meta
+    assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["num_samples"] >= 10
+    assert all(0 <= meta[k] < 10 for k in ("prefill_mape", "decode_mape", "mixed_mape"))
+    assert model.swap_bytes_per_s > 0 and meta["swap_overlaps"] is False
+    monkeypatch.setattr(profiling, "profile", lambda e: pytest.fail("re-profiled although cached"))
+    assert profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path) == model
+    other = LLMEngine(_config(path, max_num_seqs=4))  # another grid: another key
+    assert profiling.profile_path(other, resolve_model(str(path)), tmp_path) != files[0]
+
+
+@pytest.mark.timeout(300)
+def test_bros_engine_loads_a_given_cost_model(tiny_model_dir, tmp_path):
+    cm_path = tmp_path / "cm.json"
+    from engine.cost_model import PhaseFit
+
+    CostModel(PhaseFit(1e-4, 0, 1e-3), PhaseFit(1e-4, 0, 1e-3), 1e9, {"note": "given"}).save(cm_path)
+    engine = LLMEngine(_config(tiny_model_dir("llama"), policy="bros", cost_model_path=str(cm_path)))
+    assert engine.cost_model.meta == {"note": "given"} and engine.scheduler.policy.cost_model is engine.cost_model
+
+
+@pytest.mark.timeout(300)
+def test_cli_profile_prints_json(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from services.cli import main
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "copy.json"
+    rc = main(
+        [
+            "profile",
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--dtype",
+            "float32",
+            "--kv-cache-gib",
+            "0.01",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["format"] == "tandem-cost-model/1" and CostModel.load(out).to_dict() == printed
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
