@@ -11,15 +11,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError, parse_json_body
 from services.gateway.page import register_chat_page
-from services.gateway.responses import ChatShaper, CompletionShaper, sse, usage
 from services.gateway.sessions_api import register_sessions_api
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream
+from shared.openai_api.models import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from shared.openai_api.responses import shaper_for, sse, usage
+from shared.openai_api.translate import ReplyTo, to_generate_request
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.sessions import check_session_id
@@ -72,11 +73,11 @@ class _Handlers:
 
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
-        return await self._serve(request, body, "chat")
+        return await self._serve(request, body)
 
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
-        return await self._serve(request, body, "completion")
+        return await self._serve(request, body)
 
     async def models(self) -> dict:
         data = [
@@ -136,7 +137,7 @@ class _Handlers:
             raise APIError(429, "too many requests in flight; retry later", code="overloaded")
         return _request_class(body, request)
 
-    def _build(self, body, kind: str, req_class: str, request: Request) -> GenerateRequest:
+    def _build(self, body: OpenAIRequest, req_class: str, request: Request) -> GenerateRequest:
         core = self.core
         session = request.headers.get("x-session-id") or (body.tandem.session_id if body.tandem else None)
         if session is not None:
@@ -144,33 +145,25 @@ class _Handlers:
         slo = body.slo()
         if req_class == "rt" and slo.ttft_ms is None and slo.tpot_ms is None:
             slo = slo.model_copy(update={"ttft_ms": core.settings.rt_ttft_ms, "tpot_ms": core.settings.rt_tpot_ms})
-        limit = body.token_limit if kind == "chat" else body.max_tokens
-        logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
-        return GenerateRequest(
+        return to_generate_request(
+            body,
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-            gateway_id=core.gateway_id,
-            reply_partition=core.reply_partition,
-            model=body.model,
-            kind=kind,
-            messages=body.messages if kind == "chat" else None,
-            prompt=body.prompt if kind == "completion" else None,
-            sampling=body.sampling(limit, logprobs),
+            reply_to=ReplyTo(core.gateway_id, core.reply_partition),
             req_class=req_class,
             slo=slo,
             session_id=session,
-            created_at=time.time(),
         )
 
-    async def _serve(self, request: Request, body, kind: str) -> Response:
+    async def _serve(self, request: Request, body: OpenAIRequest) -> Response:
         req_class = self._admit(body, request)
         try:
-            gen = self._build(body, kind, req_class, request)
+            gen = self._build(body, req_class, request)
         except (ValidationError, ValueError) as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         if self._is_open(gen.request_id):
             raise APIError(400, f"request id {gen.request_id!r} is already in flight", code="duplicate_request_id")
         stream = self.core.streams.open(gen)
-        ctx = _Ctx(self, stream, kind, body, time.perf_counter())
+        ctx = _Ctx(self, stream, body, time.perf_counter())
         try:
             await self.core.submit(gen)
             await ctx.wait_accepted()
@@ -205,24 +198,18 @@ def _request_class(body, request: Request) -> str:
 class _Ctx:
     """One request's life at the gateway, from submission to the last byte."""
 
-    def __init__(self, h: _Handlers, stream: RequestStream, kind: str, body, t0: float) -> None:
-        self.h, self.stream, self.kind, self.body, self.t0 = h, stream, kind, body, t0
+    def __init__(self, h: _Handlers, stream: RequestStream, body: OpenAIRequest, t0: float) -> None:
+        self.h, self.stream, self.body, self.t0 = h, stream, body, t0
         self.cls = stream.request.req_class
         rid = stream.request.request_id
-        created = int(time.time())
-        tier = body.service_tier
-        self.shaper = (
-            ChatShaper(f"chatcmpl-{rid}", created, body.model, tier)
-            if kind == "chat"
-            else CompletionShaper(f"cmpl-{rid}", created, body.model, tier)
-        )
+        self.shaper = shaper_for(body.kind, rid, int(time.time()), body.model, body.service_tier)
         self.first_token_seen = False
         self.closed = False
         self.cached_tokens: int | None = None
 
     @property
     def endpoint(self) -> str:
-        return "chat" if self.kind == "chat" else "completions"
+        return "chat" if self.body.kind == "chat" else "completions"
 
     def _timeout(self, first: bool) -> float:
         s = self.h.core.settings

@@ -18,7 +18,7 @@ from services.gateway.errors import APIError
 from services.queue.objects import batch_object, file_object, list_page
 from services.queue.settings import StoreSettings
 from services.queue.store import BatchStore
-from services.queue.validation import ENDPOINTS
+from shared.openai_api.models import ENDPOINTS
 
 FILE_PURPOSES = ("batch",)  # what clients may upload
 MAX_WINDOW_S = 24 * 3600

@@ -6,46 +6,35 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from services.gateway.responses import ChatShaper, CompletionShaper, usage
-from services.queue.validation import ENDPOINTS
+from shared.openai_api.models import ENDPOINTS
+from shared.openai_api.responses import shaper_for, usage
+from shared.openai_api.translate import ReplyTo, to_generate_request
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
-
-KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 def item_request_id(batch_id: str, line: int) -> str:
     return f"{batch_id}-{line}"
 
 
-def to_request(
+def item_request(
     endpoint: str,
     body: dict,
+    *,
     request_id: str,
     attempt: int,
-    queue_id: str,
-    partition: int,
+    reply_to: ReplyTo,
     batch_id: str,
     custom_id: str,
 ) -> GenerateRequest:
-    """The same translation as the gateway's for a synchronous request, as class BE."""
-    kind = KINDS[endpoint]
-    parsed = ENDPOINTS[endpoint].model_validate(body)
-    limit = parsed.token_limit if kind == "chat" else parsed.max_tokens
-    logprobs = bool(parsed.logprobs) if kind == "chat" else parsed.logprobs is not None
-    return GenerateRequest(
+    """A batch item as a class-BE request: the synchronous endpoint's translation
+    (`shared.openai_api.translate`), with the batch id and custom_id in its metadata."""
+    return to_generate_request(
+        ENDPOINTS[endpoint].model_validate(body),
         request_id=request_id,
         attempt=attempt,
-        gateway_id=queue_id,
-        reply_partition=partition,
-        model=parsed.model,
-        kind=kind,
-        messages=parsed.messages if kind == "chat" else None,
-        prompt=parsed.prompt if kind == "completion" else None,
-        sampling=parsed.sampling(limit, logprobs),
+        reply_to=reply_to,
         req_class="be",
-        slo=parsed.slo(),
-        created_at=time.time(),
         metadata={"batch_id": batch_id, "custom_id": custom_id},
     )
 
@@ -114,8 +103,7 @@ class ItemRun:
 
     def _body(self) -> dict:
         req = self.request
-        shaper_cls, prefix = (ChatShaper, "chatcmpl") if req.kind == "chat" else (CompletionShaper, "cmpl")
-        shaper = shaper_cls(f"{prefix}-{req.request_id}", int(time.time()), req.model, self.service_tier)
+        shaper = shaper_for(req.kind, req.request_id, int(time.time()), req.model, self.service_tier)
         u = usage(self.prompt_tokens or 0, len(self.token_ids), self.cached_tokens)
         lp = self.logprobs if req.sampling.logprobs else None
         return shaper.final(self.text, self.finish_reason or "stop", lp, self.token_texts, u)

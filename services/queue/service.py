@@ -19,13 +19,14 @@ import zlib
 
 from services.gateway.workers import WorkerDirectory
 from services.queue.db import BatchRow, ItemRow
-from services.queue.items import ItemRun, item_request_id, to_request, unfinished_line
+from services.queue.items import ItemRun, item_request, item_request_id, unfinished_line
 from services.queue.objects import errors_object
 from services.queue.settings import QueueSettings
 from services.queue.store import BatchStore, Finished, now
 from services.queue.validation import validate_input
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
+from shared.openai_api.translate import ReplyTo
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.results import Rerouted, ResultBatch
@@ -46,6 +47,7 @@ class QueueService:
             if settings.queue_reply_partition is not None
             else zlib.crc32(self.queue_id.encode()) % partitions
         )
+        self.reply_to = ReplyTo(self.queue_id, self.partition)  # where its items' results come back
         self.kafka = KafkaClient(settings, self.queue_id)
         self.store = BatchStore(settings.resolved_database_url())
         self.workers = WorkerDirectory(settings.worker_timeout_s)
@@ -258,15 +260,14 @@ class QueueService:
         acks = []
         for item, endpoint in claimed:
             body = json.loads(item.body_json)
-            req = to_request(
+            req = item_request(
                 endpoint,
                 body,
-                item.request_id,
-                item.attempt,
-                self.queue_id,
-                self.partition,
-                item.batch_id,
-                item.custom_id,
+                request_id=item.request_id,
+                attempt=item.attempt,
+                reply_to=self.reply_to,
+                batch_id=item.batch_id,
+                custom_id=item.custom_id,
             )
             self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req, body.get("service_tier"))
             acks.append((item, await self.kafka.send_nowait(self.topics.be_requests.name, req, key=req.request_id)))

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from services.gateway.api_models import ChatCompletionRequest, CompletionRequest
+from shared.openai_api.models import ENDPOINTS
 
-ENDPOINTS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 MAX_CUSTOM_ID = 512
 
 

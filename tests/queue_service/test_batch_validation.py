@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.batch_api import parse_window
-from services.queue.items import ItemRun, to_request
+from services.queue.items import ItemRun, item_request
 from services.queue.store import BatchStore, Finished
 from services.queue.validation import validate_input
 from services.scheduler.placement import LeastLoaded, PlacementLimits, WorkerLoad
+from shared.openai_api.translate import ReplyTo
 from shared.schemas.results import Accepted, Delta, Failed
 
 CHAT = "/v1/chat/completions"
@@ -101,7 +102,9 @@ def _run(kind: str = "chat") -> ItemRun:
         else {"model": "m", "prompt": "hi", "max_tokens": 5}
     )
     endpoint = CHAT if kind == "chat" else "/v1/completions"
-    req = to_request(endpoint, body, "b-1", 0, "queue", 3, "b", "c1")
+    req = item_request(
+        endpoint, body, request_id="b-1", attempt=0, reply_to=ReplyTo("queue", 3), batch_id="b", custom_id="c1"
+    )
     assert req.req_class == "be" and req.reply_partition == 3 and req.metadata == {"batch_id": "b", "custom_id": "c1"}
     return ItemRun("b", "c1", req)
 

@@ -2,16 +2,21 @@
 
 Unknown fields are ignored (clients send new OpenAI fields all the time); fields we know but
 cannot honour (n > 1, tools, penalties, top alternatives in logprobs) are rejected with a
-400 that names them, never silently dropped.
+400 that names them, never silently dropped. Each body knows its `kind` (what the worker
+does with it: a chat template or a raw prompt), its token limit and whether it asks for
+logprobs, so every service turns it into the same `GenerateRequest` (`translate.py`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from abc import abstractmethod
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.schemas.requests import ChatMessage, SamplingOptions, SLOTargets
+
+RequestKind = Literal["chat", "completion"]
 
 
 class TandemExtension(BaseModel):
@@ -28,6 +33,8 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    kind: ClassVar[RequestKind]
 
     model: str
     stream: bool = False
@@ -66,10 +73,20 @@ class _Common(BaseModel):
             return "presence_penalty" if self.presence_penalty else "frequency_penalty"
         return None
 
-    def sampling(self, max_tokens: int | None, logprobs: bool) -> SamplingOptions:
+    @property
+    @abstractmethod
+    def token_limit(self) -> int | None:
+        """The most tokens to generate (None: up to the model's context)."""
+
+    @property
+    @abstractmethod
+    def wants_logprobs(self) -> bool:
+        """Whether the sampled tokens' logprobs are asked for."""
+
+    def sampling(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingOptions(
-            max_tokens=max_tokens,
+            max_tokens=self.token_limit,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -79,7 +96,7 @@ class _Common(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            logprobs=self.wants_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -90,6 +107,8 @@ class _Common(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    kind = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -108,8 +127,14 @@ class ChatCompletionRequest(_Common):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
 
 class CompletionRequest(_Common):
+    kind = "completion"
+
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's legacy default
     logprobs: int | None = Field(None, ge=0, le=5)
@@ -137,5 +162,20 @@ class CompletionRequest(_Common):
             return "suffix"
         return super().unsupported()
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
-RequestKind = Literal["chat", "completion"]
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None  # 0 asks for the sampled tokens' logprobs only
+
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+
+# The endpoints that take a generation request, and the body each one takes (also the batch
+# API's allowed `endpoint` values and what a batch line's `url` must be).
+ENDPOINTS: dict[str, type[OpenAIRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}

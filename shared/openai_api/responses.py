@@ -1,9 +1,14 @@
-"""OpenAI response objects and SSE chunks, built from a request's stream state."""
+"""OpenAI response objects and SSE chunks, built from a request's stream state.
+
+The gateway streams chunks and answers `final` bodies; the queue service writes `final` bodies
+into batch output files. Both get their shaper from `shaper_for`, so ids and object names match.
+"""
 
 from __future__ import annotations
 
 import json
 
+from shared.openai_api.models import RequestKind
 from shared.schemas.results import Delta
 
 
@@ -23,9 +28,16 @@ def sse(obj: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class ChatShaper:
-    object_name = "chat.completion"
+def shaper_for(
+    kind: RequestKind, request_id: str, created: int, model: str, service_tier: str | None
+) -> ChatShaper | CompletionShaper:
+    """The shaper of a request kind; response ids are `chatcmpl-<id>` / `cmpl-<id>`, as OpenAI's."""
+    if kind == "chat":
+        return ChatShaper(f"chatcmpl-{request_id}", created, model, service_tier)
+    return CompletionShaper(f"cmpl-{request_id}", created, model, service_tier)
 
+
+class ChatShaper:
     def __init__(self, rid: str, created: int, model: str, service_tier: str | None) -> None:
         self.base = {"id": rid, "created": created, "model": model}
         if service_tier:
