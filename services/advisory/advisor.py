@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from services.advisory.targets import Candidate, TargetPolicy
-from services.advisory.workers import WorkerState
+from shared.live_workers import WorkerState
 from shared.schemas.sessions import Prefetch, SessionLocation, SessionPlacement, TypingHint, session_kv_url
 from shared.session_state import PlacementBook, SessionDirectory
 

@@ -21,8 +21,8 @@ from aiokafka import ConsumerRecord
 from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
-from services.advisory.workers import WorkerView
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
+from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.schemas.control import ControlEnvelope
 from shared.schemas.requests import GenerateRequest
@@ -41,7 +41,7 @@ class AdvisoryService:
         self.kafka = KafkaClient(settings, settings.advisory_id)
         limits = AdvisorLimits(settings.placement_ttl_s, settings.max_placement_ttl_s, settings.hint_max_age_s)
         self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
-        self.workers = WorkerView(settings.worker_timeout_s)
+        self.workers = LiveWorkers(settings.worker_timeout_s)
         self._tasks: list[asyncio.Task] = []
         self._init_metrics()
 

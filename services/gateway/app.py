@@ -95,7 +95,7 @@ class _Handlers:
         return {"object": "list", "data": data}
 
     async def health(self) -> JSONResponse:
-        live = self.core.workers.live()
+        live = self.core.workers.heartbeats()
         body = {
             "status": "ok" if live and self.core.ready else "unavailable",
             "workers": len(live),

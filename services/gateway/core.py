@@ -10,8 +10,8 @@ import zlib
 
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import StreamRegistry
-from services.gateway.workers import WorkerDirectory
 from shared.kafka import KafkaClient, fetch_decoded
+from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
@@ -35,7 +35,7 @@ class GatewayCore:
         )
         self.kafka = KafkaClient(settings, self.gateway_id)
         self.streams = StreamRegistry(self.submit)
-        self.workers = WorkerDirectory(settings.worker_timeout_s)
+        self.workers = LiveWorkers(settings.worker_timeout_s)
         self.metrics = ServiceMetrics("gateway")
         self._tasks: list[asyncio.Task] = []
         self._fire_and_forget: set[asyncio.Task] = set()

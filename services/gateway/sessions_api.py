@@ -58,7 +58,7 @@ class _SessionsAPI:
 
     async def stats(self) -> dict:
         """Every live worker's kept-KV counters, from its heartbeats (the sessions benchmark reads them)."""
-        return {"workers": {hb.worker_id: hb.session_stats for hb in self.core.workers.live()}}
+        return {"workers": {hb.worker_id: hb.session_stats for hb in self.core.workers.heartbeats()}}
 
     async def typing(self, session_id: str, request: Request) -> JSONResponse:
         sid = _session_id(session_id)

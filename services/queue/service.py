@@ -17,7 +17,6 @@ import logging
 import time
 import zlib
 
-from services.gateway.workers import WorkerDirectory
 from services.queue.db import BatchRow, ItemRow
 from services.queue.items import ItemRun, item_request, item_request_id, unfinished_line
 from services.queue.objects import errors_object
@@ -25,6 +24,7 @@ from services.queue.settings import QueueSettings
 from services.queue.store import BatchStore, Finished, now
 from services.queue.validation import validate_input
 from shared.kafka import KafkaClient, fetch_decoded
+from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.openai_api.translate import ReplyTo
 from shared.schemas.capacity import BECapacity
@@ -50,7 +50,7 @@ class QueueService:
         self.reply_to = ReplyTo(self.queue_id, self.partition)  # where its items' results come back
         self.kafka = KafkaClient(settings, self.queue_id)
         self.store = BatchStore(settings.resolved_database_url())
-        self.workers = WorkerDirectory(settings.worker_timeout_s)
+        self.workers = LiveWorkers(settings.worker_timeout_s)
         self.runs: dict[str, ItemRun] = {}  # request id -> item in flight
         self.capacity: BECapacity | None = None
         self.capacity_seen = 0.0  # monotonic time of the last report

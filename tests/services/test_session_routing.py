@@ -7,10 +7,10 @@ import pytest
 
 from services.advisory.advisor import Advisor, AdvisorLimits
 from services.advisory.targets import Candidate, LeastLoadedTarget, make_target_policy
-from services.advisory.workers import WorkerState
 from services.gateway.hints import HintDebouncer
 from services.scheduler.affinity import AffinityLimits, make_affinity
 from services.scheduler.placement import WorkerLoad
+from shared.live_workers import WorkerState
 from shared.schemas.sessions import SessionLocation, SessionPlacement, TypingHint
 from shared.schemas.telemetry import ClassLoad, Heartbeat, Telemetry
 
