@@ -11,7 +11,7 @@ import yaml
 from services.advisory.settings import AdvisorySettings
 from services.cli import build_parser
 from services.gateway.settings import GatewaySettings
-from services.queue.settings import QueueSettings, StoreSettings
+from services.queue.settings import QueueSettings
 from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import WorkerSettings
 from shared.settings import ServiceSettings
@@ -19,12 +19,8 @@ from shared.settings import ServiceSettings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class GatewayWithBatchStore(GatewaySettings, StoreSettings):
-    """The gateway process reads both: its own settings and the batch store's (services/gateway/batch_api.py)."""
-
-
 SETTINGS = {
-    "gateway": GatewayWithBatchStore,
+    "gateway": GatewaySettings,
     "scheduler": SchedulerSettings,
     "worker": WorkerSettings,
     "topics": ServiceSettings,

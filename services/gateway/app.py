@@ -52,7 +52,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
-    register_batch_api(app)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
+    register_batch_api(app, settings)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
     register_sessions_api(app, core)  # typing hints (docs/sessions.md)
     register_chat_page(app)  # the chat page at / (services/gateway/static)
     return app

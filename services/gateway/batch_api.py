@@ -1,9 +1,9 @@
 """The OpenAI Files and Batches API (`/v1/files`, `/v1/batches`) on the gateway.
 
-The gateway reads and writes the batch store (the database the queue service owns the schema
-of) directly: creating a batch is one row in status `validating`, a cancel one conditional
-update to `cancelling`; the queue service does the rest (see docs/batch.md for why the two
-share the database instead of talking over Kafka).
+The gateway reads and writes the batch store (`shared/batchstore`, the database it shares
+with the queue service) directly, through the store's API part: creating a batch is one row in
+status `validating`, a cancel one conditional update to `cancelling`; the queue service does
+the rest (see docs/batch.md for why the two share the database instead of talking over Kafka).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from services.gateway.errors import APIError
-from services.queue.objects import batch_object, file_object, list_page
-from services.queue.settings import StoreSettings
-from services.queue.store import BatchStore
+from services.gateway.settings import GatewaySettings
+from shared.batchstore.api_store import BatchAPIStore
+from shared.batchstore.db import BatchDatabase
+from shared.batchstore.objects import batch_object, file_object, list_page
 from shared.openai_api.models import ENDPOINTS
 
 FILE_PURPOSES = ("batch",)  # what clients may upload
@@ -35,8 +36,8 @@ def parse_window(window: str) -> int:
     return seconds
 
 
-def register_batch_api(app: FastAPI, settings: StoreSettings | None = None) -> None:
-    api = _BatchAPI(settings or StoreSettings())
+def register_batch_api(app: FastAPI, settings: GatewaySettings) -> None:
+    api = _BatchAPI(settings)
     app.post("/v1/files")(api.upload)
     app.get("/v1/files")(api.list_files)
     app.get("/v1/files/{file_id}")(api.get_file)
@@ -49,18 +50,18 @@ def register_batch_api(app: FastAPI, settings: StoreSettings | None = None) -> N
 
 
 class _BatchAPI:
-    def __init__(self, settings: StoreSettings) -> None:
+    def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self._store: BatchStore | None = None
+        self._store: BatchAPIStore | None = None
         self._lock = asyncio.Lock()
 
-    async def store(self) -> BatchStore:
+    async def store(self) -> BatchAPIStore:
         """Opened on first use, so a gateway nobody sends batches to never touches the data directory."""
         async with self._lock:
             if self._store is None:
-                store = BatchStore(self.settings.resolved_database_url())
-                await store.start()
-                self._store = store
+                db = BatchDatabase(self.settings.resolved_database_url())
+                await db.start()
+                self._store = BatchAPIStore(db)
         return self._store
 
     # -- files -----------------------------------------------------------------------------

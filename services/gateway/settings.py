@@ -1,11 +1,15 @@
-"""The gateway's one settings object (`TANDEM_*` env vars; `tandem gateway` flags override)."""
+"""The gateway's one settings object (`TANDEM_*` env vars; `tandem gateway` flags override).
+
+It includes the batch store's location (`BatchStoreSettings`): the gateway serves the Files
+and Batches API from the same database the queue service runs jobs from.
+"""
 
 from __future__ import annotations
 
-from shared.settings import ServiceSettings
+from shared.batchstore.settings import BatchStoreSettings
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(BatchStoreSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     gateway_id: str = ""  # default: host-pid; names this replica's results partition owner
@@ -17,3 +21,4 @@ class GatewaySettings(ServiceSettings):
     rt_ttft_ms: float | None = None  # class-default SLOs sent with requests (per-request `tandem` overrides)
     rt_tpot_ms: float | None = None
     typing_debounce_s: float = 2.0  # per session, at most one typing hint this often (a burst is one hint)
+    max_file_bytes: int = 100 * 1024 * 1024  # batch input uploads above this are a 413

@@ -17,12 +17,12 @@ import logging
 import time
 import zlib
 
-from services.queue.db import BatchRow, ItemRow
 from services.queue.items import ItemRun, item_request, item_request_id, unfinished_line
-from services.queue.objects import errors_object
 from services.queue.settings import QueueSettings
-from services.queue.store import BatchStore, Finished, now
 from services.queue.validation import validate_input
+from shared.batchstore.db import BatchDatabase, BatchRow, ItemRow, now
+from shared.batchstore.objects import errors_object
+from shared.batchstore.run_store import BatchRunStore, Finished
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -49,7 +49,8 @@ class QueueService:
         )
         self.reply_to = ReplyTo(self.queue_id, self.partition)  # where its items' results come back
         self.kafka = KafkaClient(settings, self.queue_id)
-        self.store = BatchStore(settings.resolved_database_url())
+        self.db = BatchDatabase(settings.resolved_database_url())
+        self.store = BatchRunStore(self.db)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self.runs: dict[str, ItemRun] = {}  # request id -> item in flight
         self.capacity: BECapacity | None = None
@@ -70,7 +71,7 @@ class QueueService:
     # -- life cycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.store.start()
+        await self.db.start()
         requeued = await self.store.requeue_in_flight()
         if requeued:
             log.info("re-queued %d items that were in flight before the restart", requeued)
@@ -99,7 +100,7 @@ class QueueService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.kafka.stop()
-        await self.store.close()
+        await self.db.close()
 
     # -- inputs ----------------------------------------------------------------------------
 
@@ -205,8 +206,8 @@ class QueueService:
             await self._validate(batch)
 
     async def _validate(self, batch: BatchRow) -> None:
-        f = await self.store.get_file(batch.input_file_id)
-        if f is None:
+        content = await self.store.input_content(batch.input_file_id)
+        if content is None:
             errors = [
                 {
                     "code": "file_not_found",
@@ -221,7 +222,7 @@ class QueueService:
         s = self.settings
         v = await asyncio.to_thread(
             validate_input,
-            f.content,
+            content,
             batch.endpoint,
             max_lines=s.max_batch_lines,
             max_errors=s.max_batch_errors,

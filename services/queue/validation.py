@@ -13,16 +13,10 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from shared.batchstore.run_store import BatchLine
 from shared.openai_api.models import ENDPOINTS
 
 MAX_CUSTOM_ID = 512
-
-
-@dataclass(frozen=True)
-class BatchLine:
-    line: int
-    custom_id: str
-    body: dict
 
 
 @dataclass

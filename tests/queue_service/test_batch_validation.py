@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from services.gateway.batch_api import parse_window
 from services.queue.items import ItemRun, item_request
-from services.queue.store import BatchStore, Finished
 from services.queue.validation import validate_input
 from services.scheduler.placement import LeastLoaded, PlacementLimits, WorkerLoad
+from shared.batchstore.api_store import BatchAPIStore
+from shared.batchstore.db import BatchDatabase
+from shared.batchstore.run_store import BatchLine, BatchRunStore, Finished
 from shared.openai_api.translate import ReplyTo
 from shared.schemas.results import Accepted, Delta, Failed
 
@@ -135,12 +137,11 @@ def test_item_assembly_applies_deltas_once_in_order_and_shapes_like_the_sync_end
 
 def test_store_records_each_item_once(tmp_path):
     async def go():
-        from services.queue.validation import BatchLine
-
-        store = BatchStore(f"sqlite+aiosqlite:///{tmp_path / 't.db'}")
-        await store.start()
-        f = await store.add_file(b"x", "in.jsonl", "batch")
-        b = await store.add_batch(f.id, CHAT, "24h", 60, None)
+        db = BatchDatabase(f"sqlite+aiosqlite:///{tmp_path / 't.db'}")
+        await db.start()
+        api, store = BatchAPIStore(db), BatchRunStore(db)  # the gateway's part, the queue's part
+        f = await api.add_file(b"x", "in.jsonl", "batch")
+        b = await api.add_batch(f.id, CHAT, "24h", 60, None)
         assert await store.start_batch(b, [BatchLine(1, "a", {}), BatchLine(2, "b", {})], ["r1", "r2"])
         claimed = await store.claim(5)
         assert [i.custom_id for i, _ in claimed] == ["a", "b"] and await store.claim(5) == []
@@ -149,8 +150,8 @@ def test_store_records_each_item_once(tmp_path):
         assert await store.bump_attempt(b.id, "b", 0)
         assert await store.record([Finished(b.id, "b", 0, True, {})]) == []  # a stale attempt
         assert await store.requeue_in_flight() == 1 and (await store.claim(1))[0][0].attempt == 2
-        row = await store.get_batch(b.id)
+        row = await api.get_batch(b.id)
         assert (row.total, row.completed, row.failed) == (2, 1, 0)
-        await store.close()
+        await db.close()
 
     asyncio.run(go())

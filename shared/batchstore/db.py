@@ -1,4 +1,4 @@
-"""The batch store's tables (SQLAlchemy 2 ORM) and the async engine.
+"""The batch store's tables (SQLAlchemy 2 ORM), the async engine, and `BatchDatabase`.
 
 SQLite (WAL) by default, PostgreSQL through `TANDEM_DATABASE_URL`. On SQLite every transaction
 starts with `BEGIN IMMEDIATE`: the gateway and the queue service write the same file from two
@@ -8,6 +8,8 @@ instead of waiting; taking the write lock up front makes the busy timeout apply.
 
 from __future__ import annotations
 
+import time
+import uuid
 from pathlib import Path
 
 from sqlalchemy import Index, Integer, LargeBinary, String, Text, event
@@ -16,6 +18,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SQLITE_BUSY_TIMEOUT_S = 30
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Wall-clock seconds, as the rows' timestamps (and OpenAI's objects) hold them."""
+    return int(time.time())
 
 
 class Base(DeclarativeBase):
@@ -119,3 +130,18 @@ async def create_tables(engine: AsyncEngine) -> None:
 
 def sessions(engine: AsyncEngine) -> async_sessionmaker:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+class BatchDatabase:
+    """The engine and session factory over the batch tables. Each process opens one and builds
+    its part of the store on it (`BatchAPIStore`, `BatchRunStore`)."""
+
+    def __init__(self, url: str) -> None:
+        self.engine: AsyncEngine = make_engine(url)
+        self.session = sessions(self.engine)
+
+    async def start(self) -> None:
+        await create_tables(self.engine)
+
+    async def close(self) -> None:
+        await self.engine.dispose()

@@ -1,33 +1,28 @@
-"""The batch store: every read and write of batch state, in short transactions.
+"""The queue service's part of the batch store: validation outcome, items, results, finalisation.
 
-Used by the gateway's batch API (files, batch creation, listing, cancel requests) and by the
-queue service (validation, release, results, finalisation). Status changes are conditional
-updates (`WHERE status = ...`), so the two processes never overwrite each other's decision, and
-an item's result is recorded by `UPDATE ... WHERE status = 'in_flight' AND attempt = ?`: once.
+Status changes are conditional updates (`WHERE status = ...`), so the queue service never
+overwrites a decision the gateway made meanwhile (a cancel request), and an item's result is
+recorded by `UPDATE ... WHERE status = 'in_flight' AND attempt = ?`: once.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, func, select, update
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import select, update
 
-from services.queue.db import BatchRow, FileRow, ItemRow, create_tables, make_engine, sessions
-from services.queue.objects import CANCELLABLE
-from services.queue.validation import BatchLine
+from shared.batchstore.db import BatchDatabase, BatchRow, FileRow, ItemRow, new_id, now
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+@dataclass(frozen=True)
+class BatchLine:
+    """One valid input line, to become an item."""
 
-
-def now() -> int:
-    return int(time.time())
+    line: int  # 1-based line in the input file
+    custom_id: str
+    body: dict
 
 
 @dataclass(frozen=True)
@@ -41,92 +36,16 @@ class Finished:
     line: dict  # the output-file line
 
 
-class BatchStore:
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.engine: AsyncEngine = make_engine(url)
-        self.session = sessions(self.engine)
+class BatchRunStore:
+    def __init__(self, db: BatchDatabase) -> None:
+        self.session = db.session
 
-    async def start(self) -> None:
-        await create_tables(self.engine)
-
-    async def close(self) -> None:
-        await self.engine.dispose()
-
-    # -- files -----------------------------------------------------------------------------
-
-    async def add_file(self, content: bytes, filename: str, purpose: str) -> FileRow:
-        row = FileRow(
-            id=new_id("file"), purpose=purpose, filename=filename, bytes=len(content), created_at=now(), content=content
-        )
-        async with self.session.begin() as s:
-            s.add(row)
-        return row
-
-    async def get_file(self, file_id: str) -> FileRow | None:
+    async def input_content(self, file_id: str) -> bytes | None:
+        """A batch's input file, or None when it was deleted meanwhile."""
         async with self.session() as s:
-            return (await s.execute(select(FileRow).where(FileRow.id == file_id))).scalar_one_or_none()
+            return (await s.execute(select(FileRow.content).where(FileRow.id == file_id))).scalar_one_or_none()
 
-    async def list_files(self, purpose: str | None, limit: int, after: str | None) -> tuple[list[FileRow], bool]:
-        async with self.session() as s:
-            q = select(FileRow).order_by(FileRow.seq.desc())
-            if purpose:
-                q = q.where(FileRow.purpose == purpose)
-            if after:
-                q = q.where(FileRow.seq < select(FileRow.seq).where(FileRow.id == after).scalar_subquery())
-            rows = list((await s.execute(q.limit(limit + 1))).scalars())
-        return rows[:limit], len(rows) > limit
-
-    async def delete_file(self, file_id: str) -> bool:
-        async with self.session.begin() as s:
-            return (await s.execute(delete(FileRow).where(FileRow.id == file_id))).rowcount > 0
-
-    # -- batches (API side) ------------------------------------------------------------------
-
-    async def add_batch(
-        self, input_file_id: str, endpoint: str, window: str, window_s: int, metadata: dict | None
-    ) -> BatchRow:
-        t = now()
-        row = BatchRow(
-            id=new_id("batch"),
-            input_file_id=input_file_id,
-            endpoint=endpoint,
-            completion_window=window,
-            metadata_json=json.dumps(metadata),
-            status="validating",
-            created_at=t,
-            expires_at=t + window_s,
-            total=0,
-            completed=0,
-            failed=0,
-        )
-        async with self.session.begin() as s:
-            s.add(row)
-        return row
-
-    async def get_batch(self, batch_id: str) -> BatchRow | None:
-        async with self.session() as s:
-            return (await s.execute(select(BatchRow).where(BatchRow.id == batch_id))).scalar_one_or_none()
-
-    async def list_batches(self, limit: int, after: str | None) -> tuple[list[BatchRow], bool]:
-        async with self.session() as s:
-            q = select(BatchRow).order_by(BatchRow.seq.desc())
-            if after:
-                q = q.where(BatchRow.seq < select(BatchRow.seq).where(BatchRow.id == after).scalar_subquery())
-            rows = list((await s.execute(q.limit(limit + 1))).scalars())
-        return rows[:limit], len(rows) > limit
-
-    async def request_cancel(self, batch_id: str) -> bool:
-        """validating | in_progress -> cancelling; False when the batch is past that."""
-        async with self.session.begin() as s:
-            res = await s.execute(
-                update(BatchRow)
-                .where(BatchRow.id == batch_id, BatchRow.status.in_(CANCELLABLE))
-                .values(status="cancelling", cancelling_at=now())
-            )
-            return res.rowcount > 0
-
-    # -- batches (queue side) ----------------------------------------------------------------
+    # -- batches -----------------------------------------------------------------------------
 
     async def batches_in(self, *statuses: str) -> list[BatchRow]:
         async with self.session() as s:
@@ -277,15 +196,6 @@ class BatchStore:
         async with self.session() as s:
             q = select(ItemRow).where(ItemRow.batch_id == batch_id).order_by(ItemRow.line)
             return list((await s.execute(q)).scalars())
-
-    async def count_items(self, batch_id: str, *statuses: str) -> int:
-        async with self.session() as s:
-            q = (
-                select(func.count())
-                .select_from(ItemRow)
-                .where(ItemRow.batch_id == batch_id, ItemRow.status.in_(statuses))
-            )
-            return (await s.execute(q)).scalar_one()
 
     async def finish_batch(self, batch_id: str, old: str, new: str, outputs: dict[str, bytes], **values) -> bool:
         """Write the output/error files and move the batch to its final status, in one transaction."""

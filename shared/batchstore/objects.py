@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from services.queue.db import BatchRow, FileRow
+from shared.batchstore.db import BatchRow, FileRow
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 CANCELLABLE = frozenset({"validating", "in_progress"})
