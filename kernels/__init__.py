@@ -1,9 +1,10 @@
 """Attention and KV-cache kernels.
 
 Each op is a function with one contract (documented in `attention.py`). The plain-PyTorch
-implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
-kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
-`torch.compile` to fuse: the fast CPU decode path, checked against the reference.
+implementations in `kernels.reference` are the CPU path and the ground truth that GPU kernels
+(Triton, planned: none exist yet) are to be tested against. `kernels.compiled` holds
+plain-PyTorch formulations written for `torch.compile` to fuse: the fast CPU decode path,
+checked against the reference.
 """
 
 from kernels.attention import (

@@ -108,7 +108,7 @@ class AttentionMetadata:
     # still being loaded layer by layer (session promotion); None otherwise.
     wait_layer: Callable[[int], None] | None = None
     # How decode buckets are attended: "reference" gathers blocks then matmuls (the CPU path
-    # and the GPU kernels' reference); "fused" is kernels/compiled/decode.py.
+    # and the reference for the planned GPU kernels); "fused" is kernels/compiled/decode.py.
     decode_kernel: str = "reference"
 
 

@@ -2,7 +2,7 @@
 
 Open-loop processes return absolute arrival times in ``[0, duration)``; closed-loop users
 (a fixed number of concurrent users) are a workload source, not a time list (see
-`loadgen.workloads.sources.ClosedUsers`). Every process is deterministic given its
+`loadgen.workloads.sources.ClosedUser`). Every process is deterministic given its
 `numpy.random.Generator`.
 """
 

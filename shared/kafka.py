@@ -1,9 +1,10 @@
 """A small layer over aiokafka: start-up with backoff, topic creation, typed send, consumers
 with manual commits, and a clean stop that flushes.
 
-Producers use `acks=all`. Idempotent producers are switched on only where the broker supports
-them (`kafka_idempotence` setting; the embedded tansu broker fails them), so every consumer is
-idempotent instead: messages carry ids and readers drop what they have already applied.
+Producers use `acks=all` and are not idempotent: the embedded tansu broker fails idempotent
+producers, so no service asks for them (`KafkaClient(idempotence=True)` would, on a broker
+that supports them). Every consumer is idempotent instead: messages carry ids and readers drop
+what they have already applied.
 """
 
 from __future__ import annotations

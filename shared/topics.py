@@ -1,26 +1,33 @@
 """The topic catalogue: every Kafka topic Tandem uses, its partitions and its key, in one place.
 
-| topic                      | partitions | key             | producers → consumers                    |
-|----------------------------|-----------:|-----------------|------------------------------------------|
-| `<p>.requests.rt`          | 4          | request id      | gateway → scheduler                      |
-| `<p>.requests.be`          | 4          | request id      | gateway, queue → scheduler               |
-| `<p>.dispatch.<worker id>` | 1          | request id      | scheduler → that worker                  |
-| `<p>.results`              | 8          | gateway id      | workers, scheduler → owning gateway      |
-| `<p>.control`              | 1          | request/worker  | gateway, scheduler → workers, scheduler  |
-| `<p>.telemetry`            | 1          | worker id       | workers → scheduler                      |
-| `<p>.heartbeats`           | 1          | worker id       | workers → scheduler, gateways            |
-| `<p>.scheduler.state`      | 1, compact | request id      | scheduler → scheduler (restart recovery) |
-| `<p>.be.capacity`          | 1          | scheduler id    | scheduler → queue (BE flow control)      |
-| `<p>.advisory`             | 4          | session id      | gateway → advisory (typing hints)        |
-| `<p>.sessions.directory`   | 4, compact | session id      | workers → advisory, scheduler            |
-| `<p>.sessions.placement`   | 4, compact | session id      | advisory → scheduler                     |
+| topic                      | partitions | key          | producers → consumers                               |
+|----------------------------|-----------:|--------------|-----------------------------------------------------|
+| `<p>.requests.rt`          |          4 | request id   | gateway → scheduler, advisory                       |
+| `<p>.requests.be`          |          4 | request id   | gateway, queue → scheduler, advisory                |
+| `<p>.dispatch.<worker id>` |          1 | request id   | scheduler → that worker                             |
+| `<p>.results`              |          8 | none         | workers, scheduler → the request's gateway or queue |
+| `<p>.control`              |          1 | see below    | gateway, queue, advisory → workers, scheduler       |
+| `<p>.telemetry`            |          1 | worker id    | workers → scheduler, advisory                       |
+| `<p>.heartbeats`           |          1 | worker id    | workers → scheduler, gateways, queue, advisory      |
+| `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
+| `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
+| `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
+| `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
+| `<p>.sessions.placement`   | 4, compact | session id   | advisory → scheduler, advisory (after a restart)    |
 
-Results are produced to an explicit partition that the gateway chose and wrote into the request
-(`reply_partition`): each gateway replica reads only its own partition, so a stream reaches the
-replica holding the client's connection. Dispatch is one topic per worker so a worker reads only
-its own work and a dead worker's backlog is simply abandoned (the scheduler re-places it).
-The two session topics are compacted: a restarted advisory service or scheduler reads them from
-the start and has the latest location and placement of every session (docs/sessions.md).
+Results carry no key: they are produced to an explicit partition that the request names
+(`reply_partition`, chosen by the gateway, or by the queue service for batch items), and each
+gateway replica and the queue service read only their own partition, so a stream reaches the
+process holding the client's connection. On `control`, the gateway and the queue service send
+`Cancel` (keyed by request id; workers and the scheduler act on it) and the advisory service
+`Prefetch` (keyed by session id; the named worker acts on it). `Drain` (keyed by worker id) is
+understood by workers, but no service or command sends it yet (a worker drains itself on
+SIGTERM). The advisory service reads the request topics only to see a session's turn arrive.
+
+Dispatch is one topic per worker so a worker reads only its own work and a dead worker's backlog
+is simply abandoned (the scheduler re-places it). The two session topics are compacted: a
+restarted advisory service or scheduler reads them from the start and has the latest location
+and placement of every session (docs/sessions.md).
 """
 
 from __future__ import annotations
@@ -56,11 +63,11 @@ class Topics:
 
     @property
     def results(self) -> TopicSpec:
-        return self._t("results", 8, "gateway id")
+        return self._t("results", 8, "none (produced to the reader's partition)")
 
     @property
     def control(self) -> TopicSpec:
-        return self._t("control", 1, "request or worker id")
+        return self._t("control", 1, "request, session or worker id")
 
     @property
     def telemetry(self) -> TopicSpec:

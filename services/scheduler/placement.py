@@ -5,8 +5,11 @@ cluster simulator (`loadgen.sim`) run the same code. `None` means "hold it for n
 or for BE: no worker with RT headroom).
 
 `least-loaded` (default):
-- RT goes to the session's preferred worker when it has room (the advisory issue fills
-  `preferred_worker`), else to the live worker with the lowest RT load score.
+- RT goes to `preferred_worker` when the caller names one with room, else to the live worker
+  with the lowest RT load score. The cluster simulator names the worker that served the
+  session's last turn. The scheduler service names none: it routes a session's turn with its
+  affinity policy first (`affinity.py`: the advisory placement or the KV holder) and asks
+  placement only for the turns affinity leaves open.
 - BE goes only where RT has headroom: no RT waiting, KV below the high-water mark, and fewer BE
   requests in flight than the per-worker BE cap, and among those to the one with the fewest BE.
 """
@@ -25,7 +28,7 @@ class PlacementRequest:
     req_class: str  # "rt" | "be"
     num_prompt_tokens: int = 0  # 0 when unknown (the worker tokenizes)
     session_id: str | None = None
-    preferred_worker: str | None = None  # session affinity (advisory)
+    preferred_worker: str | None = None  # honoured while it has room (set by the simulator, not the scheduler)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """`requests.rt` / `requests.be` and per-worker dispatch: one generation request.
 
-The gateway validates the HTTP body into this; the scheduler forwards it unchanged to a worker;
-the worker tokenizes (chat template or raw prompt). A resumed request (its first worker died)
+The gateway (for an HTTP request) and the queue service (for a batch item) translate an OpenAI
+body into this (`shared/openai_api/translate.py`); the scheduler forwards it to a worker
+(adding `kv_source` for a session turn that moves); the worker tokenizes (chat template or raw
+prompt). A resumed request (its first worker died)
 is the same request with `attempt + 1` and the tokens the client already has in
 `resume_token_ids`: they become part of the prompt, so the stream continues where it stopped.
 """
@@ -55,8 +57,8 @@ class SLOTargets(BaseModel):
 class GenerateRequest(WireModel):
     request_id: str
     attempt: int = 0  # bumped on every re-placement; workers and the gateway key on (id, attempt)
-    gateway_id: str
-    reply_partition: int  # the results-topic partition the owning gateway reads
+    gateway_id: str  # the owner's id: a gateway's, or the queue service's for batch items
+    reply_partition: int  # the results-topic partition the owner (gateway or queue service) reads
     model: str
     kind: Literal["chat", "completion"]
     messages: list[ChatMessage] | None = None  # chat
@@ -68,7 +70,7 @@ class GenerateRequest(WireModel):
     # Set by the scheduler when a session turn goes to a worker that may not hold its KV: where
     # to pull it from (the worker pulls or recomputes, whichever its cost model says is faster).
     kv_source: KVSourceRef | None = None
-    created_at: float  # wall-clock seconds at the gateway (time.time())
+    created_at: float  # wall-clock seconds when it was built (time.time())
     resume_token_ids: list[int] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. batch id / custom_id for batch items
 

@@ -1,7 +1,8 @@
-"""`results`: what flows back to the gateway that owns a request.
+"""`results`: what flows back to the process that owns a request (a gateway, or the queue service
+for batch items), on the partition the request names.
 
-Workers batch events: one `ResultBatch` carries every event for one gateway partition produced
-since the last flush (a few ms), not one message per token per request. Events carry
+Workers batch events: one `ResultBatch` carries every event for one results partition produced
+in the same event-loop turn (one engine step), not one message per token per request. Events carry
 (request_id, attempt) so a gateway can drop stale events from a worker that was declared lost,
 and `Delta.index` (output tokens before this delta, counting resumed ones) so a delta is applied
 exactly once and in order.
@@ -48,13 +49,14 @@ class Failed(_Event):
     """The request cannot be served (e.g. the prompt exceeds the context)."""
 
     type: Literal["failed"] = "failed"
-    status: int = 400  # the HTTP status the gateway should answer with
+    status: int = 400  # the HTTP status the synchronous endpoint answers with
     code: str = "invalid_request"
     message: str
 
 
 class Rerouted(_Event):
-    """The scheduler lost the worker running this request: the gateway should resume it."""
+    """The scheduler lost the worker running this request: the gateway resumes it with the tokens
+    its client has; the queue service re-runs a batch item from scratch."""
 
     type: Literal["rerouted"] = "rerouted"
     reason: str
