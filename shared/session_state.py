@@ -73,8 +73,5 @@ class PlacementBook:
         now = time.time() if now is None else now
         return [p for p in self._by_session.values() if p.expires_at <= now]
 
-    def all(self) -> list[SessionPlacement]:
-        return list(self._by_session.values())
-
     def __len__(self) -> int:
         return len(self._by_session)

@@ -41,18 +41,6 @@ def random_token_prompts(
     return [allowed[rng.integers(0, allowed.size, size=int(n))].tolist() for n in lengths]
 
 
-def workload_summary(prompts: list[list[int]], output_len: int) -> dict:
-    """Token counts of a workload, for reports."""
-    total_in = sum(len(p) for p in prompts)
-    return {
-        "num_prompts": len(prompts),
-        "input_tokens": total_in,
-        "output_tokens": len(prompts) * output_len,
-        "min_input_len": min((len(p) for p in prompts), default=0),
-        "max_input_len": max((len(p) for p in prompts), default=0),
-    }
-
-
 def special_token_ids(tokenizer, extra: Iterable[int | None] = ()) -> list[int]:
     """Ids a random prompt must not contain: the tokenizer's special tokens (BOS/EOS/PAD/chat
     markers) plus ``extra``. Duck-typed over Hugging Face tokenizers, so ours and vLLM's (built

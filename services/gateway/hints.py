@@ -53,12 +53,9 @@ class HintPublisher:
         self._kafka = kafka
         self._topic = topic
         self.debouncer = HintDebouncer(debounce_s)
-        self.sent = 0
-        self.debounced = 0
 
     async def hint(self, session_id: str, expected_arrival_s: float | None, source: str) -> HintStatus:
         if not self.debouncer.admit(session_id):
-            self.debounced += 1
             return "debounced"
         msg = TypingHint(
             hint_id=uuid.uuid4().hex,
@@ -68,5 +65,4 @@ class HintPublisher:
             source=source,
         )
         await self._kafka.send(self._topic, msg, key=session_id)
-        self.sent += 1
         return "sent"

@@ -39,10 +39,6 @@ class AssignmentTable:
     def get(self, request_id: str) -> Assignment | None:
         return self.by_request.get(request_id)
 
-    async def add(self, a: Assignment) -> None:
-        self.by_request[a.request_id] = a
-        await self._kafka.send(self._topic, a, key=a.request_id)
-
     async def add_nowait(self, a: Assignment) -> asyncio.Future:
         """Record and queue the write; the returned future resolves on the broker's ack."""
         self.by_request[a.request_id] = a

@@ -57,6 +57,3 @@ class WorkerRegistry:
 
     def live(self) -> list[WorkerInfo]:
         return list(self.workers.values())
-
-    def models(self) -> set[str]:
-        return {w.heartbeat.model for w in self.workers.values()}

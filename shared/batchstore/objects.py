@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 from shared.batchstore.db import BatchRow, FileRow
 
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 CANCELLABLE = frozenset({"validating", "in_progress"})
 _TIMESTAMPS = (
     "created_at",
