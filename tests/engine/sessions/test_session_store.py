@@ -99,6 +99,10 @@ def test_disk_budget_drops_least_recent_sessions(make_engine):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for sid, prompt in prompts.items():
         run(engine, sid, prompt, session_id=sid, params=params)
+        # Each file is written before the next turn, so the budget deletes a written file.
+        # (Without this, a slow writer thread may still have s0's write queued when s2's turn
+        # drops s0; the store then cancels that write, rightly, and only two are counted.)
+        engine.sessions.flush()
     assert engine.sessions.info("s0") is None and {i.session_id for i in engine.sessions.snapshot()} == {"s1", "s2"}
     assert engine.sessions.stats.sessions_dropped == 1
     dropped = [i for i in seen if i.session_id == "s0" and i.dropped]
