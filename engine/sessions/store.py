@@ -32,10 +32,10 @@ import torch
 from engine.kv.block_pool import Block
 from engine.kv.prefix_hash import hash_block
 from engine.sessions.costs import TransferCosts
-from engine.sessions.disk_tier import DiskTier
+from engine.sessions.disk_tier import make_disk_tier
 from engine.sessions.eviction import make_eviction_policy
 from engine.sessions.host_tier import HostTier
-from engine.sessions.kvfile import KVFormatError, KVHeader, KVLayout, file_size, iter_layers, read_header, verify_file
+from engine.sessions.kvfile import KVFormatError, KVHeader, KVLayout, iter_layers, read_header, verify_file
 from engine.sessions.loader import LayerLoad, LayerLoader, LayerWaiter
 from engine.sessions.records import PrefetchResult, SessionInfo, SessionStats
 
@@ -102,10 +102,9 @@ class SessionStore:
         self.storage = storage
         self.block_size = config.block_size
         self.ttl_s = config.session_prefetch_ttl_s
-        self.disk_budget = int(config.session_disk_gib * _GIB)
         policy = make_eviction_policy(config.session_eviction)  # before any thread starts: may raise
-        self.disk = DiskTier(config.session_dir, layout) if config.session_dir else None
-        self.host = HostTier(int(config.session_host_gib * _GIB), policy, whole_sessions=self.disk is None)
+        self.disk = make_disk_tier(config.session_dir, layout, int(config.session_disk_gib * _GIB))
+        self.host = HostTier(int(config.session_host_gib * _GIB), policy, whole_sessions=not self.disk.enabled)
         self.loader = LayerLoader(storage.layers, config.block_size)
         self.costs = TransferCosts(layout.bytes_per_token, cost_model, config.max_num_batched_tokens)
         self.stats = SessionStats()
@@ -118,8 +117,7 @@ class SessionStore:
         self._deferred: list[_Pin] = []  # released pins whose load is still running
         self._busy: Counter[str] = Counter()  # session id -> turns in flight
         self._loads = _LoadState()
-        if self.disk is not None:
-            self._reindex()
+        self._reindex()
 
     # -- engine hooks -------------------------------------------------------------------
 
@@ -127,11 +125,7 @@ class SessionStore:
     def active(self) -> bool:
         """Whether `before_step` has anything to do (one cheap check per step otherwise)."""
         return bool(
-            self._pinned_turns
-            or self._prefetch
-            or self._deferred
-            or self._loads.loads
-            or (self.disk is not None and self.disk.has_results)
+            self._pinned_turns or self._prefetch or self._deferred or self._loads.loads or self.disk.has_results
         )
 
     @property
@@ -139,7 +133,7 @@ class SessionStore:
         return bool(self._loads.by_block)
 
     def before_step(self) -> None:
-        if self.disk is not None and self.disk.has_results:
+        if self.disk.has_results:
             self._collect_writes()
         if self._loads.loads:
             self._retire_done_loads()
@@ -257,10 +251,8 @@ class SessionStore:
         sid = header.session_id
         self._forget_session(sid)
         now = time.time()
-        if self.disk is not None:
-            self.disk.install(sid, header, path, now)
-        else:
-            self._adopt_into_host(sid, path, now)
+        if not self.disk.install(sid, header, path, now):
+            self._adopt_into_host(sid, path, now)  # no disk tier: the layers move to host memory
         self._add_session(sid, header.token_ids, now)
         self._enforce_disk_budget(0, exclude=sid)
         self.stats.sessions_adopted += 1
@@ -290,12 +282,7 @@ class SessionStore:
 
     def export_path(self, session_id: str) -> Path | None:
         """The session's file once any queued write of it is done; None without one."""
-        if self.disk is None:
-            return None
-        self.disk.wait(session_id)
-        with self.disk.lock:
-            entry = self.disk.entries.get(session_id)
-            return entry.path if entry is not None and entry.path.exists() else None
+        return self.disk.export_path(session_id)
 
     def estimate_recompute_s(self, num_tokens: int) -> float:
         return self.costs.estimate_recompute_s(num_tokens)
@@ -315,12 +302,11 @@ class SessionStore:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued disk writes (tests, shutdown)."""
-        return True if self.disk is None else self.disk.flush(timeout)
+        return self.disk.flush(timeout)
 
     def close(self) -> None:
         self.loader.close()
-        if self.disk is not None:
-            self.disk.close()
+        self.disk.close()
 
     # -- promotion --------------------------------------------------------------------------
 
@@ -359,13 +345,12 @@ class SessionStore:
         return pin
 
     def _loadable(self, session_id: str) -> bool:
-        on_disk = self.disk is not None and session_id in self.disk.entries
-        return on_disk or self.host.layers_held(session_id) == self.layout.num_layers
+        return self.disk.holds(session_id) or self.host.layers_held(session_id) == self.layout.num_layers
 
     def _start_load(self, session: _Session, missing: list[tuple[int, Block]]) -> LayerLoad:
         sid, bs = session.session_id, self.block_size
         host_layers = [self.host.layer(sid, i) for i in range(self.layout.num_layers)]
-        file = self.disk.entries[sid].path if self.disk is not None and sid in self.disk.entries else None
+        file = self.disk.file_of(sid)
         last = missing[-1][0] + 1
         load = LayerLoad(
             sid,
@@ -374,7 +359,7 @@ class SessionStore:
             host_layers,
             file,
             file_tokens=session.token_ids[: last * bs],
-            wait_for_file=None if file is None else (lambda: self.disk.wait(sid)),
+            wait_for_file=lambda: self.disk.wait(sid),
             hashes=[session.hashes[i] for i, _ in missing],
         )
         for _, block in missing:
@@ -468,8 +453,7 @@ class SessionStore:
         with self._lock:
             self._sessions[session_id] = _Session(session_id, token_ids, list(self.kv.block_hashes(request, n)), now)
             self.host.put(session_id, layers, now)
-        if self.disk is not None:
-            self._write_disk(session_id, token_ids, layers, now)
+        self._write_disk(session_id, token_ids, layers, now)
         self._evict_host()
         self._notify(session_id)
 
@@ -497,10 +481,10 @@ class SessionStore:
             ]
 
     def _write_disk(self, session_id: str, token_ids: tuple[int, ...], layers, now: float) -> None:
-        size = file_size(session_id, token_ids, self.layout)
-        if size > self.disk_budget:
+        size = self.disk.file_size(session_id, token_ids)
+        if not self.disk.fits(size):
             log.warning("session %r (%d bytes) exceeds the disk budget; kept without a disk copy", session_id, size)
-            self.disk.delete(session_id)
+            self.disk.delete(session_id)  # its older, shorter file would be stale
             return
         self._enforce_disk_budget(size, exclude=session_id)
         self.disk.write(session_id, token_ids, layers, size, now)
@@ -509,21 +493,13 @@ class SessionStore:
         evicted = self.host.evict_to_budget(lambda sid: sid in self._busy or sid in self._prefetch)
         self.stats.host_layer_evictions += len(evicted)
         for sid in dict.fromkeys(sid for sid, _ in evicted):
-            if self.disk is None or sid not in self.disk.entries:
+            if not self.disk.holds(sid):
                 self.host.drop(sid)  # a partial copy with nothing to complete it is useless
             self._notify(sid)
 
     def _enforce_disk_budget(self, incoming: int, exclude: str | None) -> None:
         """Drop least recently active idle sessions until `incoming` more bytes fit."""
-        if self.disk is None:
-            return
-        total = self.disk.nbytes - (self.disk.entries[exclude].nbytes if exclude in self.disk.entries else 0)
-        for sid in sorted(self.disk.entries, key=lambda s: self.disk.entries[s].last_activity):
-            if total + incoming <= self.disk_budget:
-                return
-            if sid == exclude or sid in self._busy or sid in self._prefetch:
-                continue
-            total -= self.disk.entries[sid].nbytes
+        for sid in self.disk.victims(incoming, exclude, lambda s: s in self._busy or s in self._prefetch):
             self._drop_session(sid)
 
     def _drop_session(self, session_id: str) -> None:
@@ -536,15 +512,14 @@ class SessionStore:
             self._sessions.pop(session_id, None)
             self.host.drop(session_id)
         self.release(session_id)
-        if self.disk is not None and session_id in self.disk.entries:
+        if self.disk.holds(session_id):
             self.disk.delete(session_id)
 
     def _collect_writes(self) -> None:
         for result in self.disk.take_results():
             self.stats.bytes_written_disk += result.nbytes
             if result.error is not None:
-                self.stats.disk_write_failures += 1
-                self.disk.entries.pop(result.session_id, None)
+                self.stats.disk_write_failures += 1  # the disk tier no longer holds the session
                 self._notify(result.session_id)
 
     # -- indexing ---------------------------------------------------------------------------
@@ -560,8 +535,6 @@ class SessionStore:
     def _reindex(self) -> None:
         for header, entry in self.disk.reindex():
             self._add_session(header.session_id, header.token_ids, entry.last_activity)
-        if self._sessions:
-            log.info("session store: %d sessions re-indexed from %s", len(self._sessions), self.disk.dir)
         self._enforce_disk_budget(0, exclude=None)
 
     def _adopt_into_host(self, session_id: str, path: Path, now: float) -> None:
@@ -580,7 +553,7 @@ class SessionStore:
             tiers.append("gpu")
         if self.host.layers_held(sid) == self.layout.num_layers:
             tiers.append("host")
-        if self.disk is not None and sid in self.disk.entries:
+        if self.disk.holds(sid):
             tiers.append("disk")
         n = len(session.token_ids)
         return SessionInfo(sid, n, tuple(tiers), n * self.layout.bytes_per_token, session.last_activity)

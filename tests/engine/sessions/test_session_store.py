@@ -131,6 +131,27 @@ def test_disk_writer_failure_is_reported(tmp_path):
         disk.close()
 
 
+def test_failed_write_forgets_only_its_own_copy(tmp_path):
+    """A failed write drops the session's disk entry, unless a newer write of it was queued
+    since: that one's entry (and file) must survive the older failure being collected."""
+    layout = KVLayout("m", "llama", 2, 1, 4, "float32", 4)
+    disk = DiskTier(tmp_path, layout)
+    try:
+        good, bad = [torch.zeros(2, 1, 4, 4)] * 2, [torch.zeros(2, 1, 3, 4)] * 2
+        disk.write("a", [1, 2, 3, 4], bad, 1, 0.0)
+        assert disk.flush(timeout=10)
+        disk.write("a", [1, 2, 3, 4], good, 1, 1.0)
+        assert disk.flush(timeout=10)
+        assert [r.error is None for r in disk.take_results()] == [False, True]
+        assert disk.holds("a") and disk.export_path("a") == disk.path_for("a")
+        disk.write("b", [1, 2, 3, 4], bad, 1, 0.0)
+        assert disk.flush(timeout=10)
+        assert disk.take_results()[0].error is not None
+        assert not disk.holds("b") and disk.export_path("b") is None
+    finally:
+        disk.close()
+
+
 def test_transfer_cost_estimates():
     costs = TransferCosts(bytes_per_token=1000)
     assert costs.estimate_pull_s(200_000_000) == pytest.approx(1.02)
