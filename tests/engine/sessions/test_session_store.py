@@ -99,6 +99,10 @@ def test_disk_budget_drops_least_recent_sessions(make_engine):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for sid, prompt in prompts.items():
         run(engine, sid, prompt, session_id=sid, params=params)
+        # Each file is written before the next turn, so the budget deletes a written file.
+        # (Without this, a slow writer thread may still have s0's write queued when s2's turn
+        # drops s0; the store then cancels that write, rightly, and only two are counted.)
+        engine.sessions.flush()
     assert engine.sessions.info("s0") is None and {i.session_id for i in engine.sessions.snapshot()} == {"s1", "s2"}
     assert engine.sessions.stats.sessions_dropped == 1
     dropped = [i for i in seen if i.session_id == "s0" and i.dropped]
@@ -123,6 +127,27 @@ def test_disk_writer_failure_is_reported(tmp_path):
         results = {r.session_id: r for r in disk.take_results()}
         assert results["a"].error is None and results["a"].nbytes == disk.path_for("a").stat().st_size
         assert "does not match" in results["b"].error and not disk.path_for("b").exists()
+    finally:
+        disk.close()
+
+
+def test_failed_write_forgets_only_its_own_copy(tmp_path):
+    """A failed write drops the session's disk entry, unless a newer write of it was queued
+    since: that one's entry (and file) must survive the older failure being collected."""
+    layout = KVLayout("m", "llama", 2, 1, 4, "float32", 4)
+    disk = DiskTier(tmp_path, layout)
+    try:
+        good, bad = [torch.zeros(2, 1, 4, 4)] * 2, [torch.zeros(2, 1, 3, 4)] * 2
+        disk.write("a", [1, 2, 3, 4], bad, 1, 0.0)
+        assert disk.flush(timeout=10)
+        disk.write("a", [1, 2, 3, 4], good, 1, 1.0)
+        assert disk.flush(timeout=10)
+        assert [r.error is None for r in disk.take_results()] == [False, True]
+        assert disk.holds("a") and disk.export_path("a") == disk.path_for("a")
+        disk.write("b", [1, 2, 3, 4], bad, 1, 0.0)
+        assert disk.flush(timeout=10)
+        assert disk.take_results()[0].error is not None
+        assert not disk.holds("b") and disk.export_path("b") is None
     finally:
         disk.close()
 

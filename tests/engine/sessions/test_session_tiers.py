@@ -101,6 +101,18 @@ def test_peer_file_verified_off_the_engine_thread(make_engine, reference, tmp_pa
     _turn2(puller, t1, reference, "disk")
 
 
+def test_peer_file_adopted_without_disk_tier(make_engine, reference, tmp_path):
+    holder = make_engine(session_dir=str(tmp_path / "holder"))
+    t1 = _turn1(holder)
+    download = tmp_path / "download.kv"
+    shutil.copyfile(holder.sessions.export_path("chat"), download)
+    puller = make_engine(session_dir=None)  # the layers move into host memory, the file goes
+    info = puller.sessions.adopt_file(download)
+    assert info.tiers == ("host",) and info.num_tokens == KEPT and not download.exists()
+    assert puller.sessions.export_path("chat") is None
+    _turn2(puller, t1, reference, "host")
+
+
 def test_recompute_without_session(make_engine, reference):
     engine = make_engine()
     t1 = run(engine, "t1", PROMPT1)
