@@ -38,7 +38,6 @@ from engine.scheduling.policy import (
     ScheduledBatch,
     SchedulerState,
     SchedulingPolicy,
-    register_policy,
 )
 from engine.scheduling.request import SLO, Request, RequestClass, RequestStatus
 from engine.scheduling.slack import deadline, merge_by_deadline, target
@@ -67,7 +66,6 @@ class _Outcome(enum.Enum):
     COST = "cost"
 
 
-@register_policy
 class BROSPolicy(SchedulingPolicy):
     name = "bros"
 

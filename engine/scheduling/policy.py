@@ -3,14 +3,13 @@
 A policy sees the queues, the KV-cache manager and the step's limits; it decides which
 requests run and how many new tokens each computes, allocating KV as it goes and preempting
 (recompute) when it must. The engine then executes the batch. FCFS is the first policy;
-BROS, Apt-Serve and eLLM plug in here.
+BROS, Apt-Serve and eLLM plug in here. The policies by name are in `registry.py`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -106,25 +105,3 @@ class SchedulingPolicy(ABC):
         running requests with `state.preempt`, and must never schedule more than
         `limits.max_num_batched_tokens` tokens or `limits.max_num_seqs` sequences.
         """
-
-
-_POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {}
-
-
-def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
-    _POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str, **options) -> SchedulingPolicy:
-    """Build a registered policy; `options` go to its constructor (e.g. `make_policy("bros",
-    cost_model=CostModel.load(path), default_slo=SLO(0.4, 0.2))`)."""
-    import engine.scheduling.bros  # noqa: F401  (registers built-in policies)
-    import engine.scheduling.fcfs  # noqa: F401
-    import engine.scheduling.rr  # noqa: F401
-
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; available: {sorted(_POLICIES)}") from None
-    return cls(**options)
