@@ -3,18 +3,23 @@
 A policy sees the queues, the KV-cache manager and the step's limits; it decides which
 requests run and how many new tokens each computes, allocating KV as it goes and preempting
 (recompute) when it must. The engine then executes the batch. FCFS is the first policy;
-BROS, Apt-Serve and eLLM plug in here. The policies by name are in `registry.py`.
+BROS, Apt-Serve and eLLM plug in here. A policy whose allocations need more than the KV
+manager's core names the KV components it relies on (`kv_components`). The policies by name
+are in `registry.py`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from engine.kv.component import KVComponent
 from engine.kv.copies import KVCopy
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.ledger import KVLedger
 from engine.scheduling.request import Request, RequestStatus
 
 
@@ -93,6 +98,13 @@ class SchedulingPolicy(ABC):
     """Chooses each step's batch. One instance per engine (adaptive policies keep state)."""
 
     name: ClassVar[str]
+
+    def kv_components(self) -> tuple[Callable[[KVLedger], KVComponent], ...]:
+        """Factories of the KV components this policy's allocations rely on (the contract is
+        `engine/kv/component.py`). The `Scheduler` attaches them to its KV manager once, before
+        the first request; the policy finds them there with `kv.component(cls)`. Default: the
+        core's forward allocation is enough."""
+        return ()
 
     def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         """Called after the batch ran, with its measured (or simulated) duration."""
