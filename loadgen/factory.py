@@ -41,17 +41,9 @@ def load_cost_model(name_or_path: str):
 
 def policy_options(policy: str, cost_model=None, default_slo=None) -> dict:
     """The options a policy's constructor accepts among those we can offer (cost model, SLO)."""
-    from engine.scheduling import make_policy
-    from engine.scheduling import policy as policy_mod
+    from engine.scheduling import policy_class
 
-    try:
-        make_policy("fcfs")  # imports and registers the built-in policies
-    except ValueError:
-        pass
-    cls = policy_mod._POLICIES.get(policy)
-    if cls is None:
-        raise ValueError(f"unknown scheduling policy {policy!r}; available: {sorted(policy_mod._POLICIES)}")
-    accepted = inspect.signature(cls.__init__).parameters
+    accepted = inspect.signature(policy_class(policy).__init__).parameters
     offer = {"cost_model": cost_model, "default_slo": default_slo}
     return {k: v for k, v in offer.items() if k in accepted and v is not None}
 

@@ -1,9 +1,9 @@
-"""Two-ended blocks: the BE request at a block's right end, and the RT request that may fill
-its left end (the paper's preemption table is the set of shares with checkpointed slots).
+"""Two-ended blocks: the BE request at a block's left end, and the RT request that may fill
+its right end (the paper's preemption table is the set of shares with checkpointed slots).
 
-Every device block a BE request fills from the right has a `Share`. While no RT request
-uses its left end the block is *stealable*; `StealIndex` finds the one with the most empty
-slots in O(block_size).
+Every device block a BE request fills (from the left, forward) has a `Share`. While no RT
+request uses its right end the block is *stealable*; `StealIndex` finds the one with the most
+empty slots in O(block_size). `TwoEndedBlocks` (two_ended.py) keeps both.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ class Share:
     block_id: int
     be_id: str
     be_entry: int  # logical block index in the BE request's table
-    be_fill: int  # BE slots still resident, counted from the right end
+    be_fill: int  # BE slots still resident, counted from the left end (offsets [0, be_fill))
     be_len: int  # BE tokens of this logical block (resident + checkpointed); be_fill <= be_len
-    rt_id: str | None = None  # RT request filling from the left, if any
+    rt_id: str | None = None  # RT request filling from the right end, if any
     rt_entry: int = -1
 
     def checkpointed(self, block_size: int) -> range:
-        """In-block slots whose BE contents were checkpointed to host (overwritten by the RT end)."""
-        return range(block_size - self.be_len, block_size - self.be_fill)
+        """In-block slots whose BE contents were checkpointed to host (taken over by the RT end).
+
+        BE fills forward, so its offsets [be_fill, be_len) sit at the same in-block slots."""
+        return range(self.be_fill, self.be_len)
 
 
 class StealIndex:

@@ -13,14 +13,14 @@ from collections.abc import Callable
 class UndoLog:
     def __init__(self) -> None:
         self._log: list[Callable[[], None]] | None = None
-
-    @property
-    def active(self) -> bool:
-        return self._log is not None
+        # A plain attribute, not a property: the ledger's primitives read it on every change to
+        # skip building an undo closure when nothing is logged.
+        self.active = False
 
     def mark(self) -> int:
         if self._log is None:
             self._log = []
+            self.active = True
         return len(self._log)
 
     def push(self, undo: Callable[[], None]) -> None:
@@ -36,3 +36,4 @@ class UndoLog:
 
     def settle(self) -> None:
         self._log = None
+        self.active = False

@@ -6,13 +6,13 @@ from engine.scheduling.policy import (
     ScheduledItem,
     SchedulerState,
     SchedulingPolicy,
-    make_policy,
-    register_policy,
 )
+from engine.scheduling.registry import POLICIES, make_policy, policy_class
 from engine.scheduling.request import SLO, FinishReason, Request, RequestClass, RequestStatus
 from engine.scheduling.scheduler import Scheduler
 
 __all__ = [
+    "POLICIES",
     "BatchLimits",
     "FinishReason",
     "Request",
@@ -25,5 +25,5 @@ __all__ = [
     "SchedulerState",
     "SchedulingPolicy",
     "make_policy",
-    "register_policy",
+    "policy_class",
 ]

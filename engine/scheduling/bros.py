@@ -14,7 +14,8 @@ Per step:
    of its prefill) fits, else it may replace the least urgent scheduled RT request if that
    request's own deadline still holds when deferred one step.
 
-Memory: RT requests take free blocks or steal BE blocks' empty ends (lazy checkpointing);
+Memory (the KV manager's `TwoEndedBlocks` component, which this policy attaches): RT
+requests take free blocks or steal BE blocks' empty ends (lazy checkpointing);
 when even that fails, whole requests not in the batch are swapped to host (BE first, then
 RT by most slack), or recompute-preempted when host space is full. Every tentative
 allocation runs under the KV undo log and is rolled back when its request is rejected. A
@@ -29,16 +30,17 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import partial
 
 from engine.cost_model import CostModel
 from engine.kv.block_pool import Block
+from engine.kv.two_ended import TwoEndedBlocks
 from engine.scheduling.adaptive_cap import AdaptiveCap
 from engine.scheduling.packing import Packing
 from engine.scheduling.policy import (
     ScheduledBatch,
     SchedulerState,
     SchedulingPolicy,
-    register_policy,
 )
 from engine.scheduling.request import SLO, Request, RequestClass, RequestStatus
 from engine.scheduling.slack import deadline, merge_by_deadline, target
@@ -67,7 +69,6 @@ class _Outcome(enum.Enum):
     COST = "cost"
 
 
-@register_policy
 class BROSPolicy(SchedulingPolicy):
     name = "bros"
 
@@ -89,6 +90,9 @@ class BROSPolicy(SchedulingPolicy):
         self.t_avg: float | None = None
         self.cap: AdaptiveCap | None = None
         self.last = Decision()
+
+    def kv_components(self) -> tuple[partial[TwoEndedBlocks], ...]:
+        return (partial(TwoEndedBlocks, is_be=_is_be),)
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
@@ -116,6 +120,7 @@ class _Step:
         self.policy = policy
         self.state = state
         self.kv = state.kv
+        self.ends = state.kv.component(TwoEndedBlocks)
         self.slo = policy.default_slo
         self.pack = Packing(policy.cost_model, state.limits.max_num_batched_tokens)
         self.batch = ScheduledBatch()
@@ -293,7 +298,7 @@ class _Step:
             return None
         while True:
             mark = self.kv.undo.mark()
-            if (self.kv.is_resident(r) or self.kv.restore(r, be=be)) and self.kv.reserve(r, n, prefix, be=be):
+            if (self.kv.is_resident(r) or self.kv.restore(r)) and self.kv.allocate(r, n, prefix):
                 return mark
             self.kv.undo.rollback(mark)
             if victims is None:
@@ -310,7 +315,7 @@ class _Step:
             return False
         available = self.kv.pool.num_free
         if not be:
-            available += len(self.kv.steal_index) + self._be_device_blocks()
+            available += self.ends.num_stealable + self._be_device_blocks()
         base = r.num_computed_tokens if self.kv.holds(r) else 0
         return self.kv.blocks_needed(r, base + n) > available
 
@@ -356,3 +361,8 @@ class _Step:
         self.decision.estimate_s = self.pack.cost(self.kv.pending_swap_bytes)
         self.batch.copies = self.kv.take_copies()
         return self.batch
+
+
+def _is_be(request: Request) -> bool:
+    """Which two-ended rules a request follows: BE lends its blocks' free ends, RT takes them."""
+    return request.req_class is RequestClass.BE

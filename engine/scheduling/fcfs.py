@@ -12,12 +12,10 @@ from engine.scheduling.policy import (
     ScheduledBatch,
     SchedulerState,
     SchedulingPolicy,
-    register_policy,
 )
 from engine.scheduling.request import Request
 
 
-@register_policy
 class FCFSPolicy(SchedulingPolicy):
     name = "fcfs"
 

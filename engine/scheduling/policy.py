@@ -3,7 +3,9 @@
 A policy sees the queues, the KV-cache manager and the step's limits; it decides which
 requests run and how many new tokens each computes, allocating KV as it goes and preempting
 (recompute) when it must. The engine then executes the batch. FCFS is the first policy;
-BROS, Apt-Serve and eLLM plug in here.
+BROS, Apt-Serve and eLLM plug in here. A policy whose allocations need more than the KV
+manager's core names the KV components it relies on (`kv_components`). The policies by name
+are in `registry.py`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from engine.kv.component import KVComponent
 from engine.kv.copies import KVCopy
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.ledger import KVLedger
 from engine.scheduling.request import Request, RequestStatus
 
 
@@ -95,6 +99,13 @@ class SchedulingPolicy(ABC):
 
     name: ClassVar[str]
 
+    def kv_components(self) -> tuple[Callable[[KVLedger], KVComponent], ...]:
+        """Factories of the KV components this policy's allocations rely on (the contract is
+        `engine/kv/component.py`). The `Scheduler` attaches them to its KV manager once, before
+        the first request; the policy finds them there with `kv.component(cls)`. Default: the
+        core's forward allocation is enough."""
+        return ()
+
     def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         """Called after the batch ran, with its measured (or simulated) duration."""
 
@@ -106,25 +117,3 @@ class SchedulingPolicy(ABC):
         running requests with `state.preempt`, and must never schedule more than
         `limits.max_num_batched_tokens` tokens or `limits.max_num_seqs` sequences.
         """
-
-
-_POLICIES: dict[str, Callable[..., SchedulingPolicy]] = {}
-
-
-def register_policy(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
-    _POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str, **options) -> SchedulingPolicy:
-    """Build a registered policy; `options` go to its constructor (e.g. `make_policy("bros",
-    cost_model=CostModel.load(path), default_slo=SLO(0.4, 0.2))`)."""
-    import engine.scheduling.bros  # noqa: F401  (registers built-in policies)
-    import engine.scheduling.fcfs  # noqa: F401
-    import engine.scheduling.rr  # noqa: F401
-
-    try:
-        cls = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; available: {sorted(_POLICIES)}") from None
-    return cls(**options)

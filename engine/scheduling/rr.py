@@ -14,14 +14,12 @@ from engine.scheduling.policy import (
     ScheduledBatch,
     SchedulerState,
     SchedulingPolicy,
-    register_policy,
 )
 from engine.scheduling.request import RequestClass
 
 _OTHER = {RequestClass.RT: RequestClass.BE, RequestClass.BE: RequestClass.RT}
 
 
-@register_policy
 class RoundRobinPolicy(SchedulingPolicy):
     name = "rr"
 

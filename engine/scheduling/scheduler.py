@@ -12,6 +12,10 @@ from engine.scheduling.request import FinishReason, Request, RequestStatus
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, limits: BatchLimits, policy: SchedulingPolicy) -> None:
+        """Joins a KV manager and a policy: the KV components the policy relies on are attached
+        to the manager here, once (a later policy of the same name finds them there)."""
+        for factory in policy.kv_components():
+            kv.attach(factory)
         self.kv = kv
         self.limits = limits
         self.policy = policy

@@ -86,7 +86,7 @@ class SessionKeeper:
         table = self.kv.table(request)
         full = min(request.num_computed_tokens // self.block_size, len(table.blocks))
         n = 0
-        while n < full and table.blocks[n] is not None and not table.rev[n] and table.ids[n] not in self.kv.shares:
+        while n < full and self.kv.publishable(table, n):
             n += 1
         return n
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.cost_model import CostModel, PhaseFit
+from engine.kv import TwoEndedBlocks
 from engine.scheduling import RequestClass
 
 # A cost model in the range of the tiny model on this CPU: the time budget binds now and then
@@ -108,7 +109,7 @@ def _run_bros(engine: LLMEngine, jobs) -> tuple[dict[str, list[int]], dict[str, 
             pytest.fail("the engine did not finish: deadlock or livelock")
     finally:
         engine.scheduler.schedule = orig
-    assert engine.kv.pool.num_free == engine.kv.pool.capacity and not engine.kv.shares
+    assert engine.kv.pool.num_free == engine.kv.pool.capacity and not engine.kv.component(TwoEndedBlocks).shares
     return out, copies
 
 

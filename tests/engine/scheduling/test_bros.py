@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit
-from engine.kv import BlockPool, KVCacheManager
+from engine.kv import BlockPool, KVCacheManager, TwoEndedBlocks
 from engine.kv.copies import CopyKind
 from engine.sampling import SamplingParams
 from engine.scheduling import (
@@ -147,7 +147,7 @@ def test_random_workloads_keep_invariants_and_finish(seed, num_blocks, host, n):
         arrivals.append((rng.randint(0, 30), _request(f"{cls.value}{i}", prompt, out, cls, 0.0, rng)))
     _simulate(s, arrivals, rng)
     assert not s.requests and s.kv.pool.num_free == s.kv.pool.capacity
-    assert s.kv.host.num_free == s.kv.host.num_blocks and not s.kv.shares
+    assert s.kv.host.num_free == s.kv.host.num_blocks and not s.kv.component(TwoEndedBlocks).shares
 
 
 def test_pressure_exercises_checkpoint_restore_and_swap():

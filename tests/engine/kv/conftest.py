@@ -1,0 +1,73 @@
+"""Fixtures for the KV manager tests: a full fingerprint of a manager's state (to show a
+rollback leaves no trace) and a slot-level memory that runs recorded copies (to show moves
+keep every token's data). Session-scoped, so hypothesis tests may use them."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.kv import KVCacheManager, TwoEndedBlocks
+from engine.kv.copies import CopyKind, KVCopy
+
+
+def fingerprint(kv: KVCacheManager) -> tuple:
+    """Everything a rollback must restore: tables, reference counts, the pools' free lists in
+    order, recorded copies and the two-ended component's preemption table and steal index."""
+    tables = {
+        rid: (tuple(t.ids), tuple(t.rev), t.claimed, sorted((e, h.host_block, h.resident) for e, h in t.host.items()))
+        for rid, t in kv.ledger.tables.items()
+    }
+    pools = (
+        tuple(b.ref_count for b in kv.pool.blocks),
+        tuple(kv.pool._free),  # LRU order decides which block the next allocation gets
+        tuple(kv.host._free),
+    )
+    components = []
+    for c in kv.components:
+        if isinstance(c, TwoEndedBlocks):
+            shares = sorted(
+                (s.block_id, s.be_id, s.be_entry, s.be_fill, s.be_len, s.rt_id or "", s.rt_entry)
+                for s in c.shares.values()
+            )
+            best = c.steal_index.best()
+            components.append((tuple(shares), c.num_stealable, None if best is None else best.block_id))
+    return tables, pools, tuple(kv.ledger.copies), kv.pending_swap_bytes, tuple(components)
+
+
+class SlotMemory:
+    """What each device and host slot holds, as (request id, position) labels."""
+
+    def __init__(self) -> None:
+        self.device: dict[int, tuple[str, int]] = {}
+        self.host: dict[int, tuple[str, int]] = {}
+
+    def write(self, kv: KVCacheManager, rid: str, start: int, end: int) -> None:
+        """The forward pass writing positions [start, end) of a request into its slots."""
+        table = kv.ledger.tables[rid]
+        for p in range(start, end):
+            self.device[table.slot(p, kv.block_size)] = (rid, p)
+
+    def run(self, copies: list[KVCopy]) -> None:
+        """Execute copies in order, as `KVCacheStorage.execute` does."""
+        for c in copies:
+            src = self.host if c.kind is CopyKind.H2D else self.device
+            dst = self.host if c.kind is CopyKind.D2H else self.device
+            values = [src.get(s) for s in c.src_slots]
+            for slot, value in zip(c.dst_slots, values):
+                dst[slot] = value
+
+    def check_resident(self, kv: KVCacheManager, rid: str, computed: int) -> None:
+        """Every computed position of a resident request reads back its own data."""
+        table = kv.ledger.tables[rid]
+        for p in range(computed):
+            assert self.device.get(table.slot(p, kv.block_size)) == (rid, p), (rid, p)
+
+
+@pytest.fixture(scope="session")
+def kv_fingerprint():
+    return fingerprint
+
+
+@pytest.fixture(scope="session")
+def slot_memory():
+    return SlotMemory
