@@ -110,6 +110,9 @@ class AttentionMetadata:
     # How decode buckets are attended: "reference" gathers blocks then matmuls (the CPU path
     # and the GPU kernels' reference); "fused" is kernels/compiled/decode.py.
     decode_kernel: str = "reference"
+    # What a kernel derives from the fields above on the step's first layer and reuses in
+    # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
+    prepared: dict = field(default_factory=dict, repr=False)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -13,6 +13,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton decides interpreter
+# or GPU when a function is decorated, its own library's helpers (tl.max, tl.sum...) when it
+# is first imported, and Inductor imports it during other tests: so the switch is set here,
+# before anything can. It changes nothing else (Inductor's CPU code is C++); hosts with a CUDA
+# device compile the kernels for real and the same tests run on CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -20,6 +27,26 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The fused decode kernel is compiled by Inductor to C++ at run time (kernels/compiled/).
 HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
 requires_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: Inductor cannot build the fused kernel")
+
+
+@pytest.fixture(scope="session")
+def triton_kernels():
+    """`kernels.triton`, usable on `kernel_device`: CUDA where there is one, else CPU tensors
+    under Triton's interpreter (switched on above)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("triton is a test dependency (pyproject.toml [test]): pip install triton==3.9.0")
+    from kernels import triton as triton_kernels
+
+    reason = triton_kernels.unavailable_reason("cuda" if torch.cuda.is_available() else "cpu")
+    if reason is not None:
+        pytest.fail(reason)
+    return triton_kernels
+
+
+@pytest.fixture(scope="session")
+def kernel_device(triton_kernels) -> str:
+    """Where the Triton kernels run in this session: "cuda" (compiled) or "cpu" (interpreter)."""
+    return "cpu" if triton_kernels.INTERPRETED else "cuda"
 
 
 @pytest.fixture(scope="session")
