@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,9 +80,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
     packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
-    # decode attention kernel: "fused" (kernels/compiled/decode.py, CPU only), "reference"
-    # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
-    # stays on the path the transformers parity tests check)
+    # attention kernel: "fused" (kernels/compiled/decode.py, CPU only, decode), "triton"
+    # (kernels/triton: decode and prefill on CUDA; on CPU only under TRITON_INTERPRET=1, for
+    # tests), "reference" (gather + matmul, any device: the oracle), or "auto": triton on CUDA,
+    # fused for bfloat16 on CPU, reference otherwise (float32 stays on the path the
+    # transformers parity tests check)
     attention: str = "auto"
     # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
     # (models/decode_graph.py; Llama family); False keeps them op by op
@@ -104,14 +107,22 @@ class EngineConfig:
     @property
     def decode_kernel(self) -> str:
         """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        on_cuda = torch.device(self.device).type == "cuda"
         if self.attention == "auto":
             if self.dtype == "auto":
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
+            if on_cuda:
+                return "triton"
             return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
-        if self.attention not in ("fused", "reference"):
-            raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
+        if self.attention not in ("fused", "reference", "triton"):
+            raise ValueError(f"attention must be auto, fused, triton or reference, not {self.attention!r}")
         if self.attention == "fused" and self.device != "cpu":
-            raise ValueError("attention='fused' is the CPU kernel; use 'reference' on other devices")
+            raise ValueError("attention='fused' is the CPU kernel; use 'triton' or 'reference' on other devices")
+        if self.attention == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention='triton' runs on CUDA; on CPU only under Triton's interpreter (TRITON_INTERPRET=1), "
+                "which is for tests"
+            )
         return self.attention
 
     @property
