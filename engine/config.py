@@ -57,6 +57,10 @@ class EngineConfig:
     """How one engine instance runs: device, dtype, memory and batching limits."""
 
     model: str = "default"
+    # "auto": the model's own weights; "dummy": random weights in its architecture (vLLM's
+    # --load-format dummy), where `model` may also name a built-in architecture
+    # (engine/loader/dummy.py: qwen3-0.6b, llama-3-8b, opt-13b) that has no files at all
+    load_format: str = "auto"
     device: str = "cpu"
     # "auto" | "float32" | "bfloat16" | "float16". auto: bfloat16 on a CPU with native bf16
     # (AVX512-BF16 or AMX) or a GPU with bf16, float32 on other CPUs; `resolved()` decides it
