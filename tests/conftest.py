@@ -116,25 +116,52 @@ def _tiny_configs():
 TINY_MODELS = ["llama", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3", "opt", "opt_proj"]
 
 
+def _save_tiny_model(name: str, path: Path) -> None:
+    """The tiny random-weight model `name` (same weights in every process) saved to `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(zlib.crc32(name.encode()))  # hash() of a str differs per process
+    model = AutoModelForCausalLM.from_config(_tiny_configs()[name], torch_dtype=torch.float32)
+    # random init of biases / norms is zero / one: perturb so they matter in the comparison
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     """Factory: name -> directory holding a random-weight HF model saved as safetensors."""
-    from transformers import AutoModelForCausalLM
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            _save_tiny_model(name, path)
+            smollm2_tokenizer.save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bare_tiny_model_dir(tmp_path_factory):
+    """Factory: like `tiny_model_dir` (the same weights) with a one-word tokenizer instead of
+    SmolLM2's, for token-id tests on machines without the default model's package (the GPU
+    machine takes 64 MiB of files)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     made: dict[str, Path] = {}
 
     def make(name: str) -> Path:
         if name not in made:
-            torch.manual_seed(zlib.crc32(name.encode()))  # hash() of a str differs per process
-            model = AutoModelForCausalLM.from_config(_tiny_configs()[name], torch_dtype=torch.float32)
-            # random init of biases / norms is zero / one: perturb so they matter in the comparison
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("bias") or "norm" in n:
-                        p.add_(torch.randn_like(p) * 0.1)
-            path = tmp_path_factory.mktemp(f"tiny-{name}")
-            model.save_pretrained(path, safe_serialization=True)
-            smollm2_tokenizer.save_pretrained(path)
+            path = tmp_path_factory.mktemp(f"bare-{name}")
+            _save_tiny_model(name, path)
+            words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+            PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(path)
             made[name] = path
         return made[name]
 

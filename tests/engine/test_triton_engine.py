@@ -34,8 +34,8 @@ def _run(engine: LLMEngine, prompts, max_tokens: int):
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
-def test_greedy_tokens_equal_the_reference_engine(kernel_device, tiny_model_dir, name):
-    path = tiny_model_dir(name)
+def test_greedy_tokens_equal_the_reference_engine(kernel_device, bare_tiny_model_dir, name):
+    path = bare_tiny_model_dir(name)
     rng = random.Random(4)
     shared = [rng.randrange(49152) for _ in range(20)]
     prompts = [
@@ -77,14 +77,14 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     assert EngineConfig(device="cuda:1", dtype="bfloat16", attention="reference").decode_kernel == "reference"
 
 
-def test_bros_with_reversed_blocks_equals_ample_memory_run(kernel_device, tiny_model_dir, tmp_path):
+def test_bros_with_reversed_blocks_equals_ample_memory_run(kernel_device, bare_tiny_model_dir, tmp_path):
     """BE requests fill a tight cache, then RT requests take over their blocks' free ends
     (reversed blocks), with checkpoints, swaps and restores: tokens equal an ample-memory
     FCFS run on the reference kernel."""
     from engine.scheduling import RequestClass
     from tests.engine.test_bros_engine import COST, _engine, _ids, _reference, _run_bros
 
-    path = tiny_model_dir("llama")
+    path = bare_tiny_model_dir("llama")
     cost_file = tmp_path / "cost.json"
     COST.save(cost_file)
     bros = _engine(path, str(cost_file), attention="triton", device=kernel_device)

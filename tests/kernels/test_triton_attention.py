@@ -201,11 +201,11 @@ def test_holes_and_padding_are_never_read(tk):
             )
 
 
-def _prefill_case(kv_heads, group, head_dim, dtype, contexts, new_tokens, decode_lengths, seed):
+def _prefill_case(kv_heads, group, head_dim, dtype, contexts, new_tokens, decode_lengths, seed, holes=()):
     """A mixed step, rows ordered like the runner's: decode rows first, then prefill spans.
     Each span's context + new tokens are in the cache (the model writes before it attends)."""
     lengths = [c + n for c, n in zip(contexts, new_tokens)]
-    paged = Paged(kv_heads, head_dim, 8, decode_lengths + lengths, dtype, seed=seed)
+    paged = Paged(kv_heads, head_dim, 8, decode_lengths + lengths, dtype, holes=holes, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = len(decode_lengths) + sum(new_tokens)
     q = torch.randn(tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
@@ -266,6 +266,17 @@ def test_hopper_tiles_under_the_interpreter(tk):
     expected = reference.paged_attention(q, k, v, paged.clean, _meta(buckets, spans, q.shape[0], scale))
     assert not got.isnan().any()
     _close(got, expected, dtype)
+
+
+def test_prefill_skips_holes_in_its_prefix(tk):
+    """A hole in a span's cached prefix: its block is never read and its tokens are left out."""
+    paged, q, k, v, buckets, spans = _prefill_case(2, 3, 64, torch.float32, [20, 9], [6, 11], [], 4, holes={(0, 1)})
+    assert paged.table[0, 1] == -1 and not paged.visible[0][8:16].any()
+    got, _ = tk.attention(q, k, v, paged.poisoned, _meta(buckets, spans, q.shape[0], 0.125), _tiles(tk, "splits"))
+    assert not got.isnan().any()
+    for i, span in enumerate(spans):
+        rows = slice(span.q_start, span.q_start + span.q_len)
+        _close(got[rows], _dense(q[rows], paged.logical[i], paged.visible[i], span.ctx_len, 0.125), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
