@@ -111,7 +111,10 @@ class EngineConfig:
     @property
     def decode_kernel(self) -> str:
         """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
-        on_cuda = torch.device(self.device).type == "cuda"
+        try:
+            on_cuda = torch.device(self.device).type == "cuda"
+        except RuntimeError:
+            raise ValueError(f"unknown device {self.device!r}: use cpu or cuda") from None
         if self.attention == "auto":
             if self.dtype == "auto":
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")

@@ -75,6 +75,8 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         EngineConfig(attention="triton", dtype="float32").decode_kernel  # noqa: B018
     assert EngineConfig(device="cuda", dtype="bfloat16").decode_kernel == "triton"
     assert EngineConfig(device="cuda:1", dtype="bfloat16", attention="reference").decode_kernel == "reference"
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        EngineConfig(device="gpu", dtype="float32").decode_kernel  # noqa: B018
 
 
 def test_bros_with_reversed_blocks_equals_ample_memory_run(kernel_device, bare_tiny_model_dir, tmp_path):
