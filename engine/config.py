@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,6 +57,10 @@ class EngineConfig:
     """How one engine instance runs: device, dtype, memory and batching limits."""
 
     model: str = "default"
+    # "auto": the model's own weights; "dummy": random weights in its architecture (vLLM's
+    # --load-format dummy), where `model` may also name a built-in architecture
+    # (engine/loader/dummy.py: qwen3-0.6b, llama-3-8b, opt-13b) that has no files at all
+    load_format: str = "auto"
     device: str = "cpu"
     # "auto" | "float32" | "bfloat16" | "float16". auto: bfloat16 on a CPU with native bf16
     # (AVX512-BF16 or AMX) or a GPU with bf16, float32 on other CPUs; `resolved()` decides it
@@ -79,9 +84,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
     packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
-    # decode attention kernel: "fused" (kernels/compiled/decode.py, CPU only), "reference"
-    # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
-    # stays on the path the transformers parity tests check)
+    # attention kernel: "fused" (kernels/compiled/decode.py, CPU only, decode), "triton"
+    # (kernels/triton: decode and prefill on CUDA; on CPU only under TRITON_INTERPRET=1, for
+    # tests), "reference" (gather + matmul, any device: the oracle), or "auto": triton on CUDA,
+    # fused for bfloat16 on CPU, reference otherwise (float32 stays on the path the
+    # transformers parity tests check)
     attention: str = "auto"
     # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
     # (models/decode_graph.py; Llama family); False keeps them op by op
@@ -104,14 +111,25 @@ class EngineConfig:
     @property
     def decode_kernel(self) -> str:
         """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        try:
+            on_cuda = torch.device(self.device).type == "cuda"
+        except RuntimeError:
+            raise ValueError(f"unknown device {self.device!r}: use cpu or cuda") from None
         if self.attention == "auto":
             if self.dtype == "auto":
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
+            if on_cuda:
+                return "triton"
             return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
-        if self.attention not in ("fused", "reference"):
-            raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
+        if self.attention not in ("fused", "reference", "triton"):
+            raise ValueError(f"attention must be auto, fused, triton or reference, not {self.attention!r}")
         if self.attention == "fused" and self.device != "cpu":
-            raise ValueError("attention='fused' is the CPU kernel; use 'reference' on other devices")
+            raise ValueError("attention='fused' is the CPU kernel; use 'triton' or 'reference' on other devices")
+        if self.attention == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention='triton' runs on CUDA; on CPU only under Triton's interpreter (TRITON_INTERPRET=1), "
+                "which is for tests"
+            )
         return self.attention
 
     @property

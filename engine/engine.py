@@ -17,7 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
 from engine.kv.storage import bytes_per_block
-from engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
+from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
 from engine.models.packed_linear import pack_linear_layers, packing_supported
 from engine.outputs import RequestOutput
@@ -81,13 +81,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
             tune_allocator()
-        source = resolve_model(config.model)
-        self.model_config: ModelConfig = load_model_config(source)
-        self.tokenizer = load_tokenizer(source)
+        arch = load_architecture(config.model, config.load_format)
+        source = arch.source  # None for a built-in architecture (dummy weights, no files)
+        self.model_config: ModelConfig = arch.config
+        self.tokenizer = arch.tokenizer  # None: token ids in and out only
         self.max_model_len = self._max_model_len(config, self.model_config)
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
-        self.model.load_weights(iter_weights(source))
+        load_weights(self.model, arch, config.load_format, config.seed)
         if config.packed_weights and packing_supported(config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
@@ -120,7 +121,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.2f GiB), policy %s",
-            source.name,
+            self.model_config.name,
             self.kv.pool.num_blocks,
             config.block_size,
             self.storage.nbytes / 2**30,
@@ -153,6 +154,10 @@ class LLMEngine:
         """
         full_prompt = list(prompt_token_ids) + list(resumed_output_ids)
         self.validate(full_prompt, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer and this model has none (dummy weights): use stop_token_ids"
+            )
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
             raise ValueError("session_id must be a non-empty string")
         request = Request(
@@ -168,7 +173,7 @@ class LLMEngine:
         self.scheduler.add(request)
         if session_id is not None:
             self.sessions.begin_turn(request, session_id)
-        if stream_text or params.stop:
+        if (stream_text or params.stop) and self.tokenizer is not None:  # no tokenizer: outputs are ids only
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -372,10 +377,12 @@ class LLMEngine:
     def _cost_model(self, config: EngineConfig, source):
         """The profiled step-time model: a given file, the on-disk cache, or a fresh profile."""
         from engine.cost_model import CostModel
-        from engine.profiling import profile_cached
+        from engine.profiling import profile, profile_cached
 
         if config.cost_model_path:
             return CostModel.load(config.cost_model_path)
+        if source is None:  # a built-in architecture has no files to key a cached profile on
+            return profile(self)
         return profile_cached(self, source)
 
     def _tokenizer_eos(self) -> frozenset[int]:

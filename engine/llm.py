@@ -34,6 +34,8 @@ class LLM:
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): pass prompts as token ids")
         if chat:
             return apply_chat_template(self.tokenizer, [{"role": "user", "content": prompt}])
         return self.tokenizer(prompt).input_ids
@@ -80,11 +82,15 @@ class LLM:
     def _text(self, r: Request, ids: list[int]) -> str:
         if r.output_text is not None:
             return r.output_text
+        if self.tokenizer is None:  # a tokenizer-free (dummy) model: token ids only
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens)
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat rendered with the tokenizer's own template, ready for the reply."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer (dummy weights): send prompts as token ids")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -18,13 +18,14 @@ from torch import nn
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from engine.scheduling import Request, ScheduledItem
-from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, write_kv_cache_layers
+from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, triton_unavailable, write_kv_cache_layers
 from kernels.compiled import decode as compiled_decode
 
 log = logging.getLogger(__name__)
 _BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
 _BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
 _BUCKET_MAX = 32  # and holds at most this many rows (bounds one gather's temporary; 64 measured no better)
+_SPLIT_K_KERNELS = ("fused", "triton")  # decode kernels that cut contexts into parts themselves
 
 
 @dataclass
@@ -68,6 +69,18 @@ class ModelRunner:
                     str(exc).splitlines()[0] if str(exc) else "",
                 )
                 self.decode_kernel, self.decode_graph = "reference", None
+        if decode_kernel == "triton":
+            self._check_triton(fallback)
+
+    def _check_triton(self, fallback: bool) -> None:
+        """Triton missing or unusable here: `auto` warns and uses the reference; `triton` fails."""
+        reason = triton_unavailable(self.device)
+        if reason is None:
+            return
+        if not fallback:
+            raise RuntimeError(f"attention='triton' is unavailable: {reason}")
+        log.warning("Triton attention unavailable (%s); using the reference kernel", reason)
+        self.decode_kernel = "reference"
 
     def _compile(self, compile_layers: bool) -> None:
         compiled_decode.warm_up(self.storage.layers[0], self.model.config.num_heads, self.scale)
@@ -153,7 +166,7 @@ class ModelRunner:
         itself, so it gets every decode row in one bucket.
         """
         lens = [r.num_computed_tokens + 1 for r in requests]
-        if self.decode_kernel == "fused":  # split-K over chunks: one bucket of any lengths
+        if self.decode_kernel in _SPLIT_K_KERNELS:  # split-K over chunks: one bucket of any lengths
             return [self._whole_bucket(requests, lens)] if requests else []
         order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
         buckets: list[list[int]] = []

@@ -1,10 +1,11 @@
 """Attention and KV-cache kernels.
 
 Each op is a function with one contract (documented in `attention.py`). The plain-PyTorch
-implementations in `kernels.reference` are the CPU path and the ground truth that GPU kernels
-(Triton, planned: none exist yet) are to be tested against. `kernels.compiled` holds
-plain-PyTorch formulations written for `torch.compile` to fuse: the fast CPU decode path,
-checked against the reference.
+implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
+kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
+`torch.compile` to fuse: the fast CPU decode path, checked against the reference.
+`kernels.triton` holds the GPU kernels (decode, prefill/extend, KV write), chosen by device
+in `attention.py` and tested against the reference under Triton's interpreter.
 """
 
 from kernels.attention import (
@@ -13,6 +14,7 @@ from kernels.attention import (
     PrefillSpan,
     decode_attention_with_new,
     paged_attention,
+    triton_unavailable,
     write_kv_cache,
     write_kv_cache_layers,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "PrefillSpan",
     "decode_attention_with_new",
     "paged_attention",
+    "triton_unavailable",
     "write_kv_cache",
     "write_kv_cache_layers",
 ]

@@ -16,6 +16,8 @@ summation order) is the same as for forward blocks.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -108,19 +110,26 @@ class AttentionMetadata:
     # still being loaded layer by layer (session promotion); None otherwise.
     wait_layer: Callable[[int], None] | None = None
     # How decode buckets are attended: "reference" gathers blocks then matmuls (the CPU path
-    # and the reference for the planned GPU kernels); "fused" is kernels/compiled/decode.py.
+    # and the GPU kernels' reference); "fused" is kernels/compiled/decode.py; "triton" runs
+    # decodes *and* prefills through kernels/triton (CUDA, or CPU under the interpreter).
     decode_kernel: str = "reference"
+    # What a kernel derives from the fields above on the step's first layer and reuses in
+    # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
+    prepared: dict = field(default_factory=dict, repr=False)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) at their slots."""
-    _ref.write_kv_cache(kv_cache, k, v, slot_mapping)
+    write_kv_cache_layers(kv_cache.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), slot_mapping)
 
 
 def write_kv_cache_layers(kv_data: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Every layer at once: kv_data is the whole cache `[layers, 2, kv_heads, blocks, block_size,
     head_dim]`, k and v are `[layers, T, kv_heads, head_dim]` (a compiled decode step's output)."""
-    _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
+    if kv_data.is_cuda and _triton_installed():
+        _triton().write_kv_cache_layers(kv_data, k, v, slot_mapping)
+    else:
+        _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
 
 
 def decode_attention_with_new(
@@ -151,6 +160,35 @@ def paged_attention(
     Returns [T, heads, head_dim]. Heads are grouped as in Hugging Face's `repeat_kv`:
     query head h reads KV head h // (heads // kv_heads).
     """
+    if meta.decode_kernel == "triton":
+        return _triton().paged_attention(q, k, v, kv_cache, meta)
     if meta.decode_kernel == "fused":
         return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
     return _ref.paged_attention(q, k, v, kv_cache, meta)
+
+
+# -- dispatch by device -------------------------------------------------------------------
+# CUDA tensors go to the Triton kernels: the KV write always where Triton is installed (it
+# has no metadata to say otherwise), attention when the engine resolved its kernel to
+# "triton" (`attention` auto on CUDA; "reference" keeps the PyTorch oracle on any device).
+# CPU tensors take the paths above, and Triton only when forced (`attention="triton"` under
+# TRITON_INTERPRET=1, for tests; the KV write then stays the reference's).
+
+
+def triton_unavailable(device: torch.device | str) -> str | None:
+    """Why the Triton kernels cannot run on `device` in this process, or None if they can."""
+    if not _triton_installed():
+        return "triton is not installed"
+    return _triton().unavailable_reason(device)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton():
+    """kernels.triton, imported on first use: Triton is a GPU (and test) dependency only."""
+    from kernels import triton as triton_kernels
+
+    return triton_kernels

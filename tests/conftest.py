@@ -13,6 +13,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU the Triton kernels run under Triton's interpreter. Triton decides interpreter
+# or GPU when a function is decorated, its own library's helpers (tl.max, tl.sum...) when it
+# is first imported, and Inductor imports it during other tests: so the switch is set here,
+# before anything can. It changes nothing else (Inductor's CPU code is C++); hosts with a CUDA
+# device compile the kernels for real and the same tests run on CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -20,6 +27,26 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The fused decode kernel is compiled by Inductor to C++ at run time (kernels/compiled/).
 HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++") if c)
 requires_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: Inductor cannot build the fused kernel")
+
+
+@pytest.fixture(scope="session")
+def triton_kernels():
+    """`kernels.triton`, usable on `kernel_device`: CUDA where there is one, else CPU tensors
+    under Triton's interpreter (switched on above)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("triton is a test dependency (pyproject.toml [test]): pip install triton==3.9.0")
+    from kernels import triton as triton_kernels
+
+    reason = triton_kernels.unavailable_reason("cuda" if torch.cuda.is_available() else "cpu")
+    if reason is not None:
+        pytest.fail(reason)
+    return triton_kernels
+
+
+@pytest.fixture(scope="session")
+def kernel_device(triton_kernels) -> str:
+    """Where the Triton kernels run in this session: "cuda" (compiled) or "cpu" (interpreter)."""
+    return "cpu" if triton_kernels.INTERPRETED else "cuda"
 
 
 @pytest.fixture(scope="session")
@@ -89,25 +116,52 @@ def _tiny_configs():
 TINY_MODELS = ["llama", "llama_bias", "llama3_rope", "mistral", "qwen2", "qwen3", "opt", "opt_proj"]
 
 
+def _save_tiny_model(name: str, path: Path) -> None:
+    """The tiny random-weight model `name` (same weights in every process) saved to `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(zlib.crc32(name.encode()))  # hash() of a str differs per process
+    model = AutoModelForCausalLM.from_config(_tiny_configs()[name], torch_dtype=torch.float32)
+    # random init of biases / norms is zero / one: perturb so they matter in the comparison
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer):
     """Factory: name -> directory holding a random-weight HF model saved as safetensors."""
-    from transformers import AutoModelForCausalLM
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            _save_tiny_model(name, path)
+            smollm2_tokenizer.save_pretrained(path)
+            made[name] = path
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bare_tiny_model_dir(tmp_path_factory):
+    """Factory: like `tiny_model_dir` (the same weights) with a one-word tokenizer instead of
+    SmolLM2's, for token-id tests on machines without the default model's package (the GPU
+    machine takes 64 MiB of files)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     made: dict[str, Path] = {}
 
     def make(name: str) -> Path:
         if name not in made:
-            torch.manual_seed(zlib.crc32(name.encode()))  # hash() of a str differs per process
-            model = AutoModelForCausalLM.from_config(_tiny_configs()[name], torch_dtype=torch.float32)
-            # random init of biases / norms is zero / one: perturb so they matter in the comparison
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("bias") or "norm" in n:
-                        p.add_(torch.randn_like(p) * 0.1)
-            path = tmp_path_factory.mktemp(f"tiny-{name}")
-            model.save_pretrained(path, safe_serialization=True)
-            smollm2_tokenizer.save_pretrained(path)
+            path = tmp_path_factory.mktemp(f"bare-{name}")
+            _save_tiny_model(name, path)
+            words = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+            PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(path)
             made[name] = path
         return made[name]
 

@@ -39,15 +39,18 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def load_hf_config(model_dir: Path, name: str = "") -> ModelConfig:
     """Parse `model_dir/config.json` into a `ModelConfig`."""
-    cfg = _read_config_json(model_dir / "config.json")
+    return parse_hf_config(_read_config_json(model_dir / "config.json"), name, str(model_dir / "config.json"))
+
+
+def parse_hf_config(cfg: Json, name: str, origin: str) -> ModelConfig:
+    """A `config.json` already read (`origin` names it in errors) as a `ModelConfig`."""
     model_type = cfg.get("model_type")
     if model_type == "opt":
         return _opt_config(cfg, name)
     if model_type in _LLAMA_FAMILY_DEFAULTS:
         return _llama_family_config(cfg, model_type, name)
     raise ModelLoadError(
-        f"unsupported model_type {model_type!r} in {model_dir / 'config.json'}; "
-        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        f"unsupported model_type {model_type!r} in {origin}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
     )
 
 

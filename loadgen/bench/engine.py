@@ -4,12 +4,17 @@ Workload (identical to the vLLM and transformers baselines): ``--num-prompts`` p
 token ids with lengths uniform in ``--input-len LO HI``, each generating exactly ``--output-len``
 tokens (greedy, EOS ignored), all submitted at once. Model loading and first-call costs are
 excluded by a tiny warm-up generate before the timed call.
+
+``--output-len-range LO HI`` draws each request's output length uniformly instead (nano-vllm's
+benchmark: 256 sequences, input and output U(100, 1024)); ``--load-format dummy`` runs a
+built-in architecture (qwen3-0.6b, llama-3-8b, opt-13b) on random weights, without a tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import sys
 import time
@@ -32,6 +37,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument(
+        "--load-format",
+        default=None,
+        choices=["auto", "dummy"],
+        help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
+    )
+    p.add_argument(
+        "--output-len-range",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="per-request output lengths uniform in [LO, HI] (overrides --output-len)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: engine default")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: engine default")
     p.add_argument("--kv-cache-gib", type=float, default=None, help="default: engine default")
@@ -39,8 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default=None,
-        choices=["auto", "fused", "reference"],
-        help="decode attention kernel; default: engine default (auto)",
+        choices=["auto", "fused", "triton", "reference"],
+        help="attention kernel; default: engine default (auto: triton on CUDA)",
     )
     p.add_argument(
         "--no-compile-layers",
@@ -76,6 +95,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
     cfg: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
     for name in (
         "device",
+        "load_format",
         "max_num_seqs",
         "max_num_batched_tokens",
         "kv_cache_gib",
@@ -104,7 +124,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
     # Warm-up: one tiny request, so lazy initialisation and first-call costs are not timed.
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), progress=False)
 
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    output_lens = _output_lens(args, len(prompts))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     with TreeRssSampler() as rss:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, progress=False)
@@ -117,8 +138,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
         for o in outs
         if o.metrics is not None and o.metrics.first_token_time
     ]
-    if out_tokens != len(prompts) * args.output_len:
-        print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)
+    if out_tokens != sum(output_lens):
+        print(f"warning: expected {sum(output_lens)} output tokens, got {out_tokens}", file=sys.stderr)
 
     engine_cfg = llm.engine.config  # resolved: dtype "auto" decided
     preemptions = sum(getattr(o.metrics, "num_preemptions", 0) or 0 for o in outs if o.metrics is not None)
@@ -127,7 +148,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "model": args.model,
         "num_prompts": args.num_prompts,
         "input_len": list(args.input_len),
-        "output_len": args.output_len,
+        "output_len": args.output_len if args.output_len_range is None else list(args.output_len_range),
         "dtype": engine_cfg.dtype,
         "seed": args.seed,
         "engine_args": cfg,
@@ -151,6 +172,17 @@ def bench_engine(args: argparse.Namespace) -> dict:
             "process_peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
         },
     )
+
+
+def _output_lens(args: argparse.Namespace, n: int) -> list[int]:
+    """Each request's output length: --output-len, or uniform in --output-len-range (seeded)."""
+    if args.output_len_range is None:
+        return [args.output_len] * n
+    lo, hi = args.output_len_range
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--output-len-range must satisfy 1 <= LO <= HI, got {lo} {hi}")
+    rng = random.Random(args.seed + 1)  # not the prompts' stream: changing the range keeps the prompts
+    return [rng.randint(lo, hi) for _ in range(n)]
 
 
 def _asdict(obj) -> dict | None:

@@ -43,6 +43,8 @@ def _prompt_ids(req: GenerateRequest, tokenizer) -> list[int]:
         return list(req.prompt)
     if not req.prompt:
         raise ValueError("prompt must be a non-empty string or list of token ids")
+    if tokenizer is None:
+        raise ValueError("this worker's model has no tokenizer (dummy weights): send the prompt as token ids")
     return tokenizer(req.prompt).input_ids
 
 

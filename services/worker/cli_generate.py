@@ -15,7 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Generate a completion for one prompt with the offline engine.",
     )
     p.add_argument("--model", default="default", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument(
+        "--prompt-ids", help="the prompt as comma-separated token ids (for a model without a tokenizer)"
+    )
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -29,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="auto (default): bfloat16 where the CPU has native bf16, else float32",
     )
     p.add_argument("--device", default=None, help="cpu (default) or cuda")
+    p.add_argument(
+        "--load-format",
+        default=None,
+        choices=["auto", "dummy"],
+        help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
+    )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
@@ -42,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         cfg["kv_cache_gib"] = args.kv_cache_gib
     if args.device is not None:
         cfg["device"] = args.device
+    if args.load_format is not None:
+        cfg["load_format"] = args.load_format
+    prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))
     load_s = time.perf_counter() - t0
@@ -55,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=False,
     )
     t1 = time.perf_counter()
-    out = llm.generate([args.prompt], params, chat=args.chat, progress=False)[0]
+    out = llm.generate([prompt], params, chat=args.chat, progress=False)[0]
     gen_s = time.perf_counter() - t1
 
     if not args.json:
@@ -84,8 +97,18 @@ def run(args: argparse.Namespace) -> int:
         },
         "config": {
             k: getattr(args, k)
-            for k in ("model", "dtype", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat")
+            for k in ("model", "load_format", "dtype", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat")
         },
     }
     print(json.dumps(res, ensure_ascii=False))
     return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated integers, not {text!r}") from None
+    if not ids:
+        raise ValueError("--prompt-ids is empty")
+    return ids

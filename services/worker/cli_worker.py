@@ -15,6 +15,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name or path (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", help="model id clients use (default: 'default' or the path's name)")
     p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
+    )
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--policy", help="scheduling policy (fcfs, ...)")
@@ -23,8 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--attention",
-        choices=["auto", "fused", "reference"],
-        help="decode attention kernel (default auto: fused for bfloat16 on CPU)",
+        choices=["auto", "fused", "triton", "reference"],
+        help="attention kernel (default auto: triton on CUDA, fused for bfloat16 on CPU)",
     )
     p.add_argument(
         "--no-compile-layers",

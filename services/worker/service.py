@@ -83,6 +83,7 @@ class WorkerService:
     def _engine_config(s: WorkerSettings, session_dir) -> EngineConfig:
         return EngineConfig(
             model=s.model,
+            load_format=s.load_format,
             device=s.device,
             dtype=s.dtype,
             kv_cache_gib=s.kv_cache_gib,
@@ -228,6 +229,8 @@ class WorkerService:
                 self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
+        if self.llm.tokenizer is None:  # a tokenizer-free (dummy) model: ids only
+            return [""] * len(token_ids)
         return [self.llm.tokenizer.decode([t]) for t in token_ids]
 
     def _forget(self, req: GenerateRequest) -> None:

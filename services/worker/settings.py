@@ -17,6 +17,7 @@ def _default_data_dir() -> str:
 class WorkerSettings(ServiceSettings):
     worker_id: str = ""  # default: host-pid-random, unique per process start
     model: str = "default"  # "default", a Hugging Face directory or a .gguf file
+    load_format: str = "auto"  # "dummy": random weights; `model` may then name a built-in architecture
     served_model_name: str = ""  # the id clients send; default: "default" or the path's last part
     device: str = "cpu"
     dtype: str = "auto"  # auto: bfloat16 where the CPU (or GPU) computes it natively, else float32
@@ -26,7 +27,7 @@ class WorkerSettings(ServiceSettings):
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     num_threads: int | None = None
-    attention: str = "auto"  # decode attention kernel: auto, fused (CPU) or reference (EngineConfig.attention)
+    attention: str = "auto"  # attention kernel: auto, fused (CPU), triton or reference (EngineConfig.attention)
     compile_layers: bool = True  # with fused attention: decode-only steps through compiled layers (EngineConfig)
     telemetry_interval_s: float = 1.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start

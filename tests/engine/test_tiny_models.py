@@ -108,7 +108,7 @@ def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
 def test_attention_choice_is_checked():
     assert EngineConfig(dtype="bfloat16").decode_kernel == "fused"
     assert EngineConfig(dtype="float32").decode_kernel == "reference"
-    assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "reference"
+    assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "triton"
     with pytest.raises(ValueError, match="attention must be"):
         LLMEngine(EngineConfig(attention="flash"))
     with pytest.raises(ValueError, match="CPU kernel"):
