@@ -29,24 +29,50 @@ class Share:
 
 
 class StealIndex:
-    """Stealable shares bucketed by empty slots; ties go to the most recently indexed."""
+    """Stealable shares bucketed by empty slots; ties go to the most recently indexed.
+
+    Each indexed share carries a stamp (its indexing time). A rollback passes the old stamp
+    back to `update`, so an undone sequence of changes leaves the tie order exactly as it was
+    and the next steal picks the same block as if the tentative changes never happened.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._buckets: list[dict[int, Share]] = [{} for _ in range(block_size + 1)]
         self._where: dict[int, int] = {}
+        self._stamps: dict[int, int] = {}
+        self._clock = 0
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def update(self, share: Share, stealable: bool) -> None:
+    def stamp(self, block_id: int) -> int | None:
+        """The indexing time of an indexed share (None when it is not indexed)."""
+        return self._stamps.get(block_id)
+
+    def update(self, share: Share, stealable: bool, stamp: int | None = None) -> None:
+        """(Re)index `share` as the newest of its bucket, or at `stamp` (an undo restoring its
+        old place), or drop it from the index when it is not stealable."""
         old = self._where.pop(share.block_id, None)
         if old is not None:
             del self._buckets[old][share.block_id]
-        if stealable:
-            empty = self.block_size - share.be_fill
-            self._buckets[empty][share.block_id] = share
-            self._where[share.block_id] = empty
+            del self._stamps[share.block_id]
+        if not stealable:
+            return
+        if stamp is None:
+            self._clock += 1
+            stamp = self._clock
+        empty = self.block_size - share.be_fill
+        bucket = self._buckets[empty]
+        newest = next(reversed(bucket), None)
+        bucket[share.block_id] = share
+        self._where[share.block_id] = empty
+        self._stamps[share.block_id] = stamp
+        if newest is not None and stamp < self._stamps[newest]:
+            # Only an undo re-inserts an older share; put the bucket back in stamp order.
+            ordered = sorted(bucket.items(), key=lambda item: self._stamps[item[0]])
+            bucket.clear()
+            bucket.update(ordered)
 
     def best(self) -> Share | None:
         for bucket in reversed(self._buckets):

@@ -237,19 +237,21 @@ class TwoEndedBlocks(KVComponent):
         self.ledger.undo.push(lambda: self._unindex(share))
 
     def _drop_share(self, share: Share) -> None:
+        stamp = self.steal_index.stamp(share.block_id)
         self._unindex(share)
-        self.ledger.undo.push(lambda: self._reindex(share))
+        self.ledger.undo.push(lambda: self._reindex(share, stamp))
 
     def _unindex(self, share: Share) -> None:
         del self.shares[share.block_id]
         self.steal_index.update(share, False)
 
-    def _reindex(self, share: Share) -> None:
+    def _reindex(self, share: Share, stamp: int | None) -> None:
         self.shares[share.block_id] = share
-        self.steal_index.update(share, share.rt_id is None)
+        self.steal_index.update(share, share.rt_id is None, stamp)
 
     def _share_set(self, share: Share, **fields) -> None:
         old = {k: getattr(share, k) for k in fields}
+        stamp = self.steal_index.stamp(share.block_id)
         for k, v in fields.items():
             setattr(share, k, v)
         self.steal_index.update(share, share.rt_id is None)
@@ -257,7 +259,7 @@ class TwoEndedBlocks(KVComponent):
         def undo() -> None:
             for k, v in old.items():
                 setattr(share, k, v)
-            self.steal_index.update(share, share.rt_id is None and share.block_id in self.shares)
+            self.steal_index.update(share, share.rt_id is None and share.block_id in self.shares, stamp)
 
         self.ledger.undo.push(undo)
 
