@@ -6,6 +6,9 @@ kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations 
 `torch.compile` to fuse: the fast CPU decode path, checked against the reference.
 `kernels.triton` holds the GPU kernels (decode, prefill/extend, KV write), chosen by device
 in `attention.py` and tested against the reference under Triton's interpreter.
+`kernels.reference.partial` is the contract for K/V that are not in the pool (the hybrid
+cache's rebuilt K/V, partial residency's transient prefix): partial attention with its
+log-sum-exp and an exact merge of parts.
 """
 
 from kernels.attention import (
@@ -18,9 +21,12 @@ from kernels.attention import (
     write_kv_cache,
     write_kv_cache_layers,
 )
+from kernels.reference.partial import attend_partial, merge_partials
 
 __all__ = [
     "AttentionMetadata",
+    "attend_partial",
+    "merge_partials",
     "DecodeBucket",
     "PrefillSpan",
     "decode_attention_with_new",
