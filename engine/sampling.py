@@ -70,10 +70,6 @@ class SamplingParams:
         """True when the choice is the argmax: temperature 0, or top_k == 1 (same result)."""
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
 
 def _check_int(name: str, value: object) -> None:
     # bool is an int subclass; reject it so `max_tokens=True` is not silently 1.

@@ -26,8 +26,6 @@ class ResultOutbox:
         self._pending: dict[int, list[ResultEvent]] = defaultdict(list)
         self._flush_scheduled = False
         self._inflight: set[asyncio.Task] = set()
-        self.messages_sent = 0
-        self.events_sent = 0
 
     def put(self, partition: int, event: ResultEvent) -> None:
         self._pending[partition].append(event)
@@ -46,8 +44,6 @@ class ResultOutbox:
     async def _send(self, partition: int, events: list[ResultEvent]) -> None:
         try:
             await self._kafka.send(self._topic, ResultBatch(source=self._source, events=events), partition=partition)
-            self.messages_sent += 1
-            self.events_sent += len(events)
         except Exception:  # noqa: BLE001 (a lost batch must not kill the worker; the client times out)
             log.exception("failed to publish %d result events", len(events))
 
