@@ -5,8 +5,8 @@ revives it) until the allocator needs it for something else. Free blocks are kep
 order, so the longest-unused cached blocks are overwritten first. Block 0 is reserved as the
 null block: padding in block tables points at it, so kernels never index out of range.
 
-Extension points for later policies are documented in docs/engine.md (two-ended blocks for
-BROS, hidden-state blocks for Apt-Serve, tiers for Symphony).
+Policy-specific layouts are KV components (engine/kv/component.py: two-ended blocks for
+BROS today; hidden-state blocks and partial residency are designed there, not built yet).
 """
 
 from __future__ import annotations

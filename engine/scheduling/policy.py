@@ -2,10 +2,10 @@
 
 A policy sees the queues, the KV-cache manager and the step's limits; it decides which
 requests run and how many new tokens each computes, allocating KV as it goes and preempting
-(recompute) when it must. The engine then executes the batch. FCFS is the first policy;
-BROS, Apt-Serve and eLLM plug in here. A policy whose allocations need more than the KV
-manager's core names the KV components it relies on (`kv_components`). The policies by name
-are in `registry.py`.
+(recompute) when it must. The engine then executes the batch. FCFS is the first policy and
+BROS plugs in here; the hybrid-cache (Apt-Serve) and partial-KV (eLLM) policies are to. A
+policy whose allocations need more than the KV manager's core names the KV components it
+relies on (`kv_components`). The policies by name are in `registry.py`.
 """
 
 from __future__ import annotations

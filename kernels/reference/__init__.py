@@ -1,1 +1,1 @@
-"""Plain-PyTorch kernels: the CPU implementation, and the reference for the planned GPU kernels."""
+"""Plain-PyTorch kernels: the CPU implementation, and the reference (oracle) for the Triton GPU kernels."""

@@ -1,4 +1,4 @@
-"""Plain-PyTorch paged attention (CPU path, and the reference for the planned GPU kernels).
+"""Plain-PyTorch paged attention (CPU path, and the oracle the Triton GPU kernels are tested against).
 
 Cache layout per layer is `[2, kv_heads, num_blocks, block_size, head_dim]` (K then V,
 head-major), so gathering whole blocks along dim 2 yields `[2, kv_heads, n*block_size, D]`:
