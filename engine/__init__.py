@@ -6,8 +6,9 @@ out = llm.generate(["What is the capital of France?"], SamplingParams(temperatur
 """
 
 from engine.async_llm import AsyncLLM, StreamDelta
+from engine.bookkeeping import EngineStats
 from engine.config import EngineConfig, ModelConfig
-from engine.engine import EngineStats, LLMEngine
+from engine.engine import LLMEngine
 from engine.llm import LLM, apply_chat_template
 from engine.outputs import GenerationOutput, RequestMetrics, RequestOutput
 from engine.sampling import SamplingParams

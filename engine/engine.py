@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
@@ -39,37 +39,6 @@ from engine.scheduling import (
 from engine.sessions import KVLayout, SessionStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
-    prompt_tokens_cached: int = 0  # prefill tokens served by the prefix cache
-    generation_tokens: int = 0
-    tokens_computed: int = 0  # every token run through the model, recomputation included
-    preemptions: int = 0  # recompute preemptions (KV dropped)
-    swap_outs: int = 0  # whole requests moved to host
-    kv_copy_bytes: int = 0  # host <-> device bytes (checkpoints, swaps, restores)
-    schedule_time_s: float = 0.0  # total time in the scheduler (mean per step: / schedule_calls)
-    schedule_calls: int = 0
-    step_time_s: float = 0.0  # total wall time of steps that ran a batch (schedule + copies + forward + sample)
-
-    @property
-    def mean_schedule_time_s(self) -> float:
-        return self.schedule_time_s / self.schedule_calls if self.schedule_calls else 0.0
-
-    @property
-    def schedule_overhead(self) -> float:
-        """Scheduler time as a fraction of step time (the paper's Fig. 14 metric)."""
-        return self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "mean_schedule_time_s": self.mean_schedule_time_s,
-            "schedule_overhead": self.schedule_overhead,
-        }
 
 
 class LLMEngine:
@@ -116,6 +85,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
+        self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._keep_session_turn)
         self.last_logits: tuple[list[Request], torch.Tensor] | None = None  # for tests and debugging
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         log.info(
@@ -197,7 +167,7 @@ class LLMEngine:
         if self.sessions.active:  # pins to release, loads to retire, disk writes to account
             self.sessions.before_step()
         batch = self.scheduler.schedule(start)
-        self._count_schedule(batch)
+        self.bookkeeping.scheduled(batch)
         if batch.copies:  # checkpoints, swaps and restores the policy decided, before the forward pass
             self.storage.execute(batch.copies)
         if not batch:
@@ -205,18 +175,7 @@ class LLMEngine:
         waiter = self.sessions.waiter(batch.items) if self.sessions.loading else None
         result = self.runner.execute(batch.items, None if waiter is None else waiter.wait_layer)
         failed = self._recompute_failed_loads(waiter) if waiter is not None else ()
-        self.stats.steps += 1
-        prefill_tokens = 0
-        for item in batch.items:
-            request = item.request
-            if request in failed:
-                continue
-            if not request.is_prefill_done:
-                prefill_tokens += item.num_new_tokens
-            request.num_computed_tokens += item.num_new_tokens
-            self.stats.tokens_computed += item.num_new_tokens
-            self.kv.commit(request)
-        self.stats.prompt_tokens_computed += prefill_tokens
+        prefill_tokens = self.bookkeeping.advance(batch.items, failed)
         outputs = []
         if result.logits is not None:
             logits, sampled = self._without(result.logits, result.sampled, failed)
@@ -225,8 +184,7 @@ class LLMEngine:
         elapsed = time.perf_counter() - start
         if prefill_tokens:
             self.sessions.record_prefill(prefill_tokens, elapsed)
-        self.stats.step_time_s += elapsed
-        self.scheduler.step_done(batch, elapsed)
+        self.bookkeeping.step_done(batch, elapsed)
         return outputs
 
     def _recompute_failed_loads(self, waiter) -> set[Request]:
@@ -252,13 +210,6 @@ class LLMEngine:
         keep = [i for i, r in enumerate(sampled) if r not in failed]
         return logits[keep], [sampled[i] for i in keep]
 
-    def _count_schedule(self, batch) -> None:
-        self.stats.schedule_time_s += self.scheduler.last_schedule_s
-        self.stats.schedule_calls += 1
-        self.stats.preemptions += len(batch.preempted)
-        self.stats.swap_outs += len(batch.swapped_out)
-        self.stats.kv_copy_bytes += batch.swap_bytes
-
     def _sample_and_emit(self, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         out = self.sampler.sample(
             logits, [r.params for r in sampled], [r.generator for r in sampled], self._banned_ids(sampled)
@@ -266,16 +217,13 @@ class LLMEngine:
         now = time.perf_counter()
         outputs = []
         for i, request in enumerate(sampled):
-            if not request.is_prefill_done:
-                self.stats.prompt_tokens_cached += request.num_cached_tokens
             logprob = out.logprobs[i] if request.params.logprobs and out.logprobs is not None else None
-            request.append_token(out.token_ids[i], logprob, now)
-            self.stats.generation_tokens += 1
-            outputs.append(self._emit(request, out.token_ids[i], logprob))
+            stop = self.bookkeeping.append_token(request, out.token_ids[i], logprob, now)
+            outputs.append(self._emit(request, out.token_ids[i], logprob, stop))
         return outputs
 
-    def _emit(self, request: Request, token: int, logprob: float | None) -> RequestOutput:
-        stop = request.check_stop()
+    def _emit(self, request: Request, token: int, logprob: float | None, stop: Stop | None) -> RequestOutput:
+        """The step's news for one request; a stop string found by its detokenizer stops it too."""
         detok = self._detokenizers.get(request.request_id)
         text = ""
         if detok is not None:
@@ -286,9 +234,7 @@ class LLMEngine:
             elif stop is not None:
                 text += detok.finish()
         if stop is not None:
-            request.stop_reason = stop[1]
-            self.sessions.end_turn(request, keep=True)  # before finish frees the blocks it copies from
-            self.scheduler.finish(request, stop[0])
+            self.bookkeeping.finish(request, stop)
             if detok is not None:
                 request.output_text = detok.text
             self._detokenizers.pop(request.request_id, None)
@@ -301,6 +247,9 @@ class LLMEngine:
             None if stop is None else stop[0].value,
             request,
         )
+
+    def _keep_session_turn(self, request: Request) -> None:
+        self.sessions.end_turn(request, keep=True)  # a no-op for requests outside sessions
 
     def _banned_ids(self, requests: list[Request]) -> list[list[int]] | None:
         """EOS and stop ids may not be sampled before min_tokens outputs."""
