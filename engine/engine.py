@@ -14,6 +14,7 @@ import torch
 
 from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
 from engine.config import EngineConfig, ModelConfig
+from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
 from engine.kv.storage import bytes_per_block
@@ -22,6 +23,7 @@ from engine.models import build_model
 from engine.models.packed_linear import pack_linear_layers, packing_supported
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
+from engine.profiling import ProfileTarget, profile_cached
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
@@ -320,12 +322,24 @@ class LLMEngine:
 
     def _cost_model(self, config: EngineConfig, source):
         """The profiled step-time model: a given file, the on-disk cache, or a fresh profile."""
-        from engine.cost_model import CostModel
-        from engine.profiling import profile_cached
-
         if config.cost_model_path:
             return CostModel.load(config.cost_model_path)
-        return profile_cached(self, source)
+        return profile_cached(self.profile_target(), source)
+
+    def profile_target(self) -> ProfileTarget:
+        """What the profiler drives and reads. Needs only the model, runner and KV cache, so the
+        constructor can profile before the scheduler and the session store exist."""
+        return ProfileTarget(
+            execute=self.runner.execute,
+            copy_blocks=self.storage.execute,
+            kv=self.kv,
+            config=self.config,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            model_name=self.model_config.name,
+            decode_kernel=self.runner.decode_kernel,
+            compiled_layers=self.runner.decode_graph is not None,
+        )
 
     def _tokenizer_eos(self) -> frozenset[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
