@@ -19,7 +19,7 @@ what really differs (a forward pass and a sampler against a cost model and a sta
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from engine.scheduling import FinishReason, Request, ScheduledBatch, ScheduledItem, Scheduler
 
@@ -51,7 +51,7 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         return {
-            **asdict(self),
+            **vars(self),  # flat scalars: what asdict gives, without its deep copy (once per step)
             "mean_schedule_time_s": self.mean_schedule_time_s,
             "schedule_overhead": self.schedule_overhead,
         }

@@ -1,7 +1,8 @@
-"""The engine core: one synchronous `step()` = schedule, run the model, sample, emit.
+"""The engine core: one synchronous `step()` = schedule, run the model, sample, emit, publish.
 
 Both the offline `LLM` and the asyncio `AsyncLLM` drive this class; neither adds
-scheduling logic of its own.
+scheduling logic of its own. Everything here runs on one thread (the caller's, or AsyncLLM's
+engine thread); what other threads may read is `info` and the `snapshot` each step publishes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from engine.scheduling import (
     make_policy,
 )
 from engine.sessions import KVLayout, SessionStore
+from engine.snapshot import EngineInfo, EngineSnapshot, take_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,19 @@ class LLMEngine:
         self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._keep_session_turn)
         self.last_logits: tuple[list[Request], torch.Tensor] | None = None  # for tests and debugging
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.info = EngineInfo(
+            model=config.model,
+            model_name=self.model_config.name,
+            device=config.device,
+            dtype=config.dtype,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            block_size=config.block_size,
+            kv_blocks=self.kv.pool.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            policy=config.policy,
+        )
+        self.snapshot: EngineSnapshot = self._take_snapshot(0)
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.2f GiB), policy %s",
             source.name,
@@ -165,6 +180,12 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; its end publishes a fresh `snapshot`, also when there was nothing to run."""
+        outputs = self._step()
+        self.snapshot = self._take_snapshot(self.snapshot.seq + 1)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.sessions.active:  # pins to release, loads to retire, disk writes to account
             self.sessions.before_step()
@@ -188,6 +209,18 @@ class LLMEngine:
             self.sessions.record_prefill(prefill_tokens, elapsed)
         self.bookkeeping.step_done(batch, elapsed)
         return outputs
+
+    def _take_snapshot(self, seq: int) -> EngineSnapshot:
+        pool = self.kv.pool
+        return take_snapshot(
+            seq,
+            self.scheduler.running,
+            self.scheduler.waiting,
+            pool.num_free,
+            pool.capacity,
+            self.sessions.stats.as_dict(),
+            self.stats.as_dict(),
+        )
 
     def _recompute_failed_loads(self, waiter) -> set[Request]:
         """Requests whose promoted KV failed to load (checksum, I/O) go back to be recomputed."""
