@@ -1,13 +1,15 @@
-"""The engine's published state (engine/snapshot.py): immutable, and equal to the engine's own
-state after every step."""
+"""The engine's published state (engine/snapshot.py): immutable, equal to the engine's own state
+after every step, and safe to read from another thread while the engine thread steps."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import AsyncLLM, EngineConfig, LLMEngine, SamplingParams
 from engine.scheduling import RequestClass
 from engine.snapshot import flatten_stats
 
@@ -71,3 +73,52 @@ def test_snapshot_is_immutable(tiny_model_dir):
         snap.engine_stats["steps"] = 1
     assert isinstance(snap.running_ids, tuple)
     assert "tokens_reused_gpu" in snap.session_stats  # nested counters flattened
+
+
+@pytest.mark.timeout(300)
+def test_snapshot_read_from_another_thread_while_the_engine_steps(tiny_model_dir):
+    """A reader thread walks every snapshot as fast as it can while requests stream; the old
+    worker code read the live queues this way and met dicts changing size under it."""
+    errors: list[BaseException] = []
+    done = threading.Event()
+    seqs: list[int] = []
+    busiest = [0]
+
+    def read(llm: AsyncLLM) -> None:
+        while not done.is_set():
+            try:
+                s = llm.snapshot()
+                assert s.rt.running + s.be.running == len(s.running_ids)
+                assert 0 <= s.kv_blocks_free <= s.kv_blocks_capacity
+                assert sum(s.session_stats.values()) >= 0 and s.engine_stats["steps"] >= 0
+                seqs.append(s.seq)
+                busiest[0] = max(busiest[0], len(s.running_ids))
+            except BaseException as exc:  # noqa: BLE001 (reported by the test thread)
+                errors.append(exc)
+                return
+
+    async def main():
+        llm = AsyncLLM(_config(tiny_model_dir("llama")))
+        await llm.start()
+        reader = threading.Thread(target=read, args=(llm,))
+        reader.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+            async def one(i):
+                return [d async for d in llm.generate(f"c{i}", _prompt(i, 30 + i), params, session_id=f"s{i % 3}")]
+
+            results = await asyncio.gather(*(one(i) for i in range(10)))
+            return results, llm.snapshot()
+        finally:
+            done.set()
+            reader.join()
+            await llm.shutdown()
+
+    results, last = asyncio.run(main())
+    assert not errors, errors
+    assert all(sum(len(d.token_ids) for d in r) == 12 for r in results)
+    assert len(seqs) > 10 and seqs == sorted(seqs) and busiest[0] > 1
+    # the step that finished the last request published before its delta left the engine thread
+    assert last.num_unfinished == 0 and last.engine_stats["generation_tokens"] == 120
+    assert last.session_stats["turns"] == 10
