@@ -24,7 +24,6 @@ from dataclasses import replace
 from aiokafka import AIOKafkaConsumer
 
 from engine.async_llm import AsyncLLM, RequestStream
-from engine.config import EngineConfig
 from services.worker.adapter import EngineRequest, to_engine_request
 from services.worker.outbox import ResultOutbox
 from services.worker.sessions import WorkerSessions
@@ -61,7 +60,7 @@ class WorkerService:
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, f"worker-{self.worker_id}")
         self.session_dir = settings.resolved_session_dir(self.worker_id)
-        self.llm = AsyncLLM(self._engine_config(settings, self.session_dir))
+        self.llm = AsyncLLM(settings.engine_config(self.session_dir))
         self.outbox = ResultOutbox(self.kafka, self.topics.results.name, self.worker_id)
         self.sessions = WorkerSessions(
             self.llm, self.kafka, self.topics.sessions_directory.name, self.worker_id, settings, self.session_dir
@@ -82,28 +81,6 @@ class WorkerService:
         self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
         self.m_ttft = m.histogram("worker_ttft_seconds", "engine time to first token", ("req_class",))
         self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
-
-    @staticmethod
-    def _engine_config(s: WorkerSettings, session_dir) -> EngineConfig:
-        return EngineConfig(
-            model=s.model,
-            device=s.device,
-            dtype=s.dtype,
-            kv_cache_gib=s.kv_cache_gib,
-            policy=s.policy,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=s.max_model_len,
-            num_threads=s.num_threads,
-            attention=s.attention,
-            compile_layers=s.compile_layers,
-            enable_prefix_caching=s.enable_prefix_caching,
-            session_dir=str(session_dir),
-            session_host_gib=s.session_host_gib,
-            session_disk_gib=s.session_disk_gib,
-            session_eviction=s.session_eviction,
-            session_prefetch_ttl_s=s.session_prefetch_ttl_s,
-        )
 
     # -- life cycle ----------------------------------------------------------------------
 
