@@ -74,6 +74,7 @@ class SimWorker:
         self.batch: ScheduledBatch | None = None  # the step in flight
         self.step_end_s: float | None = None
         self.duration_s = 0.0
+        self.steps = 0  # steps started (a run may end with one in flight; `stats.steps` counts finished ones)
         self.prompt_tokens_cached = 0  # prefix-cache hits of finished requests (sessions' history)
         self.busy_s = 0.0
 
@@ -127,10 +128,6 @@ class SimWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    @property
-    def steps(self) -> int:
-        return self.stats.steps
-
     def start_step(self, now: float) -> float | None:
         """Schedule the next batch at `now`; its simulated duration, or None if nothing runs."""
         batch = self.scheduler.schedule(now)
@@ -141,6 +138,7 @@ class SimWorker:
         if self._jitter is not None:
             duration *= self._jitter()
         self.batch, self.step_end_s, self.duration_s = batch, now + duration, duration
+        self.steps += 1
         self.busy_s += duration
         return duration
 
