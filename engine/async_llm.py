@@ -209,7 +209,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> StreamDelta:
-        if self._finished:
+        if self._finished or self._closed:
             raise StopAsyncIteration
         delta = await self._deltas.get()
         if delta.finished:

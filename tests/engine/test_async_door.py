@@ -109,15 +109,16 @@ def test_token_texts_and_closing_a_stream_aborts(tiny_model_dir):
         long = await llm.add_request("long", [11, 12, 13], SamplingParams(max_tokens=200, ignore_eos=True))
         first = await long.__anext__()
         long.close()  # leaves early: the abort follows the request to the engine thread
+        after_close = [d async for d in long]  # a closed stream ends; it does not wait for deltas
         still_there = await llm.call(lambda e: e.has_unfinished())
         again = await llm.add_request("long", [11, 12, 13], GREEDY)  # the id is free again
         await _collect(again)
-        return with_lp, first, still_there, llm.snapshot()
+        return with_lp, first, after_close, still_there, llm.snapshot()
 
-    with_lp, first, still_there, snap = _run(_config(path), body)
+    with_lp, first, after_close, still_there, snap = _run(_config(path), body)
     for d in with_lp:
         assert d.token_texts == [tokenizer.decode([t]) for t in d.token_ids] and len(d.logprobs) == len(d.token_ids)
-    assert first.token_ids and not still_there
+    assert first.token_ids and after_close == [] and not still_there
     assert snap.num_unfinished == 0 and snap.kv_blocks_used == 0  # the aborted request's KV was freed
 
 
