@@ -159,7 +159,8 @@ class EngineThread:
         request and the tokenizer live."""
         texts = None
         if out.new_logprobs is not None:
-            texts = [self.engine.tokenizer.decode([t]) for t in out.new_token_ids]
+            tokenizer = self.engine.tokenizer  # None for a model without one: ids only, empty texts
+            texts = [tokenizer.decode([t]) if tokenizer is not None else "" for t in out.new_token_ids]
         return StreamDelta(
             out.request_id,
             out.new_text,

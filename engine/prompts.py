@@ -30,6 +30,7 @@ class ChatPrompt:
 
 Prompt = Sequence[int] | TextPrompt | ChatPrompt
 ParamsFor = Callable[[int], SamplingParams]  # the prompt's token count -> its sampling parameters
+_NO_TOKENIZER = "this model has no tokenizer (dummy weights): send the prompt as token ids"
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,10 @@ class CheckedPrompt:
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of `prompt`. Any failure of the tokenizer or the chat template (a template may
-    refuse a conversation: roles out of order, unknown roles) is a ValueError: bad input."""
+    refuse a conversation: roles out of order, unknown roles) is a ValueError: bad input, as
+    is text for a model without a tokenizer (`load_format="dummy"` takes token ids only)."""
+    if isinstance(prompt, (TextPrompt, ChatPrompt)) and tokenizer is None:
+        raise ValueError(_NO_TOKENIZER)
     if isinstance(prompt, TextPrompt):
         return _guarded(lambda: tokenizer(prompt.text).input_ids)
     if isinstance(prompt, ChatPrompt):
@@ -56,6 +60,8 @@ def params_for(params: SamplingParams | ParamsFor, num_prompt_tokens: int) -> Sa
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat rendered with the tokenizer's own template, ready for the reply."""
+    if tokenizer is None:
+        raise ValueError(_NO_TOKENIZER)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

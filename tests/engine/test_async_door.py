@@ -132,6 +132,10 @@ def test_a_prompt_the_tokenizer_cannot_take_is_bad_input():
     with pytest.raises(ValueError, match="could not be tokenized: roles must alternate"):
         encode_prompt(Refusing(), ChatPrompt(CHAT))
     assert encode_prompt(Refusing(), (1, 2, 3)) == [1, 2, 3]
+    for text in (TextPrompt("hi"), ChatPrompt(CHAT)):  # a model without a tokenizer (dummy weights)
+        with pytest.raises(ValueError, match="no tokenizer .*token ids"):
+            encode_prompt(None, text)
+    assert encode_prompt(None, [4, 5]) == [4, 5]
 
 
 @pytest.mark.timeout(300)
