@@ -5,17 +5,25 @@ llm = LLM(EngineConfig(model="default"))  # dtype "auto": bf16 with native bf16,
 out = llm.generate(["What is the capital of France?"], SamplingParams(temperature=0), chat=True)
 """
 
-from engine.async_llm import AsyncLLM, StreamDelta
+from engine.async_llm import AsyncLLM, RequestStream
+from engine.bookkeeping import EngineStats
 from engine.config import EngineConfig, ModelConfig
-from engine.engine import EngineStats, LLMEngine
-from engine.llm import LLM, apply_chat_template
-from engine.outputs import GenerationOutput, RequestMetrics, RequestOutput
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.outputs import GenerationOutput, RequestMetrics, RequestOutput, StreamDelta
+from engine.prompts import ChatPrompt, CheckedPrompt, TextPrompt, apply_chat_template
 from engine.sampling import SamplingParams
 from engine.scheduling import SLO, RequestClass
+from engine.snapshot import ClassCounts, EngineInfo, EngineSnapshot
 
 __all__ = [
     "AsyncLLM",
+    "ChatPrompt",
+    "CheckedPrompt",
+    "ClassCounts",
     "EngineConfig",
+    "EngineInfo",
+    "EngineSnapshot",
     "EngineStats",
     "GenerationOutput",
     "LLM",
@@ -24,8 +32,10 @@ __all__ = [
     "RequestClass",
     "RequestMetrics",
     "RequestOutput",
+    "RequestStream",
     "SLO",
     "SamplingParams",
     "StreamDelta",
+    "TextPrompt",
     "apply_chat_template",
 ]

@@ -1,7 +1,8 @@
-"""The engine core: one synchronous `step()` = schedule, run the model, sample, emit.
+"""The engine core: one synchronous `step()` = schedule, run the model, sample, emit, publish.
 
 Both the offline `LLM` and the asyncio `AsyncLLM` drive this class; neither adds
-scheduling logic of its own.
+scheduling logic of its own. Everything here runs on one thread (the caller's, or AsyncLLM's
+engine thread); what other threads may read is `info` and the `snapshot` each step publishes.
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
 from engine.config import EngineConfig, ModelConfig
+from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
 from engine.kv.storage import bytes_per_block
@@ -22,6 +24,7 @@ from engine.models import build_model
 from engine.models.packed_linear import pack_linear_layers, packing_supported
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
+from engine.profiling import ProfileTarget, profile, profile_cached
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
@@ -37,39 +40,9 @@ from engine.scheduling import (
     make_policy,
 )
 from engine.sessions import KVLayout, SessionStore
+from engine.snapshot import EngineInfo, EngineSnapshot, take_snapshot
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
-    prompt_tokens_cached: int = 0  # prefill tokens served by the prefix cache
-    generation_tokens: int = 0
-    tokens_computed: int = 0  # every token run through the model, recomputation included
-    preemptions: int = 0  # recompute preemptions (KV dropped)
-    swap_outs: int = 0  # whole requests moved to host
-    kv_copy_bytes: int = 0  # host <-> device bytes (checkpoints, swaps, restores)
-    schedule_time_s: float = 0.0  # total time in the scheduler (mean per step: / schedule_calls)
-    schedule_calls: int = 0
-    step_time_s: float = 0.0  # total wall time of steps that ran a batch (schedule + copies + forward + sample)
-
-    @property
-    def mean_schedule_time_s(self) -> float:
-        return self.schedule_time_s / self.schedule_calls if self.schedule_calls else 0.0
-
-    @property
-    def schedule_overhead(self) -> float:
-        """Scheduler time as a fraction of step time (the paper's Fig. 14 metric)."""
-        return self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            **asdict(self),
-            "mean_schedule_time_s": self.mean_schedule_time_s,
-            "schedule_overhead": self.schedule_overhead,
-        }
 
 
 class LLMEngine:
@@ -117,8 +90,22 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
+        self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._keep_session_turn)
         self.last_logits: tuple[list[Request], torch.Tensor] | None = None  # for tests and debugging
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.info = EngineInfo(
+            model=config.model,
+            model_name=self.model_config.name,
+            device=config.device,
+            dtype=config.dtype,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            block_size=config.block_size,
+            kv_blocks=self.kv.pool.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            policy=config.policy,
+        )
+        self.snapshot: EngineSnapshot = self._take_snapshot(0)
         log.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.2f GiB), policy %s",
             self.model_config.name,
@@ -198,11 +185,17 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; its end publishes a fresh `snapshot`, also when there was nothing to run."""
+        outputs = self._step()
+        self.snapshot = self._take_snapshot(self.snapshot.seq + 1)
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.sessions.active:  # pins to release, loads to retire, disk writes to account
             self.sessions.before_step()
         batch = self.scheduler.schedule(start)
-        self._count_schedule(batch)
+        self.bookkeeping.scheduled(batch)
         if batch.copies:  # checkpoints, swaps and restores the policy decided, before the forward pass
             self.storage.execute(batch.copies)
         if not batch:
@@ -210,18 +203,7 @@ class LLMEngine:
         waiter = self.sessions.waiter(batch.items) if self.sessions.loading else None
         result = self.runner.execute(batch.items, None if waiter is None else waiter.wait_layer)
         failed = self._recompute_failed_loads(waiter) if waiter is not None else ()
-        self.stats.steps += 1
-        prefill_tokens = 0
-        for item in batch.items:
-            request = item.request
-            if request in failed:
-                continue
-            if not request.is_prefill_done:
-                prefill_tokens += item.num_new_tokens
-            request.num_computed_tokens += item.num_new_tokens
-            self.stats.tokens_computed += item.num_new_tokens
-            self.kv.commit(request)
-        self.stats.prompt_tokens_computed += prefill_tokens
+        prefill_tokens = self.bookkeeping.advance(batch.items, failed)
         outputs = []
         if result.logits is not None:
             logits, sampled = self._without(result.logits, result.sampled, failed)
@@ -230,9 +212,20 @@ class LLMEngine:
         elapsed = time.perf_counter() - start
         if prefill_tokens:
             self.sessions.record_prefill(prefill_tokens, elapsed)
-        self.stats.step_time_s += elapsed
-        self.scheduler.step_done(batch, elapsed)
+        self.bookkeeping.step_done(batch, elapsed)
         return outputs
+
+    def _take_snapshot(self, seq: int) -> EngineSnapshot:
+        pool = self.kv.pool
+        return take_snapshot(
+            seq,
+            self.scheduler.running,
+            self.scheduler.waiting,
+            pool.num_free,
+            pool.capacity,
+            self.sessions.stats.as_dict(),
+            self.stats.as_dict(),
+        )
 
     def _recompute_failed_loads(self, waiter) -> set[Request]:
         """Requests whose promoted KV failed to load (checksum, I/O) go back to be recomputed."""
@@ -257,13 +250,6 @@ class LLMEngine:
         keep = [i for i, r in enumerate(sampled) if r not in failed]
         return logits[keep], [sampled[i] for i in keep]
 
-    def _count_schedule(self, batch) -> None:
-        self.stats.schedule_time_s += self.scheduler.last_schedule_s
-        self.stats.schedule_calls += 1
-        self.stats.preemptions += len(batch.preempted)
-        self.stats.swap_outs += len(batch.swapped_out)
-        self.stats.kv_copy_bytes += batch.swap_bytes
-
     def _sample_and_emit(self, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         out = self.sampler.sample(
             logits, [r.params for r in sampled], [r.generator for r in sampled], self._banned_ids(sampled)
@@ -271,16 +257,13 @@ class LLMEngine:
         now = time.perf_counter()
         outputs = []
         for i, request in enumerate(sampled):
-            if not request.is_prefill_done:
-                self.stats.prompt_tokens_cached += request.num_cached_tokens
             logprob = out.logprobs[i] if request.params.logprobs and out.logprobs is not None else None
-            request.append_token(out.token_ids[i], logprob, now)
-            self.stats.generation_tokens += 1
-            outputs.append(self._emit(request, out.token_ids[i], logprob))
+            stop = self.bookkeeping.append_token(request, out.token_ids[i], logprob, now)
+            outputs.append(self._emit(request, out.token_ids[i], logprob, stop))
         return outputs
 
-    def _emit(self, request: Request, token: int, logprob: float | None) -> RequestOutput:
-        stop = request.check_stop()
+    def _emit(self, request: Request, token: int, logprob: float | None, stop: Stop | None) -> RequestOutput:
+        """The step's news for one request; a stop string found by its detokenizer stops it too."""
         detok = self._detokenizers.get(request.request_id)
         text = ""
         if detok is not None:
@@ -291,9 +274,7 @@ class LLMEngine:
             elif stop is not None:
                 text += detok.finish()
         if stop is not None:
-            request.stop_reason = stop[1]
-            self.sessions.end_turn(request, keep=True)  # before finish frees the blocks it copies from
-            self.scheduler.finish(request, stop[0])
+            self.bookkeeping.finish(request, stop)
             if detok is not None:
                 request.output_text = detok.text
             self._detokenizers.pop(request.request_id, None)
@@ -306,6 +287,9 @@ class LLMEngine:
             None if stop is None else stop[0].value,
             request,
         )
+
+    def _keep_session_turn(self, request: Request) -> None:
+        self.sessions.end_turn(request, keep=True)  # a no-op for requests outside sessions
 
     def _banned_ids(self, requests: list[Request]) -> list[list[int]] | None:
         """EOS and stop ids may not be sampled before min_tokens outputs."""
@@ -376,14 +360,26 @@ class LLMEngine:
 
     def _cost_model(self, config: EngineConfig, source):
         """The profiled step-time model: a given file, the on-disk cache, or a fresh profile."""
-        from engine.cost_model import CostModel
-        from engine.profiling import profile, profile_cached
-
         if config.cost_model_path:
             return CostModel.load(config.cost_model_path)
         if source is None:  # a built-in architecture has no files to key a cached profile on
-            return profile(self)
-        return profile_cached(self, source)
+            return profile(self.profile_target())
+        return profile_cached(self.profile_target(), source)
+
+    def profile_target(self) -> ProfileTarget:
+        """What the profiler drives and reads. Needs only the model, runner and KV cache, so the
+        constructor can profile before the scheduler and the session store exist."""
+        return ProfileTarget(
+            execute=self.runner.execute,
+            copy_blocks=self.storage.execute,
+            kv=self.kv,
+            config=self.config,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            model_name=self.model_config.name,
+            decode_kernel=self.runner.decode_kernel,
+            compiled_layers=self.runner.decode_graph is not None,
+        )
 
     def _tokenizer_eos(self) -> frozenset[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -9,10 +9,13 @@ from collections.abc import Sequence
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import GenerationOutput, RequestMetrics
+from engine.prompts import apply_chat_template
 from engine.sampling import SamplingParams
 from engine.scheduling import Request
 
 Prompt = str | list[int]
+
+__all__ = ["LLM", "apply_chat_template"]
 
 
 class LLM:
@@ -85,16 +88,6 @@ class LLM:
         if self.tokenizer is None:  # a tokenizer-free (dummy) model: token ids only
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=r.params.skip_special_tokens)
-
-
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat rendered with the tokenizer's own template, ready for the reply."""
-    if tokenizer is None:
-        raise ValueError("this model has no tokenizer (dummy weights): send prompts as token ids")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

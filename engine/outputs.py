@@ -51,6 +51,21 @@ class RequestOutput:
     request: Request = field(repr=False)
 
 
+@dataclass(frozen=True)
+class StreamDelta:
+    """One request's news from one step, as `AsyncLLM` streams it: plain values, read on the
+    engine thread, safe to use on any other."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics | None  # set on the final delta
+    token_texts: list[str] | None = None  # each token's own text, when logprobs were asked for
+
+
 @dataclass
 class GenerationOutput:
     """A finished request, as returned by `LLM.generate`."""

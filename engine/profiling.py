@@ -11,6 +11,11 @@ phase models predicts them.
 
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
 dtype, thread count, block size, the grid limits and the decode attention kernel.
+
+The profiler sees a `ProfileTarget`, not an engine: the few things it drives and reads, built
+explicitly by `LLMEngine.profile_target()` once the runner and the KV cache exist (the engine
+profiles from its constructor, before its scheduler and session store are built, because the
+BROS policy and the session store take the cost model).
 """
 
 from __future__ import annotations
@@ -18,46 +23,60 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from engine.config import EngineConfig
 from engine.cost_model import CostModel, Sample, fit, mape
+from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.loader.cache import default_cache_dir, file_cache_key
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
 from engine.scheduling.request import Request
 
-if TYPE_CHECKING:
-    from engine.engine import LLMEngine
-
 log = logging.getLogger(__name__)
 PROFILE_VERSION = "1"
 _REPEATS = 3
 
 
-def profile_path(engine: LLMEngine, source, cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / "profiles" / f"{profile_key(engine, source)}.json"
+@dataclass(frozen=True)
+class ProfileTarget:
+    """What profiling drives and reads, and nothing else of the engine."""
+
+    execute: Callable[[list[ScheduledItem]], object]  # one forward pass over the rows (ModelRunner.execute)
+    copy_blocks: Callable[[Sequence[KVCopy]], None]  # the engine's block copy path (KVCacheStorage.execute)
+    kv: KVCacheManager  # idle: the dummy rows allocate and free their KV through it
+    config: EngineConfig  # resolved: device, dtype, block size and batch limits
+    max_model_len: int
+    vocab_size: int
+    model_name: str
+    decode_kernel: str  # the attention kernel and the layer graph change decode step times
+    compiled_layers: bool
 
 
-def profile_cached(engine: LLMEngine, source, cache_dir: Path | None = None) -> CostModel:
-    path = profile_path(engine, source, cache_dir)
+def profile_path(target: ProfileTarget, source, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / "profiles" / f"{profile_key(target, source)}.json"
+
+
+def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None) -> CostModel:
+    path = profile_path(target, source, cache_dir)
     if path.exists():
         try:
             return CostModel.load(path)
         except ValueError:
             log.warning("ignoring unreadable cost profile %s", path)
-    model = profile(engine)
+    model = profile(target)
     model.save(path)
     log.info("cost model profiled in %.1f s, saved to %s", model.meta["profile_seconds"], path)
     return model
 
 
-def profile_key(engine: LLMEngine, source) -> str:
-    cfg = engine.config
+def profile_key(target: ProfileTarget, source) -> str:
+    cfg = target.config
     parts = [
         PROFILE_VERSION,
         cfg.device,
@@ -66,27 +85,27 @@ def profile_key(engine: LLMEngine, source) -> str:
         str(cfg.block_size),
         str(cfg.max_num_batched_tokens),
         str(cfg.max_num_seqs),
-        str(engine.max_model_len),
-        engine.runner.decode_kernel,  # the attention kernel and the layer graph change decode step times
-        str(engine.runner.decode_graph is not None),
+        str(target.max_model_len),
+        target.decode_kernel,
+        str(target.compiled_layers),
     ]
     model_file = source.path / "config.json" if source.path.is_dir() else source.path
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
     return f"{source.name}-{cfg.device}-{cfg.dtype}-{file_cache_key(model_file, *parts)[:12]}-{digest}"
 
 
-def profile(engine: LLMEngine) -> CostModel:
+def profile(target: ProfileTarget) -> CostModel:
     start = time.perf_counter()
-    bench = _Bench(engine)
-    prefill = [bench.prefill(n, k) for n, k in _prefill_grid(engine)]
-    decode = [bench.decode(b, c) for b, c in _decode_grid(engine)]
-    mixed = [bench.mixed(n, b, c) for n, b, c in _mixed_grid(engine)]
+    bench = _Bench(target)
+    prefill = [bench.prefill(n, k) for n, k in _prefill_grid(target)]
+    decode = [bench.decode(b, c) for b, c in _decode_grid(target)]
+    mixed = [bench.mixed(n, b, c) for n, b, c in _mixed_grid(target)]
     swap_bps = bench.swap_bandwidth()
     model = CostModel(fit(prefill), fit(decode), swap_bps)
     meta = {
-        "model": engine.model_config.name,
-        "device": engine.config.device,
-        "dtype": engine.config.dtype,
+        "model": target.model_name,
+        "device": target.config.device,
+        "dtype": target.config.dtype,
         "threads": torch.get_num_threads(),
         "swap_overlaps": False,  # copies run before the forward pass
         "prefill_mape": mape(model.prefill, prefill),
@@ -106,23 +125,23 @@ def _pow2(lo: int, hi: int) -> list[int]:
     return out
 
 
-def _prefill_grid(engine: LLMEngine) -> list[tuple[int, int]]:
-    top = min(engine.config.max_num_batched_tokens, engine.max_model_len - 1, engine.kv.capacity_tokens() // 2)
+def _prefill_grid(target: ProfileTarget) -> list[tuple[int, int]]:
+    top = min(target.config.max_num_batched_tokens, target.max_model_len - 1, target.kv.capacity_tokens() // 2)
     return [(n, k) for n in _pow2(16, top) for k in (1, 4) if n // k >= 8]
 
 
-def _decode_grid(engine: LLMEngine) -> list[tuple[int, int]]:
-    capacity = engine.kv.capacity_tokens() - engine.config.block_size * 8
-    batches = _pow2(1, min(engine.config.max_num_seqs, 64))
-    contexts = _pow2(64, min(engine.max_model_len - 1, 2048))
-    return [(b, c) for b in batches for c in contexts[::2] if b * (c + engine.config.block_size) <= capacity]
+def _decode_grid(target: ProfileTarget) -> list[tuple[int, int]]:
+    capacity = target.kv.capacity_tokens() - target.config.block_size * 8
+    batches = _pow2(1, min(target.config.max_num_seqs, 64))
+    contexts = _pow2(64, min(target.max_model_len - 1, 2048))
+    return [(b, c) for b in batches for c in contexts[::2] if b * (c + target.config.block_size) <= capacity]
 
 
-def _mixed_grid(engine: LLMEngine) -> list[tuple[int, int, int]]:
-    cfg, bs = engine.config, engine.config.block_size
-    top = min(cfg.max_num_batched_tokens, 256, engine.max_model_len - 1)
-    context = min(128, engine.max_model_len // 2)
-    capacity = engine.kv.capacity_tokens() - bs * 8
+def _mixed_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
+    cfg, bs = target.config, target.config.block_size
+    top = min(cfg.max_num_batched_tokens, 256, target.max_model_len - 1)
+    context = min(128, target.max_model_len // 2)
+    capacity = target.kv.capacity_tokens() - bs * 8
     grid = {(n, min(b, cfg.max_num_seqs - 1), context) for n in (64, top) for b in (4, 16)}
     return sorted(
         (n, b, c)
@@ -139,9 +158,9 @@ def _mixed_mape(model: CostModel, mixed: list[tuple[list, list, float]]) -> floa
 class _Bench:
     """Times dummy batches through the engine's runner, using its (idle) KV pool."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.vocab = engine.model_config.vocab_size
+    def __init__(self, target: ProfileTarget) -> None:
+        self.target = target
+        self.vocab = target.vocab_size
         self._ids = 0
 
     def prefill(self, n: int, k: int) -> Sample:
@@ -159,14 +178,14 @@ class _Bench:
 
     def swap_bandwidth(self) -> float:
         """Bytes per second of the engine's own block copy path, device -> host."""
-        kv, storage = self.engine.kv, self.engine.storage
+        kv = self.target.kv
         bs = kv.block_size
         blocks = min(64, kv.pool.capacity, kv.host.num_blocks)
         if blocks == 0:
             return float("inf")
         slots = tuple(range(bs, (blocks + 1) * bs))  # skips the null block
         copy = KVCopy(CopyKind.D2H, slots, tuple(range(len(slots))), len(slots) * kv.bytes_per_token, "profile")
-        secs = self._fastest(lambda: storage.execute([copy]))
+        secs = self._fastest(lambda: self.target.copy_blocks([copy]))
         return copy.nbytes / secs
 
     def _time(self, rows: list[tuple[int, int]]) -> float:
@@ -175,14 +194,14 @@ class _Bench:
         try:
             for r, (n, c) in zip(requests, rows):
                 r.num_computed_tokens = 0
-                if not self.engine.kv.allocate(r, n + c):
+                if not self.target.kv.allocate(r, n + c):
                     raise RuntimeError("profiling grid does not fit the KV pool")
                 r.num_computed_tokens = c
             items = [ScheduledItem(r, n) for r, (n, _) in zip(requests, rows)]
-            return self._fastest(lambda: self.engine.runner.execute(items))
+            return self._fastest(lambda: self.target.execute(items))
         finally:
             for r in requests:
-                self.engine.kv.free(r)
+                self.target.kv.free(r)
 
     def _request(self, length: int) -> Request:
         self._ids += 1

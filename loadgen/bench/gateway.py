@@ -83,13 +83,13 @@ async def _bench(args, model: str) -> dict:
 
 
 async def _inproc(args, model: str) -> dict:
-    from engine import EngineConfig, SamplingParams
+    from engine import ChatPrompt, EngineConfig, SamplingParams
     from engine.async_llm import AsyncLLM
 
     llm = AsyncLLM(EngineConfig(model=model, dtype="float32", kv_cache_gib=0.25))
     await llm.start()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    prompt = llm.apply_chat_template([{"role": "user", "content": PROMPT}])
+    prompt = await llm.encode(ChatPrompt([{"role": "user", "content": PROMPT}]))
     ttfts, itls = [], []
     for i in range(args.requests + 3):  # 3 warm-up requests
         t0 = time.perf_counter()

@@ -1,11 +1,12 @@
 """One simulated worker: the engine's `Scheduler`, policy, `KVCacheManager` and `BlockPool`,
 with the forward pass replaced by the cost model's step time.
 
-The bookkeeping after a step mirrors `LLMEngine.step` line for line: advance each row's
-`num_computed_tokens` and `kv.commit` it; rows that reach the end of their known tokens
-sample one token (`append_token`), then `check_stop`, and finished requests leave through
-`scheduler.finish`. The token is a deterministic stand-in (the simulator has no logits);
-outputs are forced to `max_tokens` (EOS ignored), as in the papers' setups.
+What a step does to its requests is the engine's own code (`engine/bookkeeping.py`,
+`StepBookkeeping`), called in the engine's order: count the schedule, advance each row's
+progress and commit its blocks, give each row that reached the end of its known tokens one
+token and stop it when it must, then report the step's duration to the policy. Only the
+token differs: a deterministic stand-in (the simulator has no logits), with outputs forced to
+`max_tokens` (EOS ignored), as in the papers' setups.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from engine.bookkeeping import EngineStats, StepBookkeeping, produces_token
 from engine.cost_model import CostModel
 from engine.kv import BlockPool, KVCacheManager, hash_block
 from engine.sampling import SamplingParams
@@ -67,11 +69,12 @@ class SimWorker:
         )
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
         self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))
+        self.stats = EngineStats()  # the engine's counters, kept by the engine's bookkeeping
+        self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._count_cached)
         self.batch: ScheduledBatch | None = None  # the step in flight
         self.step_end_s: float | None = None
         self.duration_s = 0.0
-        self._aborted_in_flight: set[str] = set()  # aborted while their step was running
-        self.steps = 0
+        self.steps = 0  # steps started (a run may end with one in flight; `stats.steps` counts finished ones)
         self.prompt_tokens_cached = 0  # prefix-cache hits of finished requests (sessions' history)
         self.busy_s = 0.0
 
@@ -97,9 +100,7 @@ class SimWorker:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        if self.batch is not None and any(it.request is request for it in self.batch.items):
-            self._aborted_in_flight.add(request_id)
-        self.scheduler.finish(request, FinishReason.ABORT, now)
+        self.scheduler.finish(request, FinishReason.ABORT, now)  # a row of the step in flight computes nothing
         return True
 
     def import_prefix(self, token_ids: list[int]) -> int:
@@ -130,6 +131,7 @@ class SimWorker:
     def start_step(self, now: float) -> float | None:
         """Schedule the next batch at `now`; its simulated duration, or None if nothing runs."""
         batch = self.scheduler.schedule(now)
+        self.bookkeeping.scheduled(batch)
         if not batch:
             return None
         duration = step_seconds(self.cost, batch, self.spec.kv_bytes_per_token)
@@ -143,29 +145,23 @@ class SimWorker:
     def finish_step(self) -> list[TokenEvent]:
         batch, now = self.batch, self.step_end_s
         self.batch = self.step_end_s = None
-        live = [it for it in batch.items if it.request.request_id not in self._aborted_in_flight]
-        self._aborted_in_flight.clear()
-        sampled = [
-            it.request for it in live if it.request.num_computed_tokens + it.num_new_tokens == it.request.num_tokens
-        ]
-        for it in live:
-            it.request.num_computed_tokens += it.num_new_tokens
-            self.kv.commit(it.request)
-        if hasattr(self.scheduler, "step_done"):  # adaptive policies learn from step times
-            self.scheduler.step_done(batch, self.duration_s)
-        return [self._emit(r, now) for r in sampled]
+        sampled = [it.request for it in batch.items if not it.request.is_finished and produces_token(it)]
+        self.bookkeeping.advance(batch.items)
+        events = [self._emit(r, now) for r in sampled]
+        self.bookkeeping.step_done(batch, self.duration_s)
+        return events
 
     def _emit(self, request: Request, now: float) -> TokenEvent:
         token = self._token(request)
-        request.append_token(token, None, now)
-        stop = request.check_stop()
+        stop = self.bookkeeping.append_token(request, token, None, now)
         if stop is not None:
-            self.prompt_tokens_cached += request.num_cached_tokens
-            request.stop_reason = stop[1]
-            self.scheduler.finish(request, stop[0], now)
+            self.bookkeeping.finish(request, stop, now)
         return TokenEvent(
             request.request_id, now, [token], stop is not None, None if stop is None else stop[0].value, self.worker_id
         )
+
+    def _count_cached(self, request: Request) -> None:
+        self.prompt_tokens_cached += request.num_cached_tokens
 
     def _token(self, request: Request) -> int:
         seed = zlib.crc32(request.request_id.encode())

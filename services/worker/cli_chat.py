@@ -44,7 +44,7 @@ async def _read_line(prompt: str) -> str | None:
 
 
 async def _repl(args: argparse.Namespace) -> int:
-    from engine import AsyncLLM, EngineConfig, SamplingParams
+    from engine import AsyncLLM, ChatPrompt, EngineConfig, SamplingParams
 
     cfg = {"model": args.model, "dtype": args.dtype}
     if args.kv_cache_gib is not None:
@@ -76,7 +76,7 @@ async def _repl(args: argparse.Namespace) -> int:
                 print("(history cleared)", file=sys.stderr)
                 continue
             history.append({"role": "user", "content": text})
-            prompt_ids = engine.apply_chat_template(system + history)
+            prompt = ChatPrompt(system + history)  # tokenized by the engine thread, which owns the tokenizer
             params = SamplingParams(
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
@@ -89,7 +89,7 @@ async def _repl(args: argparse.Namespace) -> int:
             sys.stdout.write("bot> " if interactive else "")
             sys.stdout.flush()
             try:
-                async for delta in engine.generate(request_id, prompt_ids, params):
+                async for delta in engine.generate(request_id, prompt, params):
                     if delta.text:
                         reply.append(delta.text)
                         sys.stdout.write(delta.text)
@@ -99,6 +99,10 @@ async def _repl(args: argparse.Namespace) -> int:
             except (KeyboardInterrupt, asyncio.CancelledError):
                 engine.abort(request_id)
                 sys.stdout.write(" [stopped]")
+            except ValueError as exc:  # refused (the history outgrew the context, ...): say why, keep going
+                history.pop()
+                print(f"[error: {exc}]")
+                continue
             sys.stdout.write("\n")
             sys.stdout.flush()
             history.append({"role": "assistant", "content": "".join(reply).strip()})

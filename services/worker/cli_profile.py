@@ -38,13 +38,13 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    engine = LLMEngine(config)  # fcfs: the engine itself does not profile
+    target = LLMEngine(config).profile_target()  # fcfs: the engine itself does not profile
     source = resolve_model(args.model)
     if args.force:
-        model = profile(engine)
-        model.save(profile_path(engine, source))
+        model = profile(target)
+        model.save(profile_path(target, source))
     else:
-        model = profile_cached(engine, source)
+        model = profile_cached(target, source)
     if args.out:
         model.save(args.out)
     print(json.dumps(model.to_dict(), indent=2, sort_keys=True))

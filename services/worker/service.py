@@ -4,6 +4,9 @@ Tasks: read dispatch (one stream task per request), read control (cancel, drain)
 heartbeats and telemetry. Token deltas leave through `ResultOutbox`, one message per gateway
 partition per engine step. A request is keyed "request_id:attempt" so a re-delivered dispatch
 (consumer restart) is applied once and a resumed attempt never collides with a stale one.
+
+The engine is reached only through `AsyncLLM` (its methods, `info` and `snapshot()`): it runs on
+its own thread, which also owns the tokenizer, so prompts travel to it as text or chats.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ import sys
 import time
 import uuid
 from collections import OrderedDict, deque
+from dataclasses import replace
 
 from aiokafka import AIOKafkaConsumer
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig
+from engine.async_llm import AsyncLLM, RequestStream
 from services.worker.adapter import EngineRequest, to_engine_request
 from services.worker.outbox import ResultOutbox
 from services.worker.sessions import WorkerSessions
@@ -57,7 +60,7 @@ class WorkerService:
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, f"worker-{self.worker_id}")
         self.session_dir = settings.resolved_session_dir(self.worker_id)
-        self.llm = AsyncLLM(self._engine_config(settings, self.session_dir))
+        self.llm = AsyncLLM(settings.engine_config(self.session_dir))
         self.outbox = ResultOutbox(self.kafka, self.topics.results.name, self.worker_id)
         self.sessions = WorkerSessions(
             self.llm, self.kafka, self.topics.sessions_directory.name, self.worker_id, settings, self.session_dir
@@ -78,29 +81,6 @@ class WorkerService:
         self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
         self.m_ttft = m.histogram("worker_ttft_seconds", "engine time to first token", ("req_class",))
         self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
-
-    @staticmethod
-    def _engine_config(s: WorkerSettings, session_dir) -> EngineConfig:
-        return EngineConfig(
-            model=s.model,
-            load_format=s.load_format,
-            device=s.device,
-            dtype=s.dtype,
-            kv_cache_gib=s.kv_cache_gib,
-            policy=s.policy,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=s.max_model_len,
-            num_threads=s.num_threads,
-            attention=s.attention,
-            compile_layers=s.compile_layers,
-            enable_prefix_caching=s.enable_prefix_caching,
-            session_dir=str(session_dir),
-            session_host_gib=s.session_host_gib,
-            session_disk_gib=s.session_disk_gib,
-            session_eviction=s.session_eviction,
-            session_prefetch_ttl_s=s.session_prefetch_ttl_s,
-        )
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -170,41 +150,61 @@ class WorkerService:
             self._seen.popitem(last=False)
 
     async def _serve(self, req: GenerateRequest) -> None:
-        part = req.reply_partition
         try:
-            er = to_engine_request(req, self.llm.tokenizer, self.llm.engine.max_model_len)
-            self.llm.engine.validate(er.prompt_token_ids + er.resumed_output_ids, er.params)
-        except ValueError as exc:
-            self.outbox.put(part, Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc)))
-            self._forget(req)
-            return
-        self.outbox.put(
-            part,
-            Accepted(
-                request_id=req.request_id,
-                attempt=req.attempt,
-                worker_id=self.worker_id,
-                prompt_tokens=len(er.prompt_token_ids),
-            ),
-        )
-        try:
-            if req.session_id is not None:
-                await self.sessions.prepare(req, len(er.prompt_token_ids))
-            await self._stream(req, er)
+            try:
+                er = to_engine_request(req, self.llm.info.max_model_len)
+                if req.session_id is not None and self.sessions.must_prepare(req):
+                    stream = await self._enter_after_prepare(req, er)
+                else:
+                    stream = await self._enter(er, req)
+                    self._accepted(req, stream.num_prompt_tokens)
+            except ValueError as exc:
+                failed = Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc))
+                self.outbox.put(req.reply_partition, failed)
+                return
+            try:
+                await self._stream(req, er, stream)
+            finally:
+                stream.close()  # before the last delta (cancelled): aborts the request, frees its KV
         finally:
             self._forget(req)
 
-    async def _stream(self, req: GenerateRequest, er: EngineRequest) -> None:
-        index = len(er.resumed_output_ids)
-        async for d in self.llm.generate(
+    async def _enter(self, er: EngineRequest, req: GenerateRequest) -> RequestStream:
+        """Into the engine: tokenized, validated and queued on the engine thread in one hop."""
+        return await self.llm.add_request(
             er.key,
-            er.prompt_token_ids,
+            er.prompt,
             er.params,
             req_class=er.req_class,
             slo=er.slo,
             resumed_output_ids=er.resumed_output_ids,
             session_id=req.session_id,
-        ):
+        )
+
+    async def _enter_after_prepare(self, req: GenerateRequest, er: EngineRequest) -> RequestStream:
+        """A session turn that must wait for (or decide on) a KV pull before it enters the engine:
+        checked first, so a bad request fails before any transfer and the pull decision knows the
+        prompt's length; accepted; prepared; then added. One more engine hop than `_enter`, on a
+        turn that is about to pull KV or recompute its history anyway."""
+        checked = await self.llm.check(er.prompt, er.params, er.resumed_output_ids)
+        self._accepted(req, len(checked.prompt_token_ids))
+        await self.sessions.prepare(req, len(checked.prompt_token_ids))
+        return await self._enter(replace(er, prompt=checked.prompt_token_ids, params=checked.params), req)
+
+    def _accepted(self, req: GenerateRequest, prompt_tokens: int) -> None:
+        self.outbox.put(
+            req.reply_partition,
+            Accepted(
+                request_id=req.request_id,
+                attempt=req.attempt,
+                worker_id=self.worker_id,
+                prompt_tokens=prompt_tokens,
+            ),
+        )
+
+    async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream) -> None:
+        index = len(er.resumed_output_ids)
+        async for d in stream:
             if index == len(er.resumed_output_ids):
                 log.debug("first delta", extra={"request_id": req.request_id})
             self.telemetry.add_tokens(len(d.token_ids))
@@ -219,19 +219,14 @@ class WorkerService:
                     text=d.text,
                     logprobs=d.logprobs,
                     finish_reason=d.finish_reason,
-                    token_texts=self._token_texts(d.token_ids) if d.logprobs is not None else None,
-                    prompt_tokens=len(er.prompt_token_ids) if d.finished else None,
+                    token_texts=d.token_texts,
+                    prompt_tokens=stream.num_prompt_tokens if d.finished else None,
                     cached_tokens=final.num_cached_tokens if final else None,
                 ),
             )
             index += len(d.token_ids)
             if final is not None:
                 self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
-
-    def _token_texts(self, token_ids: list[int]) -> list[str]:
-        if self.llm.tokenizer is None:  # a tokenizer-free (dummy) model: ids only
-            return [""] * len(token_ids)
-        return [self.llm.tokenizer.decode([t]) for t in token_ids]
 
     def _forget(self, req: GenerateRequest) -> None:
         if self._tasks.get(req.request_id) is asyncio.current_task():
@@ -271,13 +266,13 @@ class WorkerService:
         while self._finished and self._finished[0][0] < now - _FINISHED_WINDOW_S:
             self._finished.popleft()
         running = [t.get_name() for t in self._tasks.values()]
-        engine_config = self.llm.engine.config
+        info = self.llm.info
         hb = Heartbeat(
             worker_id=self.worker_id,
             model=self.model_name,
-            max_model_len=self.llm.engine.max_model_len,
-            dtype=engine_config.dtype,
-            device=engine_config.device,
+            max_model_len=info.max_model_len,
+            dtype=info.dtype,
+            device=info.device,
             dispatch_topic=self.topics.dispatch(self.worker_id).name,
             started_at=self.started_at,
             sent_at=time.time(),
@@ -285,23 +280,17 @@ class WorkerService:
             running_ids=running,
             finished_ids=[k for _, k in self._finished],
             kv_url=self.sessions.kv_url,
-            session_stats=self._session_stats(),
+            session_stats=self.sessions.stats(self.llm.snapshot()),
         )
         try:
             await self.kafka.send(self.topics.heartbeats.name, hb, key=self.worker_id)
         except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
             log.warning("heartbeat not sent", exc_info=True)
 
-    def _session_stats(self) -> dict[str, float]:
-        try:
-            return self.sessions.stats()
-        except RuntimeError:  # a counter dict resized by the engine thread mid-read: next beat
-            return {}
-
     async def _telemetry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.telemetry_interval_s)
-            msg = self.telemetry.report(self.worker_id, self.llm.engine, self.settings.max_num_seqs)
+            msg = self.telemetry.report(self.worker_id, self.llm.info, self.llm.snapshot(), self.settings.max_num_seqs)
             self._update_metrics(msg)
             try:
                 await self.kafka.send(self.topics.telemetry.name, msg, key=self.worker_id)

@@ -12,6 +12,9 @@
   the transfer beats recomputing the missing tokens, else recompute.
 A refused transfer (corrupt, truncated, other model) leaves no file behind and the turn
 recomputes: the output is the same, only slower.
+
+Every store operation goes through `AsyncLLM.sessions` (engine/session_door.py), which runs it
+on the engine thread or, for the file waits the store allows elsewhere, a helper thread.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from engine.async_llm import AsyncLLM
 from engine.sessions import KVFormatError, SessionInfo
+from engine.snapshot import EngineSnapshot
 from services.worker.kv_pull import KVPuller, PullError
 from services.worker.kv_server import KVServer
 from services.worker.settings import WorkerSettings
@@ -34,18 +38,6 @@ from shared.schemas.sessions import Prefetch, SessionLocation
 log = logging.getLogger(__name__)
 _GIB = 1 << 30
 _MIN_BANDWIDTH_SAMPLE = 1 << 20
-
-
-def _adopt(engine, path: Path, header) -> SessionInfo:
-    return engine.sessions.adopt_file(path, verified=header)
-
-
-def _prefetch(engine, session_id: str):
-    return engine.sessions.prefetch(session_id)
-
-
-def _release(engine, session_id: str) -> None:
-    engine.sessions.release(session_id)
 
 
 class WorkerSessions:
@@ -60,7 +52,7 @@ class WorkerSessions:
     ) -> None:
         self.llm, self.kafka, self.topic, self.worker_id = llm, kafka, directory_topic, worker_id
         self.settings = settings
-        self.server = KVServer(settings.kv_host, settings.kv_port, self._export_path)
+        self.server = KVServer(settings.kv_host, settings.kv_port, llm.sessions.export_path)
         self.puller = KVPuller(
             session_dir / ".incoming", settings.kv_pull_timeout_s, int(settings.session_disk_gib * _GIB)
         )
@@ -72,20 +64,13 @@ class WorkerSessions:
         self._tasks: set[asyncio.Task] = set()
         self.kv_url: str | None = None
 
-    @property
-    def store(self):
-        return self.llm.engine.sessions
-
     async def start(self) -> None:
         await self.server.start()
         host = self.settings.kv_host if self.settings.kv_host not in ("0.0.0.0", "::") else socket.gethostname()
         self.kv_url = self.settings.kv_advertise_url or f"http://{host}:{self.server.port}"
-        loop = asyncio.get_running_loop()
-        self.store.listeners.append(lambda info: loop.call_soon_threadsafe(self._mark, info))
-        for info in self.store.snapshot():  # sessions re-indexed from disk: tell the directory
-            self._mark(info)
+        kept = await self.llm.sessions.subscribe(self._mark)  # re-indexed from disk too: tell the directory
         self._spawn(self._publish_loop())
-        log.info("KV server on %s (%d sessions kept)", self.kv_url, len(self._dirty))
+        log.info("KV server on %s (%d sessions kept)", self.kv_url, kept)
 
     async def stop(self) -> None:
         await self._flush_locations()
@@ -133,10 +118,12 @@ class WorkerSessions:
             dropped=not info.tiers,
         )
 
-    async def _export_path(self, session_id: str) -> Path | None:
-        return await asyncio.to_thread(self.store.export_path, session_id)
-
     # -- turns and prefetches ------------------------------------------------------------------
+
+    def must_prepare(self, req: GenerateRequest) -> bool:
+        """Whether a turn has to wait before it enters the engine: a pull of its session is under
+        way here, or it carries a `kv_source` to consider pulling from."""
+        return req.session_id in self._pulls or req.kv_source is not None
 
     async def prepare(self, req: GenerateRequest, num_prompt_tokens: int) -> None:
         """Before a session turn enters the engine: get its KV here if that beats recomputing.
@@ -155,18 +142,18 @@ class WorkerSessions:
         src = req.kv_source
         if src is None:
             return
-        have = self._local_tokens(sid)
+        have = await self._local_tokens(sid)
         missing = min(src.num_tokens or num_prompt_tokens, num_prompt_tokens) - have
         if missing <= 0:
             return
-        if not self._should_pull(missing):
+        if not await self._should_pull(missing):
             self.counters["pulls_skipped_for_recompute"] += 1
             return
         await self._pull(sid, src.url)
 
-    def _should_pull(self, missing_tokens: int) -> bool:
+    async def _should_pull(self, missing_tokens: int) -> bool:
         mode = self.settings.session_pull
-        return mode == "always" or (mode == "cost" and self.store.should_pull(missing_tokens))
+        return mode == "always" or (mode == "cost" and await self.llm.sessions.should_pull(missing_tokens))
 
     def on_prefetch(self, msg: Prefetch) -> None:
         self._spawn(self._prefetch_logged(msg))
@@ -179,10 +166,10 @@ class WorkerSessions:
 
     async def _prefetch(self, msg: Prefetch) -> None:
         sid = msg.session_id
-        if msg.source_url and self._local_tokens(sid) < msg.source_tokens:
+        if msg.source_url and await self._local_tokens(sid) < msg.source_tokens:
             if not await self._pull(sid, msg.source_url):
                 return  # the turn will recompute (or pull again, from its kv_source)
-        result = await self.llm.call(_prefetch, sid)
+        result = await self.llm.sessions.prefetch(sid)
         if not result.found:
             log.info("prefetch of unknown session %s ignored", sid)
             return
@@ -195,10 +182,10 @@ class WorkerSessions:
     def _release_if_current(self, session_id: str, hint_id: str) -> None:
         if self._prefetch_hint.get(session_id) == hint_id:  # a newer hint keeps its own pin
             del self._prefetch_hint[session_id]
-            self._spawn(self.llm.call(_release, session_id))
+            self._spawn(self.llm.sessions.release(session_id))
 
-    def _local_tokens(self, session_id: str) -> int:
-        info = self.store.info(session_id)
+    async def _local_tokens(self, session_id: str) -> int:
+        info = await self.llm.sessions.info(session_id)
         return info.num_tokens if info is not None and info.tiers else 0
 
     async def _pull(self, session_id: str, url: str) -> bool:
@@ -218,9 +205,8 @@ class WorkerSessions:
             self.counters["pulls_failed"] += 1
             log.warning("pull of session %s failed: %s", session_id, exc)
             return False
-        try:  # the full check reads the whole file: in a thread, so the engine keeps stepping
-            header = await asyncio.to_thread(self.store.verify, pulled.path)
-            info = await self.llm.call(_adopt, pulled.path, header)
+        try:  # the full check reads the whole file in a helper thread: the engine keeps stepping
+            info = await self.llm.sessions.adopt_file(pulled.path)
         except (KVFormatError, OSError) as exc:
             self.counters["pulls_refused"] += 1
             log.warning("pulled KV of session %s refused: %s", session_id, exc)
@@ -228,7 +214,7 @@ class WorkerSessions:
         finally:
             pulled.path.unlink(missing_ok=True)  # adopted files were moved away already
         if pulled.nbytes >= _MIN_BANDWIDTH_SAMPLE:  # smaller transfers measure latency, not bandwidth
-            self.store.record_pull(pulled.nbytes, pulled.seconds)
+            await self.llm.sessions.record_pull(pulled.nbytes, pulled.seconds)
         self.counters["pulls"] += 1
         self.counters["bytes_pulled"] += pulled.nbytes
         log.info(
@@ -242,14 +228,10 @@ class WorkerSessions:
 
     # -- reporting ---------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, float]:
-        """The engine's session counters plus this service's, flat (heartbeats, `/v1/sessions/stats`)."""
-        out: dict[str, float] = {}
-        for key, value in self.store.stats.as_dict().items():
-            if isinstance(value, dict):
-                out.update({f"{key}_{k}": v for k, v in value.items()})
-            else:
-                out[key] = value
+    def stats(self, snapshot: EngineSnapshot) -> dict[str, float]:
+        """The engine's session counters (as of `snapshot`) plus this service's, flat (heartbeats,
+        `/v1/sessions/stats`)."""
+        out: dict[str, float] = dict(snapshot.session_stats)
         out.update(self.counters)
         out["served_bytes"] = self.server.bytes_served  # not "bytes_*": the puller counts them already
         out["served_sessions"] = self.server.sessions_served

@@ -1,12 +1,26 @@
-"""The worker's one settings object (`TANDEM_*` env vars; `tandem worker` flags override)."""
+"""The worker's one settings object (`TANDEM_*` env vars; `tandem worker` flags override).
+
+The engine's fields are not copied here: every `EngineConfig` field becomes a field of the same
+name, type and default (`TANDEM_DTYPE`, `TANDEM_KV_CACHE_GIB`, `TANDEM_BLOCK_SIZE`, ...), so a
+new engine option reaches workers without a second definition to keep in step, and
+`engine_config()` hands them back. The one exception is `session_dir`, whose default the
+worker derives from its data directory and id.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from pathlib import Path
 from typing import Literal
 
+from pydantic import create_model
+
+from engine.config import EngineConfig
 from shared.settings import ServiceSettings
+
+_WORKER_DECIDES = frozenset({"session_dir"})  # engine fields with a worker-specific meaning
 
 
 def _default_data_dir() -> str:
@@ -14,33 +28,27 @@ def _default_data_dir() -> str:
     return str(Path(base) / "tandem")
 
 
-class WorkerSettings(ServiceSettings):
+def _engine_fields() -> dict[str, tuple[object, object]]:
+    hints = typing.get_type_hints(EngineConfig)
+    return {
+        f.name: (hints[f.name], f.default) for f in dataclasses.fields(EngineConfig) if f.name not in _WORKER_DECIDES
+    }
+
+
+# ServiceSettings plus one field per EngineConfig field (pydantic builds the class from the dataclass).
+_EngineSettings = create_model("_EngineSettings", __base__=ServiceSettings, **_engine_fields())
+
+
+class WorkerSettings(_EngineSettings):
     worker_id: str = ""  # default: host-pid-random, unique per process start
-    model: str = "default"  # "default", a Hugging Face directory or a .gguf file
-    load_format: str = "auto"  # "dummy": random weights; `model` may then name a built-in architecture
     served_model_name: str = ""  # the id clients send; default: "default" or the path's last part
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: bfloat16 where the CPU (or GPU) computes it natively, else float32
-    kv_cache_gib: float = 1.0
-    policy: str = "fcfs"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
-    num_threads: int | None = None
-    attention: str = "auto"  # attention kernel: auto, fused (CPU), triton or reference (EngineConfig.attention)
-    compile_layers: bool = True  # with fused attention: decode-only steps through compiled layers (EngineConfig)
     telemetry_interval_s: float = 1.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
-    enable_prefix_caching: bool = True  # false: every prompt is computed in full (a benchmark baseline)
     # multi-turn sessions (docs/sessions.md): kept KV tiers, and the KV server peers pull from
     data_dir: str = _default_data_dir()  # the worker's state lives in <data_dir>/workers/<worker id>/
     session_dir: str = ""  # the disk tier; default <data_dir>/workers/<worker id>/sessions (kept across restarts
     #                        when the worker id is fixed, as `tandem up` and Compose do)
-    session_host_gib: float = 1.0
-    session_disk_gib: float = 20.0
-    session_eviction: str = "idle-layer-size"
-    session_prefetch_ttl_s: float = 30.0  # a prefetched session's pin is dropped if its turn has not come
     kv_host: str = "127.0.0.1"  # the KV server's bind address
     kv_port: int = 0  # 0: any free port
     kv_advertise_url: str = ""  # how peers reach the KV server (default http://<kv_host>:<port>)
@@ -53,3 +61,8 @@ class WorkerSettings(ServiceSettings):
         if self.session_dir:
             return Path(self.session_dir).expanduser()
         return Path(self.data_dir).expanduser() / "workers" / worker_id / "sessions"
+
+    def engine_config(self, session_dir: Path) -> EngineConfig:
+        """The engine this worker runs: every engine field as set here, sessions kept in `session_dir`."""
+        fields = {name: getattr(self, name) for name in _engine_fields()}
+        return EngineConfig(**fields, session_dir=str(session_dir))

@@ -1,13 +1,17 @@
-"""Per-interval SLO and load figures a worker publishes (`Telemetry`)."""
+"""Per-interval SLO and load figures a worker publishes (`Telemetry`).
+
+Load and KV use come from the engine's published snapshot (`AsyncLLM.snapshot()`), never from
+its live queues: the snapshot is immutable, so a report cannot meet a list changing under it.
+"""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 
-from engine.engine import LLMEngine
 from engine.outputs import RequestMetrics
 from engine.scheduling import SLO, RequestClass
+from engine.snapshot import EngineInfo, EngineSnapshot
 from shared.schemas.telemetry import ClassLoad, RequestTiming, Telemetry
 
 _WINDOW_S = 30.0  # percentiles cover requests finished in this window
@@ -50,7 +54,7 @@ class TelemetryWindow:
         self._recent.append((time.monotonic(), timing))
         self._since_report.append(timing)
 
-    def report(self, worker_id: str, engine: LLMEngine, max_num_seqs: int) -> Telemetry:
+    def report(self, worker_id: str, info: EngineInfo, snapshot: EngineSnapshot, max_num_seqs: int) -> Telemetry:
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - _WINDOW_S:
             self._recent.popleft()
@@ -58,15 +62,14 @@ class TelemetryWindow:
         ttfts = sorted(t.ttft_s for t in timings if t.ttft_s is not None)
         tpots = sorted(t.tpot_s for t in timings if t.tpot_s is not None)
         slo = [t.met_slo for t in timings if t.met_slo is not None]
-        pool = engine.kv.pool
         msg = Telemetry(
             worker_id=worker_id,
             sent_at=time.time(),
-            dtype=engine.config.dtype,
-            rt=_load(engine, RequestClass.RT),
-            be=_load(engine, RequestClass.BE),
-            kv_usage=pool.usage(),
-            kv_blocks=pool.num_blocks,
+            dtype=info.dtype,
+            rt=_load(snapshot, RequestClass.RT),
+            be=_load(snapshot, RequestClass.BE),
+            kv_usage=snapshot.kv_usage,
+            kv_blocks=info.kv_blocks,
             max_num_seqs=max_num_seqs,
             tokens_per_s=self._tokens / max(now - self._last_report, 1e-6),
             ttft_p50_s=_pct(ttfts, 0.5),
@@ -80,12 +83,9 @@ class TelemetryWindow:
         return msg
 
 
-def _load(engine: LLMEngine, cls: RequestClass) -> ClassLoad:
-    # Read from the event-loop thread while the engine thread runs: counts may be one step stale.
-    sched = engine.scheduler
-    running = sum(1 for r in list(sched.running) if r.req_class is cls)
-    waiting = sum(1 for r in list(sched.waiting) if r.req_class is cls)
-    return ClassLoad(running=running, waiting=waiting)
+def _load(snapshot: EngineSnapshot, cls: RequestClass) -> ClassLoad:
+    counts = snapshot.counts(cls)  # as of the engine's last step
+    return ClassLoad(running=counts.running, waiting=counts.waiting)
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -22,7 +22,7 @@ def _config(path, **kw) -> EngineConfig:
 @pytest.mark.timeout(300)
 def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch):
     path = tiny_model_dir("llama")
-    engine = LLMEngine(_config(path))
+    engine = LLMEngine(_config(path)).profile_target()
     model = profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path)
     files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1 and "float32" in files[0].name and "cpu" in files[0].name
@@ -35,7 +35,7 @@ def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch):
     assert model.swap_bytes_per_s > 0 and meta["swap_overlaps"] is False
     monkeypatch.setattr(profiling, "profile", lambda e: pytest.fail("re-profiled although cached"))
     assert profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path) == model
-    other = LLMEngine(_config(path, max_num_seqs=4))  # another grid: another key
+    other = LLMEngine(_config(path, max_num_seqs=4)).profile_target()  # another grid: another key
     assert profiling.profile_path(other, resolve_model(str(path)), tmp_path) != files[0]
 
 

@@ -53,3 +53,31 @@ def test_sim_matches_engine_step_for_step(tiny_model_dir, policy, num_blocks):
     assert timeline(sim) == timeline(real)
     if num_blocks == 40 and policy == "fcfs":
         assert inproc.engine.stats.preemptions > 0  # the comparison covered preemption
+
+
+@pytest.mark.timeout(300)
+def test_sim_and_engine_count_the_same_steps_and_tokens(tiny_model_dir):
+    """Both run the one `StepBookkeeping` (engine/bookkeeping.py), so its counters agree too,
+    preemptions included, not only the token timelines."""
+    cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 6.0), 2.0, seed=12, length_scale=0.2, be_batch=4, max_len=512)
+    engine_cfg = EngineConfig(
+        model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128
+    )
+    inproc = InprocTarget.from_config(engine_cfg, clock=ModelClock(COST))
+    Driver(inproc, build_workload(cfg), PromptBuilder(49152, cfg.seed)).run()
+    worker = SimWorker(
+        "w0", WorkerSpec(num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=512), COST, "fcfs"
+    )
+    Driver(SimTarget([worker]), build_workload(cfg), PromptBuilder(49152, cfg.seed)).run()
+
+    keys = (
+        "steps",
+        "tokens_computed",
+        "prompt_tokens_computed",
+        "prompt_tokens_cached",
+        "generation_tokens",
+        "preemptions",
+    )
+    real = {k: getattr(inproc.engine.stats, k) for k in keys}
+    assert real["steps"] > 20 and real["preemptions"] > 0
+    assert {k: getattr(worker.stats, k) for k in keys} == real
