@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loadgen.bench.common import add_workload_args, host_info, write_json
+from loadgen.bench.common import add_workload_args, write_json
+from loadgen.provenance import stamp
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         "ratio_output_tokens_per_s": shown["ratio_output_tokens_per_s"],
         "ratios_per_round": [r["ratio_output_tokens_per_s"] for r in rounds],
         "rounds": rounds,
-        "host": host_info(),
+        "provenance": stamp(dtype=args.dtype).as_dict(),
     }
     print()
     print(format_comparison(result))
