@@ -37,8 +37,12 @@ TARGETS = ("llama-server", "llama-batched-bench")
 _STAMP = "build-info.json"
 
 
-def cmake_args(build_number: str) -> list[str]:
-    """The CMake cache options of our build (recorded in build-info.json)."""
+def cmake_args(version: str) -> list[str]:
+    """The CMake cache options of our build (recorded in build-info.json).
+
+    The build number and commit are set explicitly: llama.cpp's CMake otherwise asks git, and
+    inside our checkout git answers with *our* commit, which `llama-server --version` would
+    then print as llama.cpp's."""
     return [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
@@ -50,7 +54,8 @@ def cmake_args(build_number: str) -> list[str]:
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_TOOLS=ON",
         "-DLLAMA_BUILD_SERVER=ON",
-        f"-DLLAMA_BUILD_NUMBER={build_number}",
+        f"-DLLAMA_BUILD_NUMBER={version.split('.')[0]}",
+        f"-DLLAMA_BUILD_COMMIT=sdist-{PACKAGE}-{version}",
     ]
 
 
@@ -121,7 +126,7 @@ def build(version: str, root: Path, jobs: int) -> dict:
     sdist = download(version, root / "dl")
     src = unpack(sdist, root)
     build_dir = root / "build"
-    args = cmake_args(version.split(".")[0])
+    args = cmake_args(version)
     t0 = time.time()
     _run(["cmake", "-S", str(src), "-B", str(build_dir), *args])
     _run(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs), "--target", *TARGETS])

@@ -45,6 +45,17 @@ from loadgen.workloads.random_tokens import random_token_prompts, special_token_
 
 BINDINGS = ("default", "all-cores")
 DEFAULT_KV_CACHE_GIB = 4.0
+# OpenMP placement inherited from the shell. vLLM sets these itself for its engine-core process
+# (from VLLM_CPU_OMP_THREADS_BIND). Inherited, they pin this frontend process's main thread to
+# one core as soon as torch starts OpenMP, the engine core inherits that one-CPU mask, and
+# vLLM's auto binding then finds a single CPU (seen on the 2-core machine, whose environment
+# sets OMP_PROC_BIND=close OMP_PLACES=cores): neither binding would be vLLM's.
+INHERITED_OMP_PLACEMENT = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def drop_inherited_placement(environ: dict[str, str]) -> dict[str, str]:
+    """Remove the inherited OpenMP placement variables from `environ`; returns what was removed."""
+    return {k: environ.pop(k) for k in INHERITED_OMP_PLACEMENT if k in environ}
 
 
 def all_cores_bind_list(cpus: list[tuple[int, tuple[str, str]]]) -> str:
@@ -85,6 +96,23 @@ def binding_env(binding: str, cpus: list[tuple[int, tuple[str, str]]]) -> dict[s
         # An explicit list reserves nothing (VLLM_CPU_NUM_OF_RESERVED_CPU only trims the auto list).
         return {"VLLM_CPU_OMP_THREADS_BIND": all_cores_bind_list(cpus)}
     raise ValueError(f"binding must be one of {BINDINGS}, not {binding!r}")
+
+
+def engine_core_binding() -> dict[str, list[int]]:
+    """CPU affinity of each live child process (vLLM's engine core and its OpenMP threads):
+    the binding vLLM actually applied, recorded with the result."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil ships with vLLM
+        return {}
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cpus = sorted({c for t in child.threads() for c in psutil.Process(t.id).cpu_affinity()})
+            out[f"{child.name()}[{child.pid}]"] = cpus
+        except psutil.Error:
+            pass
+    return out
 
 
 def llm_kwargs(
@@ -165,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     else:
         kv_gib = float(os.environ.pop("VLLM_CPU_KVCACHE_SPACE", "") or DEFAULT_KV_CACHE_GIB)
+    dropped_env = drop_inherited_placement(os.environ)
     os.environ.update(binding_env(args.binding, allowed_cpu_topology()))
     user_vllm_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_")}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -265,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         config=config,
         extra={"load_s": load_s, "ttft_source": "RequestOutput.metrics.first_token_latency" if ttfts else None},
         packages=("vllm",),
-        provenance_extra={"vllm_binding": args.binding, "vllm_env": user_vllm_env},
+        provenance_extra={
+            "vllm_binding": args.binding,
+            "vllm_env": user_vllm_env,
+            "dropped_openmp_placement": dropped_env,
+            "engine_core_omp_binding": engine_core_binding(),
+        },
     )
     if out_tokens != len(prompts) * args.output_len:
         print(f"warning: expected {len(prompts) * args.output_len} output tokens, got {out_tokens}", file=sys.stderr)

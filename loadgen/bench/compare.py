@@ -16,6 +16,15 @@ Fairness, decided here: every system gets our engine's KV size, `max_num_seqs` a
 ``budgets``), all cores, the same dtype and prompts; the rows rotate round by round; our ratio
 against vLLM is against the better of its two bindings in that round (`comparison.py`); every
 row carries a provenance stamp and the comparison says whether they all name one host.
+
+Two process-level decisions keep the rows from inheriting this process's state:
+- Every row starts on every CPU this process was allowed when `run` began. The `tandem` CLI sets
+  `OMP_PROC_BIND=close OMP_PLACES=cores` (our engine's tuning), so once this process loads torch
+  (to decide the dtype) OpenMP pins its main thread to one core, and a child inherits that
+  one-CPU mask: our engine then ran with one thread and vLLM's binding found one CPU (seen in a
+  smoke run's provenance). Each child's mask is reset before it starts.
+- Baseline rows run without the OpenMP placement variables (`BASELINE_DROPPED_ENV`): those are
+  our engine's settings, not vLLM's (it sets its own for its engine core) nor llama.cpp's.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from loadgen.bench.comparison import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+BASELINE_DROPPED_ENV = ("OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 BASELINES = ("vllm", "llamacpp")
 VLLM_BINDINGS = ("default", "all-cores")
 LLAMACPP_WEIGHTS = ("parity", "q4_1")
@@ -134,9 +144,17 @@ def tandem_row(args: argparse.Namespace, budgets: Budgets, out: Path, prompts: P
     return Row(OURS, None, [*argv, "--json", str(out), "--dump-prompts", str(prompts), "--quiet"], out)
 
 
+def baseline_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a baseline row runs in: ours minus our OpenMP placement tuning."""
+    env = dict(os.environ if environ is None else environ)
+    for var in BASELINE_DROPPED_ENV:
+        env.pop(var, None)
+    return env
+
+
 def vllm_row(args: argparse.Namespace, budgets: Budgets, binding: str, out: Path, prompts: Path) -> Row:
     """vLLM with `binding` (vllm_bench.py sets its VLLM_CPU_* variables), our budgets and prompts."""
-    env = dict(os.environ)
+    env = baseline_env()
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     for var in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE"):
         env.pop(var, None)  # the binding is the row's, not inherited from the caller's shell
@@ -157,7 +175,7 @@ def llamacpp_row(
         *("--output-len", str(args.output_len), *_budget_argv(budgets), "--json", str(out), "--quiet"),
     ]
     group = "llamacpp-parity" if weights == "parity" else "llamacpp-q4_1"
-    return Row(f"llamacpp-{label}", group, argv, out)
+    return Row(f"llamacpp-{label}", group, argv, out, baseline_env())
 
 
 def build_rows(args: argparse.Namespace, budgets: Budgets, out_dir: Path, tag: str, prompts: Path) -> list[Row]:
@@ -184,16 +202,24 @@ def _llamacpp_model(args: argparse.Namespace, weights: str) -> Path:
     return src if weights == "q4_1" else default_output(args.dtype, src)
 
 
-def _run(row: Row, log_path: Path) -> None:
+def _run(row: Row, log_path: Path, cpus: set[int]) -> None:
+    """Run `row` on `cpus` (its CPU mask reset before it starts; see the module docstring)."""
     print(f"$ {' '.join(row.argv)}\n  (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.run(row.argv, stdout=log, stderr=subprocess.STDOUT, env=row.env, cwd=REPO_ROOT)
+        proc = subprocess.run(
+            row.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=row.env,
+            cwd=REPO_ROOT,
+            preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+        )
     if proc.returncode != 0:
         tail = log_path.read_text(errors="replace").splitlines()[-40:]
         raise SystemExit(f"{row.name} failed with exit code {proc.returncode}:\n" + "\n".join(tail))
 
 
-def _prepare(args: argparse.Namespace, out_dir: Path, stem: str) -> None:
+def _prepare(args: argparse.Namespace, out_dir: Path, stem: str, cpus: set[int]) -> None:
     """One-off inputs: the HF export for vLLM, the parity GGUF and built binaries for llama.cpp."""
     baselines = _split(args.baselines, BASELINES, "--baselines")
     if "vllm" in baselines:
@@ -201,7 +227,7 @@ def _prepare(args: argparse.Namespace, out_dir: Path, stem: str) -> None:
             raise SystemExit(f"{args.vllm_python} not found: run `make bench-vllm` (it builds .venv-vllm)")
         if args.model == "default":
             prep = [sys.executable, "-m", "loadgen.baselines.export_hf"]
-            _run(Row("export", None, prep, None), out_dir / f"{stem}.export.log")
+            _run(Row("export", None, prep, None), out_dir / f"{stem}.export.log", cpus)
     if "llamacpp" in baselines:
         from loadgen.baselines import llamacpp_build
 
@@ -209,7 +235,7 @@ def _prepare(args: argparse.Namespace, out_dir: Path, stem: str) -> None:
             raise SystemExit(f"no llama-server under {args.llamacpp_dir}: run `make bench-llamacpp` (it builds it)")
         if "parity" in _split(args.llamacpp_weights, LLAMACPP_WEIGHTS, "--llamacpp-weights"):
             prep = [sys.executable, "-m", "loadgen.baselines.llamacpp_gguf", "--dtype", args.dtype]
-            _run(Row("parity-gguf", None, prep, None), out_dir / f"{stem}.gguf.log")
+            _run(Row("parity-gguf", None, prep, None), out_dir / f"{stem}.gguf.log", cpus)
 
 
 def _generate_prompts(args: argparse.Namespace, path: Path) -> None:
@@ -228,6 +254,7 @@ def _generate_prompts(args: argparse.Namespace, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cpus = os.sched_getaffinity(0)  # before torch loads and OpenMP pins this process to one core
     from kernels.cpu_caps import resolve_dtype
     from loadgen.provenance import stamp
 
@@ -236,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = Path(args.json_path).stem if args.json_path else "compare"
     budgets = resolve_budgets(args)
-    _prepare(args, out_dir, stem)
+    _prepare(args, out_dir, stem, cpus)
     prompts = out_dir / f"{stem}.prompts.json"
     if args.skip_tandem:
         _generate_prompts(args, prompts)
@@ -252,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         order = round_order(names, i)
         results = {}
         for name in order:
-            _run(by_name[name], out_dir / f"{tag}.{name}.log")
+            _run(by_name[name], out_dir / f"{tag}.{name}.log", cpus)
             results[name] = json.loads(by_name[name].out.read_text())
         ratios = ratios_against_best(results, groups)
         rounds.append({"order": order, "results": results, "ratios": ratios})

