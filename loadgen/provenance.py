@@ -83,6 +83,7 @@ class Provenance:
     versions: dict[str, str]  # package -> version ("absent" when not installed)
     threads: ThreadSettings
     dtype: str | None  # the dtype the measured system ran in (None where not applicable)
+    load_average: list[float] | None  # 1, 5, 15 min when stamped: other work on the machine skews timings
     extra: dict[str, Any] = field(default_factory=dict)  # system-specific (llama.cpp build, ...)
 
     def as_dict(self) -> dict[str, Any]:
@@ -191,6 +192,7 @@ def stamp(
         versions=package_versions(list(dict.fromkeys(("tandem", *BASE_PACKAGES, *packages)))),
         threads=thread_settings(),
         dtype=dtype,
+        load_average=[round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         extra=dict(extra or {}),
     )
 

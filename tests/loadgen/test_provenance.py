@@ -33,6 +33,7 @@ def test_stamp_names_code_host_software_threads_and_dtype():
     assert prov["python"] == sys.version.split()[0]
     assert prov["threads"]["torch_num_threads"] == torch.get_num_threads()
     assert prov["dtype"] == "bfloat16"
+    assert len(prov["load_average"]) == 3 and min(prov["load_average"]) >= 0
     assert prov["extra"] == {"target": "x"}
 
 
