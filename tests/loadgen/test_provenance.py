@@ -130,6 +130,7 @@ def test_sim_results_carry_the_stamp(tmp_path):
     res = _tandem("sim", "--duration", "5", "--rate", "2", "--length-scale", "0.25", "--out", str(out))
     assert res.returncode == 0, res.stderr
     prov = json.loads((out / "results.json").read_text())["provenance"]
+    assert f"Measured at `{prov['git']['commit'][:7]}" in (out / "summary.md").read_text()
     assert prov["extra"] == {"target": "sim"}
     assert prov["dtype"] in ("float32", "bfloat16")  # "auto" decided as the engine would
     assert prov["host"]["logical_cpus"] == probe().logical_cpus
