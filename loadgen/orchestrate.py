@@ -27,8 +27,21 @@ def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: b
         _log(f"{policy}: done in {results[policy].elapsed_s:.1f} s of {'simulated' if _is_sim(args) else 'run'} time")
     config = _config(args, policies, scale)
     if comparison:
-        return report.comparison_document(results, config, effective or None)
-    return report.run_document(results[policies[0]], config, effective or None)
+        doc = report.comparison_document(results, config, effective or None)
+    else:
+        doc = report.run_document(results[policies[0]], config, effective or None)
+    doc["provenance"] = _stamp(args)
+    return doc
+
+
+def _stamp(args: argparse.Namespace) -> dict:
+    """Provenance of this run (loadgen/provenance.py). The dtype is the engine's for inproc and
+    sim (the simulator sizes KV by it), decided as the engine decides "auto"; an HTTP target's
+    dtype is the server's business, so it is not claimed."""
+    from loadgen.provenance import decided_dtype, stamp
+
+    dtype = None if _is_http(args) else decided_dtype(getattr(args, "dtype", None))
+    return stamp(dtype=dtype, extra={"target": args.target}).as_dict()
 
 
 def run_once(args: argparse.Namespace, policy: str, scale: _SloScale, rate: float, progress: bool) -> RunResult:

@@ -99,7 +99,10 @@ def write(out_dir: str | Path, doc: dict, *, title: str) -> Path:
 def summary_markdown(doc: dict, title: str) -> str:
     summary = doc["summary"]
     runs = summary if "rt" not in summary else {"run": summary}
-    lines = [f"# {title}", "", "```", json.dumps(doc.get("config", {}), default=_json_default), "```", ""]
+    lines = [f"# {title}", ""]
+    if doc.get("provenance"):
+        lines += [provenance_line(doc["provenance"]), ""]
+    lines += ["```", json.dumps(doc.get("config", {}), default=_json_default), "```", ""]
     for cls in CLASSES:
         rows = {name: s[cls] for name, s in runs.items() if s[cls]["requests"]}
         if not rows:
@@ -111,6 +114,18 @@ def summary_markdown(doc: dict, title: str) -> str:
         lines += [_effective_section(doc["effective_throughput"])]
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in ("ttft_cdf.png", "timeline.png", "attainment_vs_rate.png")), ""]
     return "\n".join(lines)
+
+
+def provenance_line(prov: dict) -> str:
+    """One line naming the code, host and software of a stamped result (loadgen/provenance.py)."""
+    git, host = prov.get("git", {}), prov.get("host", {})
+    cpu = host.get("cpu", {})
+    commit = str(git.get("commit", "unknown"))[:7] + (" (dirty)" if git.get("dirty") is True else "")
+    return (
+        f"Measured at `{commit}` on {prov.get('timestamp_utc')}: {cpu.get('model')} "
+        f"({cpu.get('isa', '?')}, {host.get('logical_cpus')} CPUs, load {prov.get('load_average')}), "
+        f"torch {prov.get('versions', {}).get('torch')}, dtype {prov.get('dtype')}."
+    )
 
 
 def table(rows: dict[str, dict]) -> str:

@@ -17,6 +17,7 @@ import random
 import time
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.provenance import decided_dtype, stamp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     result = uvloop.run(_bench(args))
+    result["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
     _print(result)
     write_json(result, args.json)
     return 0

@@ -1,18 +1,16 @@
 """Helpers shared by `tandem bench engine` and the baseline scripts.
 
 Standard library only (psutil when available): the vLLM baseline imports this from its own
-virtualenv, so nothing here may import torch or the engine.
+virtualenv, so nothing here may import torch or the engine at import time. Every result record
+carries a provenance stamp (`loadgen/provenance.py`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
-import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,27 +60,30 @@ def self_peak_rss_bytes() -> int:
 
 
 class TreeRssSampler:
-    """Samples the summed RSS of this process and all its descendants in a background thread.
+    """Samples the summed RSS of a process (default: this one) and all its descendants.
 
     vLLM runs its engine core in a child process, so the process's own ru_maxrss would under-count
-    it; summing the tree makes the two systems comparable. Falls back to ru_maxrss without psutil.
+    it; summing the tree makes the systems comparable. For llama.cpp the tree is the
+    `llama-server` process's (`pid`), the serving system a user runs, not the HTTP client's.
+    Falls back to ru_maxrss without psutil (only for this process).
     """
 
-    def __init__(self, interval_s: float = 0.1) -> None:
+    def __init__(self, interval_s: float = 0.1, pid: int | None = None) -> None:
         self.interval_s = interval_s
         self.peak_bytes = 0
+        self._own = pid is None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
             import psutil
 
-            self._proc = psutil.Process(os.getpid())
+            self._proc = psutil.Process(os.getpid() if pid is None else pid)
         except ImportError:  # pragma: no cover - psutil missing
             self._proc = None
 
     def sample(self) -> int:
         if self._proc is None:
-            return self_peak_rss_bytes()
+            return self_peak_rss_bytes() if self._own else 0
         total = 0
         import psutil
 
@@ -126,8 +127,16 @@ def summarize(
     peak_rss_bytes: int | None,
     config: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    packages: tuple[str, ...] = (),
+    provenance_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The result record every benchmark writes (same keys for ours and the baselines)."""
+    """The result record every benchmark writes (same keys for ours and the baselines).
+
+    `packages`: versions to stamp besides Python/torch/transformers/numpy (e.g. "vllm");
+    `provenance_extra`: system-specific provenance (a llama.cpp build's version and options).
+    """
+    from loadgen.provenance import stamp
+
     ttfts = [t for t in (ttfts_s or []) if t is not None]
     res: dict[str, Any] = {
         "system": system,
@@ -143,21 +152,11 @@ def summarize(
         "peak_rss_bytes": peak_rss_bytes,
         "peak_rss_gib": peak_rss_bytes / 2**30 if peak_rss_bytes else None,
         "config": config,
-        "host": host_info(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "provenance": stamp(dtype=config.get("dtype"), packages=packages, extra=provenance_extra).as_dict(),
     }
     if extra:
         res.update(extra)
     return res
-
-
-def host_info() -> dict[str, Any]:
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-    }
 
 
 def _fmt(v: Any, unit: str = "") -> str:

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.provenance import stamp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model
         result = uvloop.run(_bench(args, model))
+    result["provenance"] = stamp(dtype="float32").as_dict()  # _bench's engine runs float32
     _print(result)
     write_json(result, args.json)
     return 0

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.provenance import decided_dtype, stamp
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if not modes or not levels or min(levels) < 1:
         raise ValueError("need at least one mode and user counts >= 1")
     result = uvloop.run(_bench(args, modes, levels))
+    result["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
     print(format_result(result))
     write_json(result, args.json)
     return 0

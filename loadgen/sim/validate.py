@@ -113,7 +113,14 @@ def validate(args: argparse.Namespace) -> dict:
         run_jitter = jitter if cost is not None else _jitter(args, run_cost, target.step_log)
         runs.append(_compare(args, rate, engine_run, target, run_cost, run_jitter))
         _log(format_table({"runs": runs[-1:]}))
-    return {"config": vars(args), "cost_model": None if cost is None else cost.to_dict(), "runs": runs}
+    from loadgen.provenance import decided_dtype, stamp
+
+    return {
+        "config": vars(args),
+        "cost_model": None if cost is None else cost.to_dict(),
+        "runs": runs,
+        "provenance": stamp(dtype=decided_dtype(args.dtype)).as_dict(),
+    }
 
 
 def _compare(args, rate: float, engine_run, target, cost, jitter) -> dict:
