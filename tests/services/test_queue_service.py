@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import httpx
 import pytest
 
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, fetch_decoded
 from shared.schemas.capacity import BECapacity
+from shared.schemas.results import Delta, ResultBatch
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, openai_client, worker_heartbeat
@@ -83,12 +85,26 @@ def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client)
     stack.wait_workers(2)
 
 
-def _wait_in_flight(stack, batch_id: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while in_flight(stack, batch_id) == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no item of {batch_id} in flight")
-        time.sleep(0.02)
+def _wait_in_flight(stack, batch_id: str) -> None:
+    stack.wait_until(f"an item of {batch_id} in flight", lambda: in_flight(stack, batch_id) > 0)
+
+
+async def _wait_orphan_result(stack, batch_id: str) -> str:
+    """The next item of the batch that finishes on a worker: its result lands on the queue's
+    results partition (read from its end, from now on). Returns the item's request id."""
+    topics = Topics(stack.prefix)
+    queue_partition = zlib.crc32(f"{stack.prefix}-queue".encode()) % topics.results.partitions
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-results-probe")
+    consumer = await kafka.consumer(group=None, hot=True)
+    try:
+        await kafka.assign_all(consumer, topics.results.name, from_end=True, partitions=[queue_partition])
+        while True:
+            for batch in await fetch_decoded(consumer, ResultBatch):
+                for e in batch.events:
+                    if isinstance(e, Delta) and e.finish_reason and e.request_id.startswith(batch_id):
+                        return e.request_id
+    finally:
+        await kafka.stop()
 
 
 def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client):
@@ -99,7 +115,9 @@ def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client
     stack.kill("queue", signal.SIGKILL)
     during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
     assert during.status == "in_progress" and during.request_counts.completed < 40
-    time.sleep(1.0)  # results of in-flight items arrive while no queue service runs
+    # An item released by the dead queue service finishes while none runs: its result is on the
+    # broker, and must neither be lost (the item runs again) nor be recorded twice.
+    asyncio.run(asyncio.wait_for(_wait_orphan_result(stack, batch.id), 120))
     stack.queue("queue-2")
     done = wait_final(client, batch.id, stack=stack)
     bodies = _exactly_once(client, done, lines)
@@ -107,24 +125,24 @@ def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client
     _same_as_sync(stack, lines, bodies)
 
 
-async def _capacity_reports(stack, seconds: float) -> list[BECapacity]:
+async def _wait_capacity(stack, match) -> BECapacity:
+    """The first BE capacity report the scheduler publishes from now on that `match`es."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-capacity-probe")
     consumer = await kafka.consumer(group=None)
-    out = []
     try:
         await kafka.assign_all(consumer, Topics(stack.prefix).be_capacity.name, from_end=True)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for msgs in (await consumer.getmany(timeout_ms=200)).values():
-                out.extend(BECapacity.decode(m.value) for m in msgs)
+        while True:
+            for report in await fetch_decoded(consumer, BECapacity):
+                if match(report):
+                    return report
     finally:
         await kafka.stop()
-    return out
 
 
 def test_rt_requests_complete_while_a_batch_runs(stack, client):
-    reports = asyncio.run(_capacity_reports(stack, 1.0))
-    assert reports and reports[-1].slots == 2 * 6 and reports[-1].by_model == {"tiny": 12}
+    # Both workers idle (the previous test's requests may still be leaving them): 2 x 6 BE slots.
+    idle = asyncio.run(asyncio.wait_for(_wait_capacity(stack, lambda r: r.slots == 2 * 6), 120))
+    assert idle.by_model == {"tiny": 12}
     batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
     wait_until(client, batch.id, 1)
     for i in range(4):  # interactive requests are served while the batch holds the BE slots
