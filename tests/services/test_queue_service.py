@@ -8,7 +8,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import zlib
 
 import httpx
@@ -63,13 +62,14 @@ def _same_as_sync(stack, lines, bodies: dict[str, dict], n: int = 4) -> None:
         assert comparable(bodies[ln["custom_id"]]) == comparable(sync)
 
 
-def _wait_running_on(stack, worker: str, batch_id: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_running_on(stack, worker: str, batch_id: str) -> None:
+    """Until the worker's heartbeat lists an item of the batch as running."""
+
+    def running() -> bool:
         hb = asyncio.run(worker_heartbeat(stack, worker))
-        if any(k.startswith(batch_id) for k in hb.running_ids):
-            return
-    raise TimeoutError(f"no item of {batch_id} ran on {worker}")
+        return any(k.startswith(batch_id) for k in hb.running_ids)
+
+    stack.wait_until(f"an item of {batch_id} running on {worker}", running)
 
 
 def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client):
@@ -77,7 +77,7 @@ def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client)
     batch = submit(client, lines)
     _wait_running_on(stack, "w1", batch.id)
     stack.kill("w1", signal.SIGKILL)  # mid-item: its items are re-run on w0
-    done = wait_final(client, batch.id, stack=stack)
+    done = wait_final(client, batch.id, stack)
     bodies = _exactly_once(client, done, lines)
     assert max(attempts(stack, batch.id).values()) >= 1  # the killed worker's items ran again
     _same_as_sync(stack, lines, bodies)  # greedy: re-run items give the uninterrupted text
@@ -110,7 +110,7 @@ async def _wait_orphan_result(stack, batch_id: str) -> str:
 def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client):
     lines = chat_lines(40, max_tokens=120, prefix="qk")
     batch = submit(client, lines)
-    wait_until(client, batch.id, 3)
+    wait_until(client, batch.id, 3, stack)
     _wait_in_flight(stack, batch.id)  # between two releases nothing may be in flight: kill mid-item
     stack.kill("queue", signal.SIGKILL)
     during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
@@ -119,7 +119,7 @@ def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client
     # broker, and must neither be lost (the item runs again) nor be recorded twice.
     asyncio.run(asyncio.wait_for(_wait_orphan_result(stack, batch.id), 120))
     stack.queue("queue-2")
-    done = wait_final(client, batch.id, stack=stack)
+    done = wait_final(client, batch.id, stack)
     bodies = _exactly_once(client, done, lines)
     assert max(attempts(stack, batch.id).values()) >= 1  # what was in flight was released again
     _same_as_sync(stack, lines, bodies)
@@ -144,12 +144,12 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
     idle = asyncio.run(asyncio.wait_for(_wait_capacity(stack, lambda r: r.slots == 2 * 6), 120))
     assert idle.by_model == {"tiny": 12}
     batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
-    wait_until(client, batch.id, 1)
+    wait_until(client, batch.id, 1, stack)
     for i in range(4):  # interactive requests are served while the batch holds the BE slots
         r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
     assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
-    assert wait_final(client, batch.id, stack=stack).request_counts.completed == 30
+    assert wait_final(client, batch.id, stack).request_counts.completed == 30
 
 
 def test_batch_submit_cli_waits_and_writes_the_output(stack, tmp_path):
