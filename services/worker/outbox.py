@@ -4,6 +4,15 @@ An engine step wakes every running request's stream task in the same event-loop 
 appends its delta here and the first one schedules a flush with `call_soon`, which runs after
 all of them. So one step's tokens for N requests leave as one message per gateway partition,
 with no timer delay added to any token.
+
+Messages for one partition are handed to the producer one at a time, in the order they were
+flushed (a lock per partition; asyncio's locks are first come, first served); their acks are
+awaited outside the lock, so the producer still batches and pipelines them. The gateway applies
+a request's deltas by index and drops one that skips ahead (streams.py), so order on the
+partition is a must, and the producer does not keep it for overlapping sends: when a
+partition's 16 KB batch is full, aiokafka parks every further send until the batch drains, and
+a send made after the drain can overtake the parked ones. On a loaded machine (a slow broker)
+that reordered deltas and left streams waiting forever for a token the gateway had dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ class ResultOutbox:
         self._kafka = kafka
         self._topic = topic
         self._source = source
+        self._append_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)  # one per partition
         self._pending: dict[int, list[ResultEvent]] = defaultdict(list)
         self._flush_scheduled = False
         self._inflight: set[asyncio.Task] = set()
@@ -45,7 +55,10 @@ class ResultOutbox:
 
     async def _send(self, partition: int, events: list[ResultEvent]) -> None:
         try:
-            await self._kafka.send(self._topic, ResultBatch(source=self._source, events=events), partition=partition)
+            async with self._append_locks[partition]:  # handed over in flush order (see the module doc)
+                message = ResultBatch(source=self._source, events=events)
+                ack = await self._kafka.send_nowait(self._topic, message, partition=partition)
+            await ack
             self.messages_sent += 1
             self.events_sent += len(events)
         except Exception:  # noqa: BLE001 (a lost batch must not kill the worker; the client times out)
