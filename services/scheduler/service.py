@@ -73,6 +73,12 @@ class SchedulerService:
         self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
         self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
         self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
+        # Per worker: 1 while the scheduler places on it, 0 while it drains; removed once it is
+        # lost. Set as each heartbeat is applied, so it shows exactly when a worker can get work
+        # (the test stacks wait on it; docs/services.md, "Testing under load").
+        self.m_worker_up = m.gauge(
+            "scheduler_worker_up", "1: the scheduler places on this worker, 0: it drains", ("worker_id",)
+        )
         self.m_sessions = m.counter(
             "scheduler_session_turns_total",
             "session turns by route: placement, holder, moved (with a KV source), other",
@@ -158,7 +164,10 @@ class SchedulerService:
             hb = Heartbeat.decode(m.value)
             if self.registry.on_heartbeat(hb):
                 log.info("worker %s joined (model %s)", hb.worker_id, hb.model)
-            await self._retire_finished(self.registry.workers.get(hb.worker_id))
+            info = self.registry.workers.get(hb.worker_id)  # None: a lost worker's beat, ignored
+            if info is not None:
+                self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
+            await self._retire_finished(info)
             self._wake.set()
 
     async def _telemetry_loop(self) -> None:
@@ -318,6 +327,7 @@ class SchedulerService:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             for wid in self.registry.expire():
                 log.warning("worker %s lost: re-placing its requests", wid)
+                self.m_worker_up.remove(wid)
                 for a in self.assignments.on_worker(wid):
                     await self._reroute(a, f"worker {wid} lost")
             await self._reroute_unaccounted()

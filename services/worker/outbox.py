@@ -4,6 +4,15 @@ An engine step wakes every running request's stream task in the same event-loop 
 appends its delta here and the first one schedules a flush with `call_soon`, which runs after
 all of them. So one step's tokens for N requests leave as one message per gateway partition,
 with no timer delay added to any token.
+
+The messages for one partition are handed to the producer one at a time, in the order they
+were flushed (`PartitionOrderedSender`); their acks are awaited outside that turn, so the
+producer still batches and pipelines them. The gateway applies a request's deltas by index and
+drops one that skips ahead (streams.py), so order on the partition is a must, and the producer
+does not keep it for overlapping sends: when a partition's 16 KB batch is full, aiokafka parks
+every further send until the batch drains, and a send made after the drain can overtake the
+parked ones. On a loaded machine (a slow broker) that reordered deltas and left streams waiting
+forever for a token the gateway had dropped.
 """
 
 from __future__ import annotations
@@ -13,14 +22,31 @@ import logging
 from collections import defaultdict
 
 from shared.kafka import KafkaClient
+from shared.schemas.base import WireModel
 from shared.schemas.results import ResultBatch, ResultEvent
 
 log = logging.getLogger(__name__)
 
 
+class PartitionOrderedSender:
+    """`send` for concurrent callers that keeps, per partition, the order of the calls: each
+    message is appended to the producer in turn (asyncio locks are first come, first served),
+    and its ack is awaited after the turn, so later messages can join the same request."""
+
+    def __init__(self, kafka: KafkaClient) -> None:
+        self._kafka = kafka
+        self._turns: dict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def send(self, topic: str, message: WireModel, *, partition: int) -> None:
+        """Send and wait for the broker's ack (raises what the producer raises)."""
+        async with self._turns[topic, partition]:
+            ack = await self._kafka.send_nowait(topic, message, partition=partition)
+        await ack
+
+
 class ResultOutbox:
     def __init__(self, kafka: KafkaClient, topic: str, source: str) -> None:
-        self._kafka = kafka
+        self._kafka = PartitionOrderedSender(kafka)  # in flush order per partition (module doc)
         self._topic = topic
         self._source = source
         self._pending: dict[int, list[ResultEvent]] = defaultdict(list)

@@ -10,7 +10,6 @@ workers' session-turn counters from `GET /v1/sessions/stats`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
 
 import httpx
@@ -29,7 +28,7 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.sessions import TypingHint
 from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import make_stack  # noqa: F401  (fixture)
+from tests.services.conftest import make_stack, worker_heartbeat  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(180)
 SESSIONS, TURNS = 3, 3
@@ -45,10 +44,8 @@ BLOCK_SIZE = 16  # the engine's KV block: kept and cached tokens come in whole b
 def stacks(make_stack):  # noqa: F811
     """`default` serves the hints and sticky modes, `recompute` the bench's recompute mode (no
     prefix cache, so nothing is reused without session ids). Started together: startup overlaps."""
-    # a generous worker timeout: on a loaded machine a heartbeat can be late, and a scheduler
-    # that lost a worker ignores it until it restarts (nothing here kills workers)
-    default = make_stack(TANDEM_TYPING_DEBOUNCE_S=0, TANDEM_WORKER_TIMEOUT_S=15)  # a hint per turn, however quick
-    recompute = make_stack(TANDEM_WORKER_TIMEOUT_S=15, **MODES["recompute"].env)
+    default = make_stack(TANDEM_TYPING_DEBOUNCE_S=0)  # a hint per turn, however quick
+    recompute = make_stack(**MODES["recompute"].env)
     for s in (default, recompute):
         s.scheduler()
         s.worker("w0")
@@ -103,14 +100,14 @@ def _server_requests(stack, tag: str) -> list[GenerateRequest]:
 
 
 def _hints(stack, tag: str, expected: int) -> list[TypingHint]:
-    """The run's typing hints on the advisory topic (waiting briefly for stragglers)."""
-    deadline = time.monotonic() + 10
-    while True:
+    """The run's typing hints on the advisory topic, once there are `expected` of them."""
+
+    def read() -> list[TypingHint]:
         hints = asyncio.run(_read_topic(stack, Topics(stack.prefix).advisory.name, TypingHint.decode))
-        hints = [h for h in hints if h.session_id.startswith(f"{tag}-")]
-        if len(hints) >= expected or time.monotonic() > deadline:
-            return hints
-        time.sleep(0.2)
+        return [h for h in hints if h.session_id.startswith(f"{tag}-")]
+
+    stack.wait_until(f"{expected} typing hints", lambda: len(read()) >= expected)
+    return read()
 
 
 def _session_turns(stack) -> int:
@@ -119,12 +116,10 @@ def _session_turns(stack) -> int:
     return int(stats_delta({}, r.json()).get("turns", 0))
 
 
-def _wait_session_turns(stack, at_least: int, timeout: float = 10.0) -> int:
+def _wait_session_turns(stack, at_least: int) -> int:
     """The workers' session-turn counter, once it reaches `at_least` (heartbeats carry it)."""
-    deadline = time.monotonic() + timeout
-    while (turns := _session_turns(stack)) < at_least and time.monotonic() < deadline:
-        time.sleep(0.25)
-    return turns
+    stack.wait_until(f"{at_least} session turns", lambda: _session_turns(stack) >= at_least)
+    return _session_turns(stack)
 
 
 def _turn_of(req: GenerateRequest) -> int:
@@ -222,7 +217,16 @@ def test_recompute_mode_sends_neither_hints_nor_session_ids(stacks):
     _check_records(res, "recompute")
     assert res.typing_hints == 0
     assert asyncio.run(_read_topic(stack, Topics(stack.prefix).advisory.name, TypingHint.decode)) == []
-    _check_conversations(_server_requests(stack, "recompute"), res, with_ids=False)
+    reqs = _server_requests(stack, "recompute")
+    _check_conversations(reqs, res, with_ids=False)
     assert all(r.cached_tokens == 0 for r in res.records), [(r.request_id, r.cached_tokens) for r in res.records]
-    time.sleep(1.0)  # a few heartbeats: any session turn would have been counted by now
+    # The worker's first heartbeat that reports the run's last turns finished (by the ids the
+    # gateway gave them): any session turn of the run is counted in it.
+    last = {r.request_id for r in reqs if _turn_of(r) == TURNS - 1}
+
+    def reports_last(hb) -> bool:
+        return last <= {key.rsplit(":", 1)[0] for key in hb.finished_ids}
+
+    hb = asyncio.run(asyncio.wait_for(worker_heartbeat(stack, "w0", reports_last), 60))
+    assert len(last) == SESSIONS and hb.session_stats.get("turns", 0) == 0, hb.session_stats
     assert _session_turns(stack) == 0

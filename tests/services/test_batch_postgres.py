@@ -89,7 +89,7 @@ def client(stack):
 def test_job_completes_on_postgresql(stack, client):
     assert not (stack.log_dir / "data" / "tandem.db").exists()  # nothing went to SQLite
     lines = chat_lines(30, prefix="pg")
-    done = wait_final(client, submit(client, lines).id, stack=stack)
+    done = wait_final(client, submit(client, lines).id, stack)
     assert done.status == "completed" and done.request_counts.completed == 30
     assert sorted(o["custom_id"] for o in read_lines(client, done.output_file_id)) == sorted(
         ln["custom_id"] for ln in lines
@@ -98,9 +98,9 @@ def test_job_completes_on_postgresql(stack, client):
 
 def test_cancel_on_postgresql(stack, client):
     batch = submit(client, chat_lines(30, max_tokens=300, prefix="pgc"))
-    wait_until(client, batch.id, 1)
+    wait_until(client, batch.id, 1, stack)
     client.batches.cancel(batch.id)
-    done = wait_final(client, batch.id, stack=stack)
+    done = wait_final(client, batch.id, stack)
     c = done.request_counts
     assert done.status == "cancelled" and c.completed >= 1 and c.completed + c.failed == 30
     assert len(read_lines(client, done.error_file_id)) == 30 - c.completed

@@ -204,14 +204,8 @@ def test_overload_429_and_no_workers_503(stack, make_stack):
         second = httpx.post(f"{url2}/v1/chat/completions", json=chat_body("x", 2), timeout=30)
         assert second.status_code == 429 and second.json()["error"]["code"] == "overloaded"
     lonely = make_stack()  # its own topics: no workers there
-    url3 = lonely.gateway()
-    for _ in range(100):
-        try:
-            r = httpx.post(f"{url3}/v1/chat/completions", json=chat_body("x", 2), timeout=30)
-            break
-        except httpx.HTTPError:
-            import time
-
-            time.sleep(0.2)
+    lonely.gateway()
+    url3 = lonely.wait_gateway()
+    r = httpx.post(f"{url3}/v1/chat/completions", json=chat_body("x", 2), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
     assert httpx.get(f"{url3}/health").status_code == 503

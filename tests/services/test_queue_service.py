@@ -8,13 +8,14 @@ import json
 import signal
 import subprocess
 import sys
-import time
+import zlib
 
 import httpx
 import pytest
 
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, fetch_decoded
 from shared.schemas.capacity import BECapacity
+from shared.schemas.results import Delta, ResultBatch
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, openai_client, worker_heartbeat
@@ -61,13 +62,14 @@ def _same_as_sync(stack, lines, bodies: dict[str, dict], n: int = 4) -> None:
         assert comparable(bodies[ln["custom_id"]]) == comparable(sync)
 
 
-def _wait_running_on(stack, worker: str, batch_id: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_running_on(stack, worker: str, batch_id: str) -> None:
+    """Until the worker's heartbeat lists an item of the batch as running."""
+
+    def running() -> bool:
         hb = asyncio.run(worker_heartbeat(stack, worker))
-        if any(k.startswith(batch_id) for k in hb.running_ids):
-            return
-    raise TimeoutError(f"no item of {batch_id} ran on {worker}")
+        return any(k.startswith(batch_id) for k in hb.running_ids)
+
+    stack.wait_until(f"an item of {batch_id} running on {worker}", running)
 
 
 def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client):
@@ -75,7 +77,7 @@ def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client)
     batch = submit(client, lines)
     _wait_running_on(stack, "w1", batch.id)
     stack.kill("w1", signal.SIGKILL)  # mid-item: its items are re-run on w0
-    done = wait_final(client, batch.id, stack=stack)
+    done = wait_final(client, batch.id, stack)
     bodies = _exactly_once(client, done, lines)
     assert max(attempts(stack, batch.id).values()) >= 1  # the killed worker's items ran again
     _same_as_sync(stack, lines, bodies)  # greedy: re-run items give the uninterrupted text
@@ -83,55 +85,71 @@ def test_worker_killed_mid_job_items_rerun_elsewhere_exactly_once(stack, client)
     stack.wait_workers(2)
 
 
-def _wait_in_flight(stack, batch_id: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while in_flight(stack, batch_id) == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no item of {batch_id} in flight")
-        time.sleep(0.02)
+def _wait_in_flight(stack, batch_id: str) -> None:
+    stack.wait_until(f"an item of {batch_id} in flight", lambda: in_flight(stack, batch_id) > 0)
+
+
+async def _wait_orphan_result(stack, batch_id: str) -> str:
+    """The next item of the batch that finishes on a worker: its result lands on the queue's
+    results partition (read from its end, from now on). Returns the item's request id."""
+    topics = Topics(stack.prefix)
+    queue_partition = zlib.crc32(f"{stack.prefix}-queue".encode()) % topics.results.partitions
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-results-probe")
+    consumer = await kafka.consumer(group=None, hot=True)
+    try:
+        await kafka.assign_all(consumer, topics.results.name, from_end=True, partitions=[queue_partition])
+        while True:
+            for batch in await fetch_decoded(consumer, ResultBatch):
+                for e in batch.events:
+                    if isinstance(e, Delta) and e.finish_reason and e.request_id.startswith(batch_id):
+                        return e.request_id
+    finally:
+        await kafka.stop()
 
 
 def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client):
     lines = chat_lines(40, max_tokens=120, prefix="qk")
     batch = submit(client, lines)
-    wait_until(client, batch.id, 3)
+    wait_until(client, batch.id, 3, stack)
     _wait_in_flight(stack, batch.id)  # between two releases nothing may be in flight: kill mid-item
     stack.kill("queue", signal.SIGKILL)
     during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
     assert during.status == "in_progress" and during.request_counts.completed < 40
-    time.sleep(1.0)  # results of in-flight items arrive while no queue service runs
+    # An item released by the dead queue service finishes while none runs: its result is on the
+    # broker, and must neither be lost (the item runs again) nor be recorded twice.
+    asyncio.run(asyncio.wait_for(_wait_orphan_result(stack, batch.id), 120))
     stack.queue("queue-2")
-    done = wait_final(client, batch.id, stack=stack)
+    done = wait_final(client, batch.id, stack)
     bodies = _exactly_once(client, done, lines)
     assert max(attempts(stack, batch.id).values()) >= 1  # what was in flight was released again
     _same_as_sync(stack, lines, bodies)
 
 
-async def _capacity_reports(stack, seconds: float) -> list[BECapacity]:
+async def _wait_capacity(stack, match) -> BECapacity:
+    """The first BE capacity report the scheduler publishes from now on that `match`es."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-capacity-probe")
     consumer = await kafka.consumer(group=None)
-    out = []
     try:
         await kafka.assign_all(consumer, Topics(stack.prefix).be_capacity.name, from_end=True)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            for msgs in (await consumer.getmany(timeout_ms=200)).values():
-                out.extend(BECapacity.decode(m.value) for m in msgs)
+        while True:
+            for report in await fetch_decoded(consumer, BECapacity):
+                if match(report):
+                    return report
     finally:
         await kafka.stop()
-    return out
 
 
 def test_rt_requests_complete_while_a_batch_runs(stack, client):
-    reports = asyncio.run(_capacity_reports(stack, 1.0))
-    assert reports and reports[-1].slots == 2 * 6 and reports[-1].by_model == {"tiny": 12}
+    # Both workers idle (the previous test's requests may still be leaving them): 2 x 6 BE slots.
+    idle = asyncio.run(asyncio.wait_for(_wait_capacity(stack, lambda r: r.slots == 2 * 6), 120))
+    assert idle.by_model == {"tiny": 12}
     batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
-    wait_until(client, batch.id, 1)
+    wait_until(client, batch.id, 1, stack)
     for i in range(4):  # interactive requests are served while the batch holds the BE slots
         r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
     assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
-    assert wait_final(client, batch.id, stack=stack).request_counts.completed == 30
+    assert wait_final(client, batch.id, stack).request_counts.completed == 30
 
 
 def test_batch_submit_cli_waits_and_writes_the_output(stack, tmp_path):

@@ -261,11 +261,8 @@ class TamperingServer:
 
 
 def _wait_stat(stack, worker: str, key: str, at_least: float) -> None:
-    for _ in range(600):
-        if _stats(stack, worker).get(key, 0) >= at_least:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{worker}: {key} never reached {at_least}\n{stack.logs()}")
+    """Until the worker's heartbeats report the session counter `key` at `at_least` or more."""
+    stack.wait_until(f"{worker}: {key} >= {at_least}", lambda: _stats(stack, worker).get(key, 0) >= at_least)
 
 
 def _evil_heartbeats(stack, url: str, stop: threading.Event) -> None:

@@ -95,8 +95,8 @@ def stack(make_stack):
     fakes.start()
     s.gateway()
     s.advisory()
-    _wait_log(s, "advisory", "advisory ready")
-    _wait_http(s.url)
+    s.wait_log("advisory", "advisory ready")
+    s.wait_gateway()
     yield s
     fakes.stop()
 
@@ -107,25 +107,6 @@ async def _publish_locations(stack, sids: list[str]) -> None:
     for sid in sids:
         await kafka.send(Topics(stack.prefix).sessions_directory.name, _location(sid), key=sid)
     await kafka.stop()
-
-
-def _wait_log(stack, name: str, text: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        if text in (stack.log_dir / f"{name}.log").read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{name}: no {text!r}\n{stack.logs()}")
-
-
-def _wait_http(url: str) -> None:
-    for _ in range(300):
-        try:
-            httpx.get(f"{url}/health", timeout=2)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
 
 
 class Reader:
@@ -288,7 +269,7 @@ def test_a_restarted_advisory_service_rebuilds_its_directory_from_the_topic(stac
     stack.kill("advisory", signal.SIGKILL)
     asyncio.run(_publish_locations(stack, ["s4"]))  # known only through the compacted topic
     stack.advisory("advisory-2")
-    _wait_log(stack, "advisory-2", "advisory ready")
+    stack.wait_log("advisory-2", "advisory ready")
     assert "directory rebuilt: 4 sessions" in (stack.log_dir / "advisory-2.log").read_text()
     pre, plc = asyncio.run(_hint_and_collect(stack, "s4"))
     assert plc.worker_id == "wb" and pre.source_worker == "wa"

@@ -1,0 +1,45 @@
+"""The worker's result outbox through the real broker: a gateway partition receives a request's
+deltas in the order they were put, also when sends pile up behind a full producer batch (what a
+slow broker on a loaded machine causes)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from services.worker.outbox import ResultOutbox
+from shared.kafka import KafkaClient, fetch_decoded
+from shared.schemas.results import Delta, ResultBatch
+from shared.settings import ServiceSettings
+from shared.topics import Topics
+
+N_DELTAS = 300
+PARTITION = 3
+
+
+async def _put_and_read(bootstrap: str) -> list[int]:
+    topics = Topics(f"outbox-{uuid.uuid4().hex[:8]}")
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap), "test-outbox")
+    await kafka.start(topics.static())
+    try:
+        outbox = ResultOutbox(kafka, topics.results.name, "w")
+        # One delta per event-loop turn, each a 6 KB message: a 16 KB producer batch holds two,
+        # so further sends wait for it to drain, as they do behind a slow broker.
+        for i in range(N_DELTAS):
+            outbox.put(PARTITION, Delta(request_id="r", index=i, token_ids=[i], text="x" * 6000))
+            await asyncio.sleep(0)
+        await outbox.drain()
+        consumer = await kafka.consumer(group=None)
+        await kafka.assign_all(consumer, topics.results.name, from_end=False, partitions=[PARTITION])
+        indexes: list[int] = []
+        while len(indexes) < N_DELTAS:
+            for batch in await fetch_decoded(consumer, ResultBatch):
+                indexes += [e.index for e in batch.events]
+        return indexes
+    finally:
+        await kafka.stop()
+
+
+def test_deltas_reach_the_partition_in_the_order_they_were_put(kafka_bootstrap):
+    indexes = asyncio.run(asyncio.wait_for(_put_and_read(kafka_bootstrap), 120))
+    assert indexes == list(range(N_DELTAS))
