@@ -19,6 +19,7 @@ from services.gateway.settings import GatewaySettings
 from shared.batchstore.api_store import BatchAPIStore
 from shared.batchstore.db import BatchDatabase
 from shared.batchstore.objects import batch_object, file_object, list_page
+from shared.openai_api import json_input
 from shared.openai_api.models import ENDPOINTS
 
 FILE_PURPOSES = ("batch",)  # what clients may upload
@@ -181,9 +182,9 @@ def _limit(limit: int, most: int) -> int:
 
 async def _json_object(request: Request) -> dict:
     try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        body = json_input.loads(await request.body())
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return body

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+
+from shared.openai_api import json_input
 
 _TYPES = {
     400: "invalid_request_error",
@@ -42,8 +42,8 @@ def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel
     if len(raw) > limit:
         raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json_input.loads(raw)
+    except ValueError as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
