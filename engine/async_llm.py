@@ -43,6 +43,7 @@ class _Add:
     arrival_time: float | None
     resumed_output_ids: list[int]
     session_id: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -99,10 +100,12 @@ class AsyncLLM:
         arrival_time: float | None = None,
         resumed_output_ids: list[int] | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream deltas until the request finishes. Leaving the loop early aborts the request.
 
         `session_id`: a turn of that session (its kept KV is reused and the grown KV kept).
+        `cache_salt`: share cached KV only with requests of the same salt (per API key).
         """
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -118,6 +121,7 @@ class AsyncLLM:
                 arrival_time,
                 list(resumed_output_ids or ()),
                 session_id,
+                cache_salt,
             )
         )
         finished = False
@@ -185,6 +189,7 @@ class AsyncLLM:
                 stream_text=True,
                 resumed_output_ids=item.resumed_output_ids,
                 session_id=item.session_id,
+                cache_salt=item.cache_salt,
             )
         except ValueError as exc:
             self._loop.call_soon_threadsafe(self._fail, item.request_id, exc)

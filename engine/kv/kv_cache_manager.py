@@ -19,7 +19,7 @@ from engine.kv.bidirectional import BidirectionalMixin
 from engine.kv.block_pool import Block, BlockPool
 from engine.kv.copies import KVCopy
 from engine.kv.host_pool import HostPool
-from engine.kv.prefix_hash import hash_block
+from engine.kv.prefix_hash import hash_block, salt_root
 from engine.kv.shares import Share, StealIndex
 from engine.kv.undo import UndoLog
 
@@ -176,5 +176,6 @@ class KVCacheManager(BidirectionalMixin):
         bs = self.block_size
         while len(hashes) < n:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes

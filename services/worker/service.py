@@ -202,6 +202,7 @@ class WorkerService:
             slo=er.slo,
             resumed_output_ids=er.resumed_output_ids,
             session_id=req.session_id,
+            cache_salt=req.cache_salt,
         ):
             if index == len(er.resumed_output_ids):
                 log.debug("first delta", extra={"request_id": req.request_id})
