@@ -9,7 +9,10 @@ from shared.openai_api import json_input
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # OpenAI's type for a bad key (code "invalid_api_key")
+    403: "permission_error",
     404: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
@@ -19,22 +22,29 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    """An error answer. `headers`: e.g. `Retry-After` on a 429, `WWW-Authenticate` on a 401;
+    `type_`: overrides the status's default type (OpenAI's rate limits say `requests`/`tokens`)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        type_: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+        self.type = type_ or _TYPES.get(status, "api_error")
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _TYPES.get(self.status, "api_error"),
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:

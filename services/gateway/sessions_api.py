@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.gateway.auth import caller_of, ws_subprotocol
 from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError, parse_json_body
 from services.gateway.hints import HintPublisher
@@ -63,13 +64,13 @@ class _SessionsAPI:
     async def typing(self, session_id: str, request: Request) -> JSONResponse:
         sid = _session_id(session_id)
         body = _parse_body(await request.body())
-        status = await self._hint(sid, body.expected_arrival_s, "http")
+        status = await self._hint(caller_of(request).session_id(sid), body.expected_arrival_s, "http")
         return JSONResponse({"session_id": sid, "hint": status}, status_code=202)
 
     async def events(self, websocket: WebSocket, session_id: str) -> None:
-        await websocket.accept()
+        await websocket.accept(subprotocol=ws_subprotocol(websocket))
         try:
-            sid = check_session_id(session_id)
+            sid = caller_of(websocket).session_id(check_session_id(session_id))
         except ValueError as exc:
             await websocket.send_json({"type": "error", "message": str(exc)})
             await websocket.close(code=1008)
