@@ -15,8 +15,9 @@ from services.gateway.auth import Authenticator, Caller, caller_of, raise_refusa
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
 from services.gateway.database import GatewayDatabase
-from services.gateway.errors import APIError, parse_json_body
+from services.gateway.errors import APIError, install_error_handlers, parse_json_body
 from services.gateway.keys_api import register_keys_api
+from services.gateway.openapi import install_openapi
 from services.gateway.page import register_chat_page
 from services.gateway.sessions_api import register_sessions_api
 from services.gateway.settings import GatewaySettings
@@ -47,14 +48,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.core = core
     api = _Handlers(core, auth)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
-
+    install_error_handlers(app)  # every error is OpenAI's error object
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
@@ -64,6 +58,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     register_sessions_api(app, core)  # typing hints (docs/sessions.md)
     register_keys_api(app, db, auth)  # /v1/keys: key management for admin keys
     register_chat_page(app)  # the chat page at / (services/gateway/static)
+    install_openapi(app)  # /openapi.json declares every body, answer and link (openapi.py)
     return app
 
 

@@ -33,9 +33,9 @@ _WINDOW = re.compile(r"^(\d+)([smh])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
-def parse_window(window: str) -> int:
+def parse_window(window: object) -> int:
     """`24h` (OpenAI's only value); shorter windows (`90s`, `30m`, `2h`) are a Tandem extension."""
-    m = _WINDOW.match(window or "")
+    m = _WINDOW.match(window) if isinstance(window, str) else None
     seconds = int(m.group(1)) * _UNITS[m.group(2)] if m else 0
     if not 0 < seconds <= MAX_WINDOW_S:
         raise ValueError(f"completion_window must be '24h' (or a shorter duration like '30m'), not {window!r}")

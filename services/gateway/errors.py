@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from shared.openai_api import json_input
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",  # OpenAI's type for a bad key (code "invalid_api_key")
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
@@ -65,3 +73,32 @@ def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel
         raise APIError(
             400, f"{param}: {err['msg']}" if param else err["msg"], param=param, code="invalid_value"
         ) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can answer is OpenAI's error object: ours (`APIError`), FastAPI's
+    parameter validation (a 400 naming the parameter, never FastAPI's 422 `detail` list),
+    Starlette's (unknown route 404, wrong method 405, malformed multipart 400) and anything
+    unexpected (a 500 that names no internals; the traceback goes to the log)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(_: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in err["loc"]]
+        param = loc[-1] if loc else None
+        where = f"{loc[0]} parameter {param!r}: " if len(loc) >= 2 else ""
+        return APIError(400, f"{where}{err['msg']}", param=param, code="invalid_value").response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()
