@@ -60,7 +60,7 @@ def test_schemathesis_finds_no_server_error_and_no_hang(stack):
         str(report_dir),
         "--no-color",
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=stack.env)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=800, env=stack.env, cwd=stack.log_dir)
     (stack.log_dir / "schemathesis.log").write_text(run.stdout + run.stderr)
     assert run.returncode == 0, f"{run.stdout[-8000:]}\n{run.stderr[-4000:]}\n{stack.logs()}"
     statuses = _statuses(report_dir)
