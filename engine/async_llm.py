@@ -81,6 +81,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         resumed_output_ids: Sequence[int] = (),
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, with its stream of deltas.
         Raises ValueError for a request the engine can never serve (nothing is left behind).
@@ -90,6 +91,7 @@ class AsyncLLM:
         them (or raises ValueError), for callers whose limits depend on the prompt's length.
         `session_id`: a turn of that session (its kept KV is reused and the grown KV kept).
         `resumed_output_ids`: tokens an earlier attempt already delivered (`LLMEngine.add_request`).
+        `cache_salt`: share cached KV only with requests of the same salt (per API key).
         """
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -107,6 +109,7 @@ class AsyncLLM:
                 tuple(resumed_output_ids),
                 session_id,
                 accepted,
+                cache_salt,
             )
         )
         try:
@@ -131,6 +134,7 @@ class AsyncLLM:
         arrival_time: float | None = None,
         resumed_output_ids: Sequence[int] | None = None,
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Stream deltas until the request finishes. Leaving the loop early aborts the request;
         a request the engine refuses raises its ValueError here."""
@@ -143,6 +147,7 @@ class AsyncLLM:
             arrival_time=arrival_time,
             resumed_output_ids=resumed_output_ids or (),
             session_id=session_id,
+            cache_salt=cache_salt,
         )
         try:
             async for delta in stream:

@@ -129,8 +129,12 @@ class LLMEngine:
         stream_text: bool = False,
         resumed_output_ids: Sequence[int] = (),
         session_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a request. Raises ValueError for input the engine can never serve.
+
+        `cache_salt`: the request shares prefix-cache blocks (and session KV) only with requests
+        of the same salt (`engine/kv/prefix_hash.py`).
 
         `session_id`: a turn of that session: its kept KV is reused (prefix match on tokens,
         promoted from host or disk if needed) and the grown KV is kept when it finishes.
@@ -156,6 +160,7 @@ class LLMEngine:
             slo,
             self.eos_token_ids,
             self.max_model_len,
+            cache_salt=cache_salt,
         )
         self.scheduler.add(request)
         if session_id is not None:

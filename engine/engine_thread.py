@@ -41,6 +41,7 @@ class AddRequest:
     resumed_output_ids: tuple[int, ...]
     session_id: str | None
     accepted: asyncio.Future  # -> the prompt's token count, or the ValueError that refused it
+    cache_salt: str | None = None  # share cached KV only with same-salt requests (per API key)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class EngineThread:
                 stream_text=True,
                 resumed_output_ids=item.resumed_output_ids,
                 session_id=item.session_id,
+                cache_salt=item.cache_salt,
             )
         except ValueError as exc:
             self._reply(item.accepted, None, exc)

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
+from shared.records import decode_record
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
@@ -160,14 +161,14 @@ class KafkaClient:
 
 
 async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: int = 1000) -> list[M]:
-    """The next batch of messages decoded as `cls`; undecodable ones are logged and dropped."""
+    """The next batch of messages decoded as `cls`; malformed ones are logged and skipped
+    (`shared/records.py`)."""
     out = []
     for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
         for m in msgs:
-            try:
-                out.append(cls.decode(m.value))
-            except ValueError:
-                log.exception("undecodable %s dropped", cls.__name__)
+            msg = decode_record(cls, m)
+            if msg is not None:
+                out.append(msg)
     return out
 
 
@@ -178,7 +179,7 @@ async def tail(
     while True:
         for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
             for m in msgs:
-                on_message(m)
+                apply_safely(on_message, m)
 
 
 async def read_to_end(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None]) -> None:
@@ -188,7 +189,16 @@ async def read_to_end(consumer: AIOKafkaConsumer, on_message: Callable[[Consumer
     while not await _caught_up(consumer, end):
         for msgs in (await consumer.getmany(timeout_ms=200)).values():
             for m in msgs:
-                on_message(m)
+                apply_safely(on_message, m)
+
+
+def apply_safely(on_message: Callable[[ConsumerRecord], None], m: ConsumerRecord) -> None:
+    """One record through `on_message`; an exception is logged and the loop goes on (one bad
+    record, or a bug its contents trigger, must not stop a service reading its topic)."""
+    try:
+        on_message(m)
+    except Exception:  # noqa: BLE001
+        log.exception("record at %s[%d]@%d not applied; skipped", m.topic, m.partition, m.offset)
 
 
 async def _caught_up(consumer: AIOKafkaConsumer, end_offsets: dict) -> bool:

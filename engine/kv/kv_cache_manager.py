@@ -20,7 +20,7 @@ from engine.kv.component import KVComponent
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.host_pool import HostPool
 from engine.kv.ledger import KVLedger
-from engine.kv.prefix_hash import hash_block
+from engine.kv.prefix_hash import hash_block, salt_root
 
 if TYPE_CHECKING:
     from engine.scheduling.request import Request
@@ -138,7 +138,8 @@ class KVCacheManager:
         bs = self.block_size
         while len(hashes) < n:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
+            hashes.append(hash_block(parent, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     # -- allocation -----------------------------------------------------------------------------

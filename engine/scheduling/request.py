@@ -50,6 +50,7 @@ class Request:
     slo: SLO = SLO()
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int | None = None
+    cache_salt: str | None = None  # prefix-cache isolation: hashes start from it (engine/kv/prefix_hash.py)
 
     # progress
     token_ids: list[int] = field(init=False)  # prompt + generated; grows by one per decode

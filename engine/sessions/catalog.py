@@ -2,7 +2,9 @@
 
 A kept session is its kept tokens (whole blocks with KV) and the prefix-cache hash of each
 block: the same chained hashes `match_prefix` uses, so a next turn's reusable prefix is a
-comparison of hashes. The catalog also answers the thread-safe questions (`info`,
+comparison of hashes. A salted session (an API key's) chains them from its salt's root, which
+its file records, so a re-indexed or pulled copy is still found by that key's next turn and by
+nobody else's. The catalog also answers the thread-safe questions (`info`,
 `snapshot`: which tiers hold a complete copy) and tells the listeners when a session
 changes.
 
@@ -36,6 +38,7 @@ class KeptSession:
     token_ids: tuple[int, ...]  # kept tokens: whole blocks with KV
     hashes: list[bytes]  # the prefix-cache hash of each kept block
     last_activity: float  # time.time() of the last turn, prefetch or adoption
+    hash_root: bytes | None = None  # the salted chain's root (None: unsalted)
 
 
 class SessionCatalog:
@@ -62,14 +65,17 @@ class SessionCatalog:
             self._sessions[session.session_id] = session
             self.host.put(session.session_id, host_layers, session.last_activity)
 
-    def add(self, session_id: str, token_ids: Sequence[int], last_activity: float) -> None:
-        """Index a session known only by its tokens (a file re-indexed or adopted): hashes them."""
-        hashes, parent, bs = [], None, self.layout.block_size
+    def add(
+        self, session_id: str, token_ids: Sequence[int], last_activity: float, hash_root: bytes | None = None
+    ) -> None:
+        """Index a session known only by its tokens (a file re-indexed or adopted): hashes them,
+        from its file's hash root."""
+        hashes, parent, bs = [], hash_root, self.layout.block_size
         for i in range(len(token_ids) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
         with self._lock:
-            self._sessions[session_id] = KeptSession(session_id, tuple(token_ids), hashes, last_activity)
+            self._sessions[session_id] = KeptSession(session_id, tuple(token_ids), hashes, last_activity, hash_root)
 
     def forget(self, session_id: str) -> None:
         """Drop the record and the host copy (other tiers are the caller's business)."""

@@ -47,6 +47,7 @@ class _Job:
     token_ids: tuple[int, ...] | None  # None: delete the file
     layers: Sequence[torch.Tensor] = ()
     entry: DiskEntry | None = None  # the index entry this write creates (None for a deletion)
+    hash_root: bytes | None = None  # a salted session's hash root, recorded in the header
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class BaseDiskTier(ABC):
         """The session's file, which may still be queued for writing (see `wait`)."""
 
     @abstractmethod
-    def file_size(self, session_id: str, token_ids: Sequence[int]) -> int:
+    def file_size(self, session_id: str, token_ids: Sequence[int], hash_root: bytes | None = None) -> int:
         """The size the session's file would have."""
 
     @abstractmethod
@@ -88,7 +89,13 @@ class BaseDiskTier(ABC):
 
     @abstractmethod
     def write(
-        self, session_id: str, token_ids: Sequence[int], layers: Sequence[torch.Tensor], nbytes: int, now: float
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        layers: Sequence[torch.Tensor],
+        nbytes: int,
+        now: float,
+        hash_root: bytes | None = None,
     ) -> None:
         """Queue the session's file (the layers are read later, from the writer thread)."""
 
@@ -149,7 +156,7 @@ class NullDiskTier(BaseDiskTier):
     def file_of(self, session_id):
         return None
 
-    def file_size(self, session_id, token_ids):
+    def file_size(self, session_id, token_ids, hash_root=None):
         return 0
 
     def fits(self, nbytes):
@@ -158,7 +165,7 @@ class NullDiskTier(BaseDiskTier):
     def victims(self, incoming, exclude, is_busy):
         return []
 
-    def write(self, session_id, token_ids, layers, nbytes, now):
+    def write(self, session_id, token_ids, layers, nbytes, now, hash_root=None):
         pass
 
     def delete(self, session_id):
@@ -227,8 +234,8 @@ class DiskTier(BaseDiskTier):
         entry = self._entries.get(session_id)
         return None if entry is None else entry.path
 
-    def file_size(self, session_id: str, token_ids: Sequence[int]) -> int:
-        return file_size(session_id, token_ids, self.layout)
+    def file_size(self, session_id: str, token_ids: Sequence[int], hash_root: bytes | None = None) -> int:
+        return file_size(session_id, token_ids, self.layout, hash_root)
 
     def fits(self, nbytes: int) -> bool:
         return self.budget_bytes is None or nbytes <= self.budget_bytes
@@ -249,13 +256,19 @@ class DiskTier(BaseDiskTier):
         return chosen
 
     def write(
-        self, session_id: str, token_ids: Sequence[int], layers: Sequence[torch.Tensor], nbytes: int, now: float
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        layers: Sequence[torch.Tensor],
+        nbytes: int,
+        now: float,
+        hash_root: bytes | None = None,
     ) -> None:
         path = self.path_for(session_id)
         entry = DiskEntry(path, nbytes, len(token_ids), now)
         with self._lock:
             self._entries[session_id] = entry
-            self._enqueue(_Job(session_id, path, tuple(token_ids), tuple(layers), entry))
+            self._enqueue(_Job(session_id, path, tuple(token_ids), tuple(layers), entry, hash_root))
 
     def delete(self, session_id: str) -> None:
         with self._lock:
@@ -362,7 +375,7 @@ class DiskTier(BaseDiskTier):
             if job.token_ids is None:
                 job.path.unlink(missing_ok=True)
                 return WriteResult(job.session_id, 0, None)
-            size = write_kv_file(job.path, job.session_id, job.token_ids, self.layout, job.layers)
+            size = write_kv_file(job.path, job.session_id, job.token_ids, self.layout, job.layers, job.hash_root)
             return WriteResult(job.session_id, size, None, job.entry)
         except Exception as exc:  # noqa: BLE001 (a full disk must not kill the writer; the entry is dropped)
             log.error("writing session %r to %s failed: %s", job.session_id, job.path, exc)

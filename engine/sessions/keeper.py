@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kv.prefix_hash import salt_root
 from engine.sessions.catalog import KeptSession, SessionCatalog
 from engine.sessions.disk_tier import BaseDiskTier
 from engine.sessions.host_tier import HostTier
@@ -74,8 +75,10 @@ class SessionKeeper:
         token_ids = tuple(request.token_ids[: n * self.block_size])
         layers = self._copy_to_host(self.kv.table(request).ids[:n])
         now = time.time()
-        self.catalog.keep(KeptSession(session_id, token_ids, list(self.kv.block_hashes(request, n)), now), layers)
-        self._write_disk(session_id, token_ids, layers, now)
+        root = salt_root(request.cache_salt)
+        hashes = list(self.kv.block_hashes(request, n))
+        self.catalog.keep(KeptSession(session_id, token_ids, hashes, now, root), layers)
+        self._write_disk(session_id, token_ids, layers, now, root)
         self._evict_host()
         self.catalog.notify(session_id)
 
@@ -102,14 +105,16 @@ class SessionKeeper:
                 for layer in self.storage.layers
             ]
 
-    def _write_disk(self, session_id: str, token_ids: tuple[int, ...], layers, now: float) -> None:
-        size = self.disk.file_size(session_id, token_ids)
+    def _write_disk(
+        self, session_id: str, token_ids: tuple[int, ...], layers, now: float, hash_root: bytes | None
+    ) -> None:
+        size = self.disk.file_size(session_id, token_ids, hash_root)
         if not self.disk.fits(size):
             log.warning("session %r (%d bytes) exceeds the disk budget; kept without a disk copy", session_id, size)
             self.disk.delete(session_id)  # its older, shorter file would be stale
             return
         self.enforce_disk_budget(size, exclude=session_id)
-        self.disk.write(session_id, token_ids, layers, size, now)
+        self.disk.write(session_id, token_ids, layers, size, now, hash_root)
 
     # -- budgets --------------------------------------------------------------------------
 
@@ -151,7 +156,7 @@ class SessionKeeper:
         self.forget(sid)
         if not self.disk.install(sid, header, path, now):
             self._adopt_into_host(sid, path, now)  # no disk tier: the layers move to host memory
-        self.catalog.add(sid, header.token_ids, now)
+        self.catalog.add(sid, header.token_ids, now, header.hash_root)
         self.enforce_disk_budget(0, exclude=sid)
 
     def _adopt_into_host(self, session_id: str, path: Path, now: float) -> None:
@@ -164,5 +169,5 @@ class SessionKeeper:
     def reindex(self) -> None:
         """Index the files a previous process left, then apply the disk budget to them."""
         for header, entry in self.disk.reindex():
-            self.catalog.add(header.session_id, header.token_ids, entry.last_activity)
+            self.catalog.add(header.session_id, header.token_ids, entry.last_activity, header.hash_root)
         self.enforce_disk_budget(0, exclude=None)

@@ -5,7 +5,9 @@ Byte layout (all integers little endian):
     b"TDKV"                       magic
     u16 version                   1
     u32 header_len
-    header_len bytes              header JSON, utf-8: {session_id, token_ids, num_tokens, layout}
+    header_len bytes              header JSON, utf-8: {session_id, token_ids, num_tokens, layout,
+                                  hash_root?}; hash_root (32 hex digits) only for a salted session:
+                                  the root its block hashes chain from (engine/kv/prefix_hash.py)
     u32 crc32(header bytes)
     per layer i = 0 .. L-1:
         u32 layer_index           must equal i
@@ -111,6 +113,7 @@ class KVHeader:
     token_ids: tuple[int, ...]
     layout: KVLayout
     data_offset: int  # byte offset of layer 0's record
+    hash_root: bytes | None = None  # a salted session's hash root (its cache salt's, never the salt)
 
     @property
     def num_tokens(self) -> int:
@@ -128,9 +131,9 @@ class KVHeader:
         return self.layer_offset(self.layout.num_layers) + len(TRAILER)
 
 
-def file_size(session_id: str, token_ids: Sequence[int], layout: KVLayout) -> int:
+def file_size(session_id: str, token_ids: Sequence[int], layout: KVLayout, hash_root: bytes | None = None) -> int:
     """Bytes of the file `write_kv_file` produces (for budgets, before writing)."""
-    header = _header_bytes(session_id, token_ids, layout)
+    header = _header_bytes(session_id, token_ids, layout, hash_root)
     return (
         _PREAMBLE.size
         + len(header)
@@ -144,13 +147,18 @@ def file_size(session_id: str, token_ids: Sequence[int], layout: KVLayout) -> in
 
 
 def write_kv_file(
-    path: Path, session_id: str, token_ids: Sequence[int], layout: KVLayout, layers: Sequence[torch.Tensor]
+    path: Path,
+    session_id: str,
+    token_ids: Sequence[int],
+    layout: KVLayout,
+    layers: Sequence[torch.Tensor],
+    hash_root: bytes | None = None,
 ) -> int:
     """Write atomically (temporary file, then rename). Returns the file's size in bytes."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            size = write_kv_stream(f, session_id, token_ids, layout, layers)
+            size = write_kv_stream(f, session_id, token_ids, layout, layers, hash_root)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -159,11 +167,16 @@ def write_kv_file(
 
 
 def write_kv_stream(
-    f: BinaryIO, session_id: str, token_ids: Sequence[int], layout: KVLayout, layers: Sequence[torch.Tensor]
+    f: BinaryIO,
+    session_id: str,
+    token_ids: Sequence[int],
+    layout: KVLayout,
+    layers: Sequence[torch.Tensor],
+    hash_root: bytes | None = None,
 ) -> int:
     if len(layers) != layout.num_layers:
         raise ValueError(f"{len(layers)} layers given for a {layout.num_layers}-layer layout")
-    header = _header_bytes(session_id, token_ids, layout)
+    header = _header_bytes(session_id, token_ids, layout, hash_root)
     f.write(_PREAMBLE.pack(MAGIC, VERSION, len(header)) + header + _U32.pack(zlib.crc32(header)))
     size = _PREAMBLE.size + len(header) + _U32.size
     for i, tensor in enumerate(layers):
@@ -175,13 +188,15 @@ def write_kv_stream(
     return size + len(TRAILER)
 
 
-def _header_bytes(session_id: str, token_ids: Sequence[int], layout: KVLayout) -> bytes:
+def _header_bytes(session_id: str, token_ids: Sequence[int], layout: KVLayout, hash_root: bytes | None) -> bytes:
     header = {
         "session_id": session_id,
         "token_ids": list(token_ids),
         "num_tokens": len(token_ids),
         "layout": asdict(layout),
     }
+    if hash_root is not None:  # absent for unsalted sessions: their files are what they always were
+        header["hash_root"] = hash_root.hex()
     return json.dumps(header, separators=(",", ":")).encode()
 
 
@@ -224,8 +239,11 @@ def _parse_header(raw: bytes, data_offset: int) -> KVHeader:
         token_ids = tuple(int(t) for t in doc["token_ids"])
         session_id = str(doc["session_id"])
         num_tokens = int(doc["num_tokens"])
+        hash_root = None if doc.get("hash_root") is None else bytes.fromhex(doc["hash_root"])
     except (ValueError, KeyError, TypeError) as exc:
         raise KVFormatError(f"malformed KV header: {exc}") from None
+    if hash_root is not None and len(hash_root) != 16:
+        raise KVFormatError(f"hash_root must be 16 bytes, not {len(hash_root)}")
     if layout.dtype not in _DTYPES:
         raise KVFormatError(f"unknown dtype {layout.dtype!r} in KV header")
     if num_tokens != len(token_ids) or num_tokens % layout.block_size:
@@ -233,7 +251,7 @@ def _parse_header(raw: bytes, data_offset: int) -> KVHeader:
             f"header says {num_tokens} tokens, lists {len(token_ids)} "
             f"(must be equal and a multiple of block size {layout.block_size})"
         )
-    return KVHeader(session_id, token_ids, layout, data_offset)
+    return KVHeader(session_id, token_ids, layout, data_offset, hash_root)
 
 
 def read_layer(f: BinaryIO, header: KVHeader, layer: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from services.advisory.targets import make_target_policy
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
+from shared.records import decode_record, record_key
 from shared.schemas.control import ControlEnvelope
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.sessions import SessionLocation, SessionPlacement, TypingHint
@@ -99,8 +100,10 @@ class AdvisoryService:
         now = time.time()
 
         def apply(m: ConsumerRecord) -> None:
-            value = None if m.value is None else SessionPlacement.decode(m.value)
-            self.advisor.restore_placement(m.key.decode(), value, now)
+            session_id = record_key(m)
+            placement = decode_record(SessionPlacement, m, tombstone_ok=True)
+            if session_id is not None and (placement is not None or m.value is None):
+                self.advisor.restore_placement(session_id, placement, now)
 
         await read_to_end(consumer, apply)
         await consumer.stop()
@@ -108,11 +111,9 @@ class AdvisoryService:
     # -- input loops ---------------------------------------------------------------------
 
     def _on_location(self, m: ConsumerRecord) -> None:
-        try:
-            if m.value is not None:
-                self.advisor.on_location(SessionLocation.decode(m.value))
-        except ValueError:
-            log.exception("undecodable session location dropped")
+        location = decode_record(SessionLocation, m, tombstone_ok=True)
+        if location is not None:
+            self.advisor.on_location(location)
         self.m_sessions.set(len(self.advisor.directory))
 
     async def _directory_loop(self, consumer) -> None:

@@ -7,13 +7,17 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from services.gateway.auth import Authenticator, Caller, caller_of, raise_refusal
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
-from services.gateway.errors import APIError, parse_json_body
+from services.gateway.database import GatewayDatabase
+from services.gateway.errors import APIError, install_error_handlers, parse_json_body
+from services.gateway.keys_api import register_keys_api
+from services.gateway.openapi import install_openapi
 from services.gateway.page import register_chat_page
 from services.gateway.sessions_api import register_sessions_api
 from services.gateway.settings import GatewaySettings
@@ -28,39 +32,40 @@ from shared.schemas.sessions import check_session_id
 
 def create_app(settings: GatewaySettings) -> FastAPI:
     core = GatewayCore(settings)
+    db = GatewayDatabase(settings.resolved_database_url())
+    auth = Authenticator(settings, db)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await auth.start()
         await core.start()
         yield
         await core.stop()
+        await db.close()
 
-    app = FastAPI(title="Tandem", lifespan=lifespan)
+    # The auth dependency runs before every route and acts on /v1 paths (services/gateway/auth.py).
+    app = FastAPI(title="Tandem", lifespan=lifespan, dependencies=[Depends(auth)])
     app.state.core = core
-    api = _Handlers(core)
+    api = _Handlers(core, auth)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception):
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
-
+    install_error_handlers(app)  # every error is OpenAI's error object
     app.post("/v1/chat/completions")(api.chat)
     app.post("/v1/completions")(api.completions)
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
-    register_batch_api(app, settings)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
+    register_batch_api(app, settings, db)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
     register_sessions_api(app, core)  # typing hints (docs/sessions.md)
+    register_keys_api(app, db, auth)  # /v1/keys: key management for admin keys
     register_chat_page(app)  # the chat page at / (services/gateway/static)
+    install_openapi(app)  # /openapi.json declares every body, answer and link (openapi.py)
     return app
 
 
 class _Handlers:
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, auth: Authenticator) -> None:
         self.core = core
+        self.auth = auth
         m = core.metrics
         self.m_requests = m.counter("gateway_requests_total", "requests answered", ("endpoint", "req_class", "status"))
         self.m_ttft = m.histogram("gateway_ttft_seconds", "time to first token seen at the gateway", ("req_class",))
@@ -122,7 +127,10 @@ class _Handlers:
             raise APIError(400, f"'{bad}' is not supported by this server", param=bad, code="unsupported_parameter")
         return body
 
-    def _admit(self, body, request: Request) -> str:
+    def _admit(self, body, request: Request, caller: Caller) -> str:
+        req_class = caller.request_class(_asked_class(body, request))
+        if caller.key is not None:
+            raise_refusal(self.auth.limiter.admit_tokens(caller.key))
         models = self.core.workers.models()
         if not models:
             raise APIError(503, "no workers are available", code="no_workers")
@@ -134,14 +142,16 @@ class _Handlers:
                 code="model_not_found",
             )
         if len(self.core.streams) >= self.core.settings.max_inflight:
-            raise APIError(429, "too many requests in flight; retry later", code="overloaded")
-        return _request_class(body, request)
+            raise APIError(
+                429, "too many requests in flight; retry later", code="overloaded", headers={"Retry-After": "1"}
+            )
+        return req_class
 
-    def _build(self, body: OpenAIRequest, req_class: str, request: Request) -> GenerateRequest:
+    def _build(self, body: OpenAIRequest, req_class: str, request: Request, caller: Caller) -> GenerateRequest:
         core = self.core
         session = request.headers.get("x-session-id") or (body.tandem.session_id if body.tandem else None)
         if session is not None:
-            check_session_id(session)
+            session = caller.session_id(check_session_id(session))
         slo = body.slo()
         if req_class == "rt" and slo.ttft_ms is None and slo.tpot_ms is None:
             slo = slo.model_copy(update={"ttft_ms": core.settings.rt_ttft_ms, "tpot_ms": core.settings.rt_tpot_ms})
@@ -152,18 +162,20 @@ class _Handlers:
             req_class=req_class,
             slo=slo,
             session_id=session,
+            cache_salt=caller.cache_salt,
         )
 
     async def _serve(self, request: Request, body: OpenAIRequest) -> Response:
-        req_class = self._admit(body, request)
+        caller = caller_of(request)
+        req_class = self._admit(body, request, caller)
         try:
-            gen = self._build(body, req_class, request)
+            gen = self._build(body, req_class, request, caller)
         except (ValidationError, ValueError) as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         if self._is_open(gen.request_id):
             raise APIError(400, f"request id {gen.request_id!r} is already in flight", code="duplicate_request_id")
         stream = self.core.streams.open(gen)
-        ctx = _Ctx(self, stream, body, time.perf_counter())
+        ctx = _Ctx(self, stream, body, time.perf_counter(), caller)
         try:
             await self.core.submit(gen)
             await ctx.wait_accepted()
@@ -186,20 +198,22 @@ class _Handlers:
         return request_id in self.core.streams._streams  # noqa: SLF001
 
 
-def _request_class(body, request: Request) -> str:
+def _asked_class(body, request: Request) -> str | None:
+    """The class the request names: `X-Tandem-Class`, else `service_tier` "flex" (BE) or
+    "priority" (RT); None when it names none ("auto", "default", absent)."""
     header = request.headers.get("x-tandem-class")
     if header is not None:
         if header.lower() not in ("rt", "be"):
             raise APIError(400, "X-Tandem-Class must be 'rt' or 'be'", param="X-Tandem-Class", code="invalid_value")
         return header.lower()
-    return "be" if body.service_tier == "flex" else "rt"
+    return {"flex": "be", "priority": "rt"}.get(body.service_tier or "")
 
 
 class _Ctx:
     """One request's life at the gateway, from submission to the last byte."""
 
-    def __init__(self, h: _Handlers, stream: RequestStream, body: OpenAIRequest, t0: float) -> None:
-        self.h, self.stream, self.body, self.t0 = h, stream, body, t0
+    def __init__(self, h: _Handlers, stream: RequestStream, body: OpenAIRequest, t0: float, caller: Caller) -> None:
+        self.h, self.stream, self.body, self.t0, self.caller = h, stream, body, t0, caller
         self.cls = stream.request.req_class
         rid = stream.request.request_id
         self.shaper = shaper_for(body.kind, rid, int(time.time()), body.model, body.service_tier)
@@ -317,6 +331,9 @@ class _Ctx:
         self.h.core.streams.close(rid)
         if not completed:
             self.h.core.cancel_soon(rid)  # the worker aborts it and frees its KV
+        if self.caller.key is not None:  # tokens/min: what the stream used, however it ended
+            used = (self.stream.prompt_tokens or 0) + len(self.stream.token_ids)
+            self.h.auth.limiter.charge_tokens(self.caller.key, used)
         status = status or ("200" if completed else "cancelled")
         self.h.m_requests.labels(self.endpoint, self.cls, status).inc()
         if status == "200":

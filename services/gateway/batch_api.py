@@ -4,21 +4,27 @@ The gateway reads and writes the batch store (`shared/batchstore`, the database 
 with the queue service) directly, through the store's API part: creating a batch is one row in
 status `validating`, a cancel one conditional update to `cancelling`; the queue service does
 the rest (see docs/batch.md for why the two share the database instead of talking over Kafka).
+
+With API keys, every file and batch belongs to the key that created it (another key's ids are
+404s), a batch needs a key that may send BE requests (its items run best-effort), and a key's
+batch quota bounds the requests in its unfinished batches: a batch that would exceed it is a
+429 (`batch_quota_exceeded`) and nothing is created.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from services.gateway.auth import Caller, caller_of
+from services.gateway.database import GatewayDatabase
 from services.gateway.errors import APIError
 from services.gateway.settings import GatewaySettings
-from shared.batchstore.api_store import BatchAPIStore
-from shared.batchstore.db import BatchDatabase
+from shared.batchstore.api_store import BatchAPIStore, count_requests
 from shared.batchstore.objects import batch_object, file_object, list_page
+from shared.openai_api import json_input
 from shared.openai_api.models import ENDPOINTS
 
 FILE_PURPOSES = ("batch",)  # what clients may upload
@@ -27,17 +33,20 @@ _WINDOW = re.compile(r"^(\d+)([smh])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
-def parse_window(window: str) -> int:
+def parse_window(window: object) -> int:
     """`24h` (OpenAI's only value); shorter windows (`90s`, `30m`, `2h`) are a Tandem extension."""
-    m = _WINDOW.match(window or "")
+    m = _WINDOW.match(window) if isinstance(window, str) else None
     seconds = int(m.group(1)) * _UNITS[m.group(2)] if m else 0
     if not 0 < seconds <= MAX_WINDOW_S:
         raise ValueError(f"completion_window must be '24h' (or a shorter duration like '30m'), not {window!r}")
     return seconds
 
 
-def register_batch_api(app: FastAPI, settings: GatewaySettings) -> None:
-    api = _BatchAPI(settings)
+BATCH_QUOTA_RETRY_S = 60  # a quota frees as batches finish: no exact time to promise
+
+
+def register_batch_api(app: FastAPI, settings: GatewaySettings, db: GatewayDatabase) -> None:
+    api = _BatchAPI(settings, db)
     app.post("/v1/files")(api.upload)
     app.get("/v1/files")(api.list_files)
     app.get("/v1/files/{file_id}")(api.get_file)
@@ -50,23 +59,17 @@ def register_batch_api(app: FastAPI, settings: GatewaySettings) -> None:
 
 
 class _BatchAPI:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, db: GatewayDatabase) -> None:
         self.settings = settings
-        self._store: BatchAPIStore | None = None
-        self._lock = asyncio.Lock()
+        self.db = db
 
     async def store(self) -> BatchAPIStore:
-        """Opened on first use, so a gateway nobody sends batches to never touches the data directory."""
-        async with self._lock:
-            if self._store is None:
-                db = BatchDatabase(self.settings.resolved_database_url())
-                await db.start()
-                self._store = BatchAPIStore(db)
-        return self._store
+        return BatchAPIStore(await self.db.get())
 
     # -- files -----------------------------------------------------------------------------
 
     async def upload(self, request: Request) -> dict:
+        owner = caller_of(request).owner
         limit = self.settings.max_file_bytes
         if int(request.headers.get("content-length") or 0) > limit + 64 * 1024:
             raise APIError(413, f"file exceeds {limit} bytes", code="file_too_large")
@@ -84,26 +87,30 @@ class _BatchAPI:
         content = await upload.read()
         if len(content) > limit:
             raise APIError(413, f"file exceeds {limit} bytes", code="file_too_large")
-        row = await (await self.store()).add_file(content, upload.filename or "upload.jsonl", purpose)
+        row = await (await self.store()).add_file(content, upload.filename or "upload.jsonl", purpose, owner)
         return file_object(row)
 
-    async def list_files(self, purpose: str | None = None, limit: int = 100, after: str | None = None) -> dict:
-        rows, more = await (await self.store()).list_files(purpose, _limit(limit, 10_000), after)
+    async def list_files(
+        self, request: Request, purpose: str | None = None, limit: int = 100, after: str | None = None
+    ) -> dict:
+        owner = caller_of(request).owner
+        rows, more = await (await self.store()).list_files(purpose, _limit(limit, 10_000), after, owner)
         return list_page([file_object(r) for r in rows], more)
 
-    async def get_file(self, file_id: str) -> dict:
-        return file_object(await self._file(file_id))
+    async def get_file(self, file_id: str, request: Request) -> dict:
+        return file_object(await self._file(file_id, caller_of(request).owner))
 
-    async def file_content(self, file_id: str) -> Response:
-        return Response((await self._file(file_id)).content, media_type="application/jsonl")
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        row = await self._file(file_id, caller_of(request).owner)
+        return Response(row.content, media_type="application/jsonl")
 
-    async def delete_file(self, file_id: str) -> dict:
-        if not await (await self.store()).delete_file(file_id):
+    async def delete_file(self, file_id: str, request: Request) -> dict:
+        if not await (await self.store()).delete_file(file_id, caller_of(request).owner):
             raise APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
         return {"id": file_id, "object": "file", "deleted": True}
 
-    async def _file(self, file_id: str):
-        row = await (await self.store()).get_file(file_id)
+    async def _file(self, file_id: str, owner: str | None):
+        row = await (await self.store()).get_file(file_id, owner)
         if row is None:
             raise APIError(404, f"No such File object: {file_id}", param="file_id", code="not_found")
         return row
@@ -111,6 +118,8 @@ class _BatchAPI:
     # -- batches ---------------------------------------------------------------------------
 
     async def create_batch(self, request: Request) -> dict:
+        caller = caller_of(request)
+        caller.request_class("be")  # batch items run best-effort: a key without BE gets a 403
         body = await _json_object(request)
         endpoint, window = body.get("endpoint"), body.get("completion_window")
         if endpoint not in ENDPOINTS:
@@ -131,14 +140,31 @@ class _BatchAPI:
             raise APIError(
                 400, "metadata must be an object of at most 16 string values", param="metadata", code="invalid_value"
             )
-        f = await self._input_file(body.get("input_file_id"))
-        row = await (await self.store()).add_batch(f.id, endpoint, window, window_s, metadata)
+        f = await self._input_file(body.get("input_file_id"), caller.owner)
+        await self._check_quota(caller, f)
+        row = await (await self.store()).add_batch(f.id, endpoint, window, window_s, metadata, caller.owner)
         return batch_object(row)
 
-    async def _input_file(self, file_id):
+    async def _check_quota(self, caller: Caller, input_file) -> None:
+        quota = None if caller.key is None else caller.key.limits.batch_quota
+        if quota is None:
+            return
+        wanted = input_file.requests if input_file.requests is not None else count_requests(input_file.content)
+        queued = await (await self.store()).unfinished_requests(caller.owner)
+        if queued + wanted > quota:
+            raise APIError(
+                429,
+                f"this batch has {wanted} requests and this API key's unfinished batches hold {queued}; its batch "
+                f"quota is {quota} requests. Retry when some have finished.",
+                code="batch_quota_exceeded",
+                type_="requests",
+                headers={"Retry-After": str(BATCH_QUOTA_RETRY_S)},
+            )
+
+    async def _input_file(self, file_id, owner: str | None):
         if not isinstance(file_id, str):
             raise APIError(400, "input_file_id is required", param="input_file_id", code="missing_required_parameter")
-        row = await (await self.store()).get_file(file_id)
+        row = await (await self.store()).get_file(file_id, owner)
         if row is None:
             raise APIError(404, f"No such File object: {file_id}", param="input_file_id", code="not_found")
         if row.purpose != "batch":
@@ -150,24 +176,25 @@ class _BatchAPI:
             )
         return row
 
-    async def get_batch(self, batch_id: str) -> dict:
-        return batch_object(await self._batch(batch_id))
+    async def get_batch(self, batch_id: str, request: Request) -> dict:
+        return batch_object(await self._batch(batch_id, caller_of(request).owner))
 
-    async def list_batches(self, limit: int = 20, after: str | None = None) -> dict:
-        rows, more = await (await self.store()).list_batches(_limit(limit, 100), after)
+    async def list_batches(self, request: Request, limit: int = 20, after: str | None = None) -> dict:
+        rows, more = await (await self.store()).list_batches(_limit(limit, 100), after, caller_of(request).owner)
         return list_page([batch_object(r) for r in rows], more)
 
-    async def cancel_batch(self, batch_id: str) -> dict:
+    async def cancel_batch(self, batch_id: str, request: Request) -> dict:
+        owner = caller_of(request).owner
         store = await self.store()
-        row = await self._batch(batch_id)
-        if not await store.request_cancel(batch_id):
-            row = await self._batch(batch_id)
+        row = await self._batch(batch_id, owner)
+        if not await store.request_cancel(batch_id, owner):
+            row = await self._batch(batch_id, owner)
             if row.status not in ("cancelling", "cancelled"):
                 raise APIError(409, f"cannot cancel a batch with status {row.status!r}", code="batch_not_cancellable")
-        return batch_object(await self._batch(row.id))
+        return batch_object(await self._batch(row.id, owner))
 
-    async def _batch(self, batch_id: str):
-        row = await (await self.store()).get_batch(batch_id)
+    async def _batch(self, batch_id: str, owner: str | None):
+        row = await (await self.store()).get_batch(batch_id, owner)
         if row is None:
             raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id", code="not_found")
         return row
@@ -181,9 +208,9 @@ def _limit(limit: int, most: int) -> int:
 
 async def _json_object(request: Request) -> dict:
     try:
-        body = await request.json()
-    except ValueError:
-        raise APIError(400, "request body is not valid JSON", code="invalid_json") from None
+        body = json_input.loads(await request.body())
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return body

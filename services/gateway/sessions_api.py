@@ -10,16 +10,17 @@ each gets `{"type": "hint", "status": "sent"|"debounced"}`; a bad frame gets
 
 from __future__ import annotations
 
-import json
 import logging
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.gateway.auth import caller_of, ws_subprotocol
 from services.gateway.core import GatewayCore
 from services.gateway.errors import APIError, parse_json_body
 from services.gateway.hints import HintPublisher
+from shared.openai_api import json_input
 from shared.schemas.sessions import check_session_id
 
 log = logging.getLogger(__name__)
@@ -63,13 +64,13 @@ class _SessionsAPI:
     async def typing(self, session_id: str, request: Request) -> JSONResponse:
         sid = _session_id(session_id)
         body = _parse_body(await request.body())
-        status = await self._hint(sid, body.expected_arrival_s, "http")
+        status = await self._hint(caller_of(request).session_id(sid), body.expected_arrival_s, "http")
         return JSONResponse({"session_id": sid, "hint": status}, status_code=202)
 
     async def events(self, websocket: WebSocket, session_id: str) -> None:
-        await websocket.accept()
+        await websocket.accept(subprotocol=ws_subprotocol(websocket))
         try:
-            sid = check_session_id(session_id)
+            sid = caller_of(websocket).session_id(check_session_id(session_id))
         except ValueError as exc:
             await websocket.send_json({"type": "error", "message": str(exc)})
             await websocket.close(code=1008)
@@ -87,9 +88,13 @@ class _SessionsAPI:
         if text is None:
             return {"type": "error", "message": "send JSON text frames, not binary ones"}
         try:
-            event = TypingEvent.model_validate(json.loads(text))
+            data = json_input.loads(text)
+        except ValueError as exc:
+            return {"type": "error", "message": f"not valid JSON: {exc}"}
+        try:
+            event = TypingEvent.model_validate(data)
             event.check()
-        except (json.JSONDecodeError, ValidationError, ValueError) as exc:
+        except ValueError as exc:  # a pydantic ValidationError, or a bad type
             return {"type": "error", "message": _message(exc)}
         try:
             return {"type": "hint", "status": await self._hint(sid, event.expected_arrival_s, "websocket")}
@@ -120,8 +125,6 @@ def _parse_body(raw: bytes) -> TypingBody:
 
 
 def _message(exc: Exception) -> str:
-    if isinstance(exc, json.JSONDecodeError):
-        return f"not valid JSON: {exc}"
     if isinstance(exc, ValidationError):
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])

@@ -22,3 +22,6 @@ class GatewaySettings(BatchStoreSettings):
     rt_tpot_ms: float | None = None
     typing_debounce_s: float = 2.0  # per session, at most one typing hint this often (a burst is one hint)
     max_file_bytes: int = 100 * 1024 * 1024  # batch input uploads above this are a 413
+    # API keys (services/gateway/auth.py): open until the first key exists, unless required.
+    auth_required: bool = False  # true: every /v1 request needs a key even when none exists yet
+    key_cache_ttl_s: float = 2.0  # how stale a key's record may be (a revoke takes this long at most)

@@ -26,9 +26,11 @@ def item_request(
     reply_to: ReplyTo,
     batch_id: str,
     custom_id: str,
+    cache_salt: str | None = None,
 ) -> GenerateRequest:
     """A batch item as a class-BE request: the synchronous endpoint's translation
-    (`shared.openai_api.translate`), with the batch id and custom_id in its metadata."""
+    (`shared.openai_api.translate`), with the batch id and custom_id in its metadata, salted
+    with the batch owner's key (its prefix cache is the owner's, as for its synchronous calls)."""
     return to_generate_request(
         ENDPOINTS[endpoint].model_validate(body),
         request_id=request_id,
@@ -36,6 +38,7 @@ def item_request(
         reply_to=reply_to,
         req_class="be",
         metadata={"batch_id": batch_id, "custom_id": custom_id},
+        cache_salt=cache_salt,
     )
 
 

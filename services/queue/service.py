@@ -259,16 +259,18 @@ class QueueService:
     async def _release(self) -> None:
         claimed = await self.store.claim(self.budget() - len(self.runs))
         acks = []
-        for item, endpoint in claimed:
+        for c in claimed:
+            item = c.item
             body = json.loads(item.body_json)
             req = item_request(
-                endpoint,
+                c.endpoint,
                 body,
                 request_id=item.request_id,
                 attempt=item.attempt,
                 reply_to=self.reply_to,
                 batch_id=item.batch_id,
                 custom_id=item.custom_id,
+                cache_salt=c.cache_salt,
             )
             self.runs[req.request_id] = ItemRun(item.batch_id, item.custom_id, req, body.get("service_tier"))
             acks.append((item, await self.kafka.send_nowait(self.topics.be_requests.name, req, key=req.request_id)))

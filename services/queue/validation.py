@@ -8,12 +8,12 @@ error entries: `{"code", "message", "param", "line"}` (1-based line numbers).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
 from shared.batchstore.run_store import BatchLine
+from shared.openai_api import json_input
 from shared.openai_api.models import ENDPOINTS
 
 MAX_CUSTOM_ID = 512
@@ -64,9 +64,9 @@ def _check_line(
         _error(out, max_errors, code, message, param, number)
 
     try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        return fail("invalid_json_line", f"this line is not valid JSON: {exc.msg}")
+        obj = json_input.loads(raw)
+    except ValueError as exc:
+        return fail("invalid_json_line", f"this line is not valid JSON: {exc}")
     if not isinstance(obj, dict):
         return fail("invalid_json_line", "each line must be a JSON object")
     custom_id = obj.get("custom_id")

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from shared.kafka import KafkaClient, read_to_end
+from shared.records import decode_record, record_key
 from shared.schemas.scheduler import Assignment
 
 
@@ -26,15 +27,21 @@ class AssignmentTable:
         consumer = await self._kafka.consumer(group=None)
         try:
             await self._kafka.assign_all(consumer, self._topic, from_end=False)
-            await read_to_end(consumer, lambda m: self._apply(m.key.decode(), m.value))
+            await read_to_end(consumer, self._apply)
         finally:
             await consumer.stop()
 
-    def _apply(self, request_id: str, value: bytes | None) -> None:
-        if value is None:
+    def _apply(self, m) -> None:
+        """One state record: an assignment, or a tombstone ending one; a malformed one is skipped."""
+        request_id = record_key(m)
+        if request_id is None:
+            return
+        if m.value is None:
             self.by_request.pop(request_id, None)
-        else:
-            self.by_request[request_id] = Assignment.decode(value)
+            return
+        a = decode_record(Assignment, m)
+        if a is not None:
+            self.by_request[request_id] = a
 
     def get(self, request_id: str) -> Assignment | None:
         return self.by_request.get(request_id)

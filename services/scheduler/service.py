@@ -26,6 +26,7 @@ from services.scheduler.registry import WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
+from shared.records import decode_record, record_key
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
@@ -139,16 +140,15 @@ class SchedulerService:
             batches = await self._req.getmany(timeout_ms=100)
             for tp, msgs in batches.items():
                 for m in msgs:
-                    self._on_request(tp, m.offset, m.value)
+                    self._on_request(tp, m)
             if batches:
                 self._wake.set()
 
-    def _on_request(self, tp: TopicPartition, offset: int, raw: bytes) -> None:
+    def _on_request(self, tp: TopicPartition, m) -> None:
+        offset = m.offset
         self.offsets.started(tp, offset)
-        try:
-            req = GenerateRequest.decode(raw)
-        except ValueError:
-            log.exception("undecodable request dropped")
+        req = decode_record(GenerateRequest, m)
+        if req is None:  # malformed: logged, and committed past like a finished one
             self.offsets.done(tp, offset)
             return
         placed = self.assignments.get(req.request_id)
@@ -160,41 +160,43 @@ class SchedulerService:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            m = await self._hb.getone()
-            hb = Heartbeat.decode(m.value)
+            hb = decode_record(Heartbeat, await self._hb.getone())
+            if hb is None:
+                continue
             if self.registry.on_heartbeat(hb):
                 log.info("worker %s joined (model %s)", hb.worker_id, hb.model)
             info = self.registry.workers.get(hb.worker_id)  # None: a lost worker's beat, ignored
             if info is not None:
                 self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
-            await self._retire_finished(info)
+            try:
+                await self._retire_finished(info)
+            except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
+                log.warning("finished requests not retired", exc_info=True)
             self._wake.set()
 
     async def _telemetry_loop(self) -> None:
         while True:
-            m = await self._tel.getone()
-            self.registry.on_telemetry(Telemetry.decode(m.value))
-            self._wake.set()
+            t = decode_record(Telemetry, await self._tel.getone())
+            if t is not None:
+                self.registry.on_telemetry(t)
+                self._wake.set()
 
     async def _control_loop(self) -> None:
         while True:
-            m = await self._ctl.getone()
-            cmd = ControlEnvelope.decode(m.value).message
-            if isinstance(cmd, Cancel):
-                self._drop_pending(cmd.request_id)
+            envelope = decode_record(ControlEnvelope, await self._ctl.getone())
+            if envelope is not None and isinstance(envelope.message, Cancel):
+                self._drop_pending(envelope.message.request_id)
 
     def _on_location(self, m) -> None:
-        if m.value is not None:
-            try:
-                self.affinity.on_location(SessionLocation.decode(m.value))
-            except ValueError:
-                log.exception("undecodable session location dropped")
+        location = decode_record(SessionLocation, m, tombstone_ok=True)
+        if location is not None:
+            self.affinity.on_location(location)
 
     def _on_placement(self, m) -> None:
-        try:
-            self.affinity.on_placement(m.key.decode(), None if m.value is None else SessionPlacement.decode(m.value))
-        except ValueError:
-            log.exception("undecodable session placement dropped")
+        session_id = record_key(m)
+        placement = decode_record(SessionPlacement, m, tombstone_ok=True)
+        if session_id is not None and (placement is not None or m.value is None):
+            self.affinity.on_placement(session_id, placement)
 
     def _drop_pending(self, request_id: str) -> None:
         for queue in self.pending.values():

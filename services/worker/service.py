@@ -31,6 +31,7 @@ from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
 from shared.kafka import KafkaClient
 from shared.metrics import ServiceMetrics
+from shared.records import decode_record
 from shared.schemas.control import Cancel, ControlEnvelope, Drain, Prefetch
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
@@ -124,16 +125,14 @@ class WorkerService:
             batches = await consumer.getmany(timeout_ms=100)
             for messages in batches.values():
                 for msg in messages:
-                    self._accept(msg.value)
+                    self._accept(msg)
             if batches:
                 await consumer.commit()  # accepted into the engine: a redelivery would be a duplicate
 
-    def _accept(self, raw: bytes) -> None:
-        try:
-            req = GenerateRequest.decode(raw)
-        except ValueError:
-            log.exception("undecodable dispatch message dropped")
-            return
+    def _accept(self, record) -> None:
+        req = decode_record(GenerateRequest, record)
+        if req is None:
+            return  # malformed: logged and skipped
         key = f"{req.request_id}:{req.attempt}"
         log.debug("dispatch received", extra={"request_id": req.request_id})
         if key in self._seen:
@@ -179,6 +178,7 @@ class WorkerService:
             slo=er.slo,
             resumed_output_ids=er.resumed_output_ids,
             session_id=req.session_id,
+            cache_salt=req.cache_salt,
         )
 
     async def _enter_after_prepare(self, req: GenerateRequest, er: EngineRequest) -> RequestStream:
@@ -237,12 +237,10 @@ class WorkerService:
 
     async def _control_loop(self) -> None:
         while True:
-            msg = await self._control.getone()
-            try:
-                cmd = ControlEnvelope.decode(msg.value).message
-            except ValueError:
-                log.exception("undecodable control message dropped")
-                continue
+            envelope = decode_record(ControlEnvelope, await self._control.getone())
+            if envelope is None:
+                continue  # malformed: logged and skipped
+            cmd = envelope.message
             if isinstance(cmd, Cancel):
                 task = self._tasks.get(cmd.request_id)
                 if task is not None:

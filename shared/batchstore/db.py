@@ -4,6 +4,13 @@ SQLite (WAL) by default, PostgreSQL through `TANDEM_DATABASE_URL`. On SQLite eve
 starts with `BEGIN IMMEDIATE`: the gateway and the queue service write the same file from two
 processes, and a deferred transaction that reads and then writes can fail with SQLITE_BUSY
 instead of waiting; taking the write lock up front makes the busy timeout apply.
+
+The API keys live here too (`KeyRow`, managed by `shared/apikeys`): every deployment has this
+database, and a batch's owner is a key. Files and batches carry their owner's key id (`owner`,
+NULL when the stack was open), so each key sees only its own.
+
+Schema changes are additive (new tables, new nullable columns); `create_tables` adds the
+columns a database made by an older version lacks, so an upgrade needs no migration tool.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
-from sqlalchemy import Index, Integer, LargeBinary, String, Text, event
+from sqlalchemy import Boolean, Float, Index, Integer, LargeBinary, String, Text, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -43,6 +50,8 @@ class FileRow(Base):
     bytes: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[int] = mapped_column(Integer)
     content: Mapped[bytes] = mapped_column(LargeBinary)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)  # key id; NULL: open stack
+    requests: Mapped[int | None] = mapped_column(Integer, nullable=True)  # non-blank lines (batch quotas)
 
 
 class BatchRow(Base):
@@ -70,6 +79,26 @@ class BatchRow(Base):
     failed: Mapped[int] = mapped_column(Integer, default=0)
     output_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     error_file_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)  # key id; NULL: open stack
+
+
+class KeyRow(Base):
+    """An API key: its SHA-256 hash (never the key), limits, allowed classes and cache salt."""
+
+    __tablename__ = "tandem_api_keys"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(32), unique=True)  # also inside the key, for the lookup
+    name: Mapped[str] = mapped_column(String(128))
+    secret_hash: Mapped[str] = mapped_column(String(64))  # hex SHA-256 of the whole key
+    created_at: Mapped[int] = mapped_column(Integer)
+    revoked_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)  # None: unlimited
+    tokens_per_min: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    batch_quota: Mapped[int | None] = mapped_column(Integer, nullable=True)  # unfinished batch requests
+    classes: Mapped[str] = mapped_column(String(16), default="rt,be")  # allowed service classes
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)  # may manage keys over HTTP
+    cache_salt: Mapped[str] = mapped_column(String(64))  # prefix-cache isolation (random, server-side)
 
 
 class ItemRow(Base):
@@ -122,10 +151,34 @@ async def create_tables(engine: AsyncEngine) -> None:
     """Idempotent; safe when the gateway and the queue service start together."""
     try:
         async with engine.begin() as conn:
-            await conn.run_sync(Base.metadata.create_all)
+            await conn.run_sync(_create_and_extend)
     except Exception:  # noqa: BLE001 (PostgreSQL: the other process created them first)
         async with engine.begin() as conn:
-            await conn.run_sync(Base.metadata.create_all)
+            await conn.run_sync(_create_and_extend)
+
+
+def _create_and_extend(conn) -> None:
+    Base.metadata.create_all(conn)
+    _add_missing_columns(conn)
+
+
+def _add_missing_columns(conn) -> None:
+    """Add the nullable columns a database made by an older version lacks (`ALTER TABLE ... ADD
+    COLUMN`, which SQLite and PostgreSQL both do in place); the new indexes follow with them."""
+    inspector = inspect(conn)
+    for table in Base.metadata.sorted_tables:
+        have = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have:
+                continue
+            if not column.nullable:
+                raise RuntimeError(f"table {table.name} lacks column {column.name}, which cannot be added in place")
+            kind = column.type.compile(dialect=conn.dialect)
+            conn.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}")
+            if column.index:
+                conn.exec_driver_sql(
+                    f"CREATE INDEX IF NOT EXISTS ix_{table.name}_{column.name} ON {table.name} ({column.name})"
+                )
 
 
 def sessions(engine: AsyncEngine) -> async_sessionmaker:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from shared.batchstore.db import BatchRow, FileRow
 
 CANCELLABLE = frozenset({"validating", "in_progress"})
+UNFINISHED = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 _TIMESTAMPS = (
     "created_at",
     "in_progress_at",

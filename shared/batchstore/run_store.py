@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from shared.batchstore.db import BatchDatabase, BatchRow, FileRow, ItemRow, new_id, now
+from shared.batchstore.db import BatchDatabase, BatchRow, FileRow, ItemRow, KeyRow, new_id, now
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,15 @@ class BatchLine:
     line: int  # 1-based line in the input file
     custom_id: str
     body: dict
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """An item just marked in flight, with what releasing it needs from its batch."""
+
+    item: ItemRow
+    endpoint: str
+    cache_salt: str | None  # the owner key's prefix-cache salt (None: the batch has no owner)
 
 
 @dataclass(frozen=True)
@@ -99,22 +108,23 @@ class BatchRunStore:
             )
             return res.rowcount
 
-    async def claim(self, n: int) -> list[tuple[ItemRow, str]]:
-        """Mark up to n queued items of in-progress batches in flight (oldest batch first); with their endpoint."""
+    async def claim(self, n: int) -> list[Claimed]:
+        """Mark up to n queued items of in-progress batches in flight (oldest batch first)."""
         if n <= 0:
             return []
         async with self.session.begin() as s:
             q = (
-                select(ItemRow, BatchRow.endpoint)
+                select(ItemRow, BatchRow.endpoint, KeyRow.cache_salt)
                 .join(BatchRow, BatchRow.id == ItemRow.batch_id)
+                .outerjoin(KeyRow, KeyRow.id == BatchRow.owner)
                 .where(ItemRow.status == "queued", BatchRow.status == "in_progress")
                 .order_by(BatchRow.seq, ItemRow.line)
                 .limit(n)
                 .with_for_update(of=ItemRow, skip_locked=True)
             )  # PostgreSQL: a concurrent cancel waits
-            rows = [(item, endpoint) for item, endpoint in (await s.execute(q)).all()]
-            for item, _ in rows:
-                item.status = "in_flight"
+            rows = [Claimed(item, endpoint, salt) for item, endpoint, salt in (await s.execute(q)).all()]
+            for row in rows:
+                row.item.status = "in_flight"
         return rows
 
     async def requeue(self, batch_id: str, custom_id: str, attempt: int) -> bool:
@@ -205,6 +215,7 @@ class BatchRunStore:
             )
             if res.rowcount == 0:
                 return False
+            owner = (await s.execute(select(BatchRow.owner).where(BatchRow.id == batch_id))).scalar()
             ids = {}
             for kind, content in outputs.items():
                 row = FileRow(
@@ -214,6 +225,7 @@ class BatchRunStore:
                     bytes=len(content),
                     created_at=now(),
                     content=content,
+                    owner=owner,  # the batch's key reads its output; nobody else sees it
                 )
                 s.add(row)
                 ids[f"{kind}_file_id"] = row.id

@@ -35,8 +35,10 @@ def to_generate_request(
     session_id: str | None = None,
     attempt: int = 0,
     metadata: dict[str, str] | None = None,
+    cache_salt: str | None = None,
 ) -> GenerateRequest:
-    """The wire request for `body`; `slo` None means the body's own `tandem` targets.
+    """The wire request for `body`; `slo` None means the body's own `tandem` targets;
+    `cache_salt`: the caller's key's prefix-cache salt (server-side, never from the body).
 
     Raises pydantic's `ValidationError` when the result is not a valid request.
     """
@@ -55,4 +57,5 @@ def to_generate_request(
         session_id=session_id,
         created_at=time.time(),
         metadata=metadata or {},
+        cache_salt=cache_salt,
     )

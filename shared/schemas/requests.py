@@ -73,6 +73,12 @@ class GenerateRequest(WireModel):
     created_at: float  # wall-clock seconds when it was built (time.time())
     resume_token_ids: list[int] = Field(default_factory=list)
     metadata: dict[str, str] = Field(default_factory=dict)  # e.g. batch id / custom_id for batch items
+    # The caller's API key's prefix-cache salt, set by the gateway or the queue service (never
+    # from a client's body): the engine's block hashes start from it, so only requests of the
+    # same key share cached KV (docs/services.md, "API keys"). None: no key (an
+    # open stack), the shared cache. Added in schema 1 as an optional field (base.py's rule): a
+    # worker older than it ignores it and serves the request unsalted, so upgrade workers first.
+    cache_salt: str | None = None
 
     def resumed(self, token_ids: list[int]) -> GenerateRequest:
         return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

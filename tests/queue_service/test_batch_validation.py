@@ -144,12 +144,12 @@ def test_store_records_each_item_once(tmp_path):
         b = await api.add_batch(f.id, CHAT, "24h", 60, None)
         assert await store.start_batch(b, [BatchLine(1, "a", {}), BatchLine(2, "b", {})], ["r1", "r2"])
         claimed = await store.claim(5)
-        assert [i.custom_id for i, _ in claimed] == ["a", "b"] and await store.claim(5) == []
+        assert [c.item.custom_id for c in claimed] == ["a", "b"] and await store.claim(5) == []
         ok = Finished(b.id, "a", 0, True, {"custom_id": "a"})
         assert await store.record([ok]) == [ok] and await store.record([ok]) == []  # once only
         assert await store.bump_attempt(b.id, "b", 0)
         assert await store.record([Finished(b.id, "b", 0, True, {})]) == []  # a stale attempt
-        assert await store.requeue_in_flight() == 1 and (await store.claim(1))[0][0].attempt == 2
+        assert await store.requeue_in_flight() == 1 and (await store.claim(1))[0].item.attempt == 2
         row = await api.get_batch(b.id)
         assert (row.total, row.completed, row.failed) == (2, 1, 0)
         await db.close()
