@@ -1,24 +1,24 @@
 """Attention and KV-cache kernels.
 
-Each op is a function with one contract (documented in `attention.py`). The plain-PyTorch
+Each op is a function with one contract (documented in `attention.py`); the per-step
+inputs they read (`AttentionMetadata`, `DecodeBucket`, ...) are in `metadata.py`. The plain-PyTorch
 implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
 kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
 `torch.compile` to fuse: the fast CPU decode path, checked against the reference.
 """
 
 from kernels.attention import (
-    AttentionMetadata,
-    DecodeBucket,
-    PrefillSpan,
     decode_attention_with_new,
     paged_attention,
     write_kv_cache,
     write_kv_cache_layers,
 )
+from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
 
 __all__ = [
     "AttentionMetadata",
     "DecodeBucket",
+    "DecodeChunks",
     "PrefillSpan",
     "decode_attention_with_new",
     "paged_attention",
