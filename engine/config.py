@@ -79,12 +79,12 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
     packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
-    # decode attention kernel: "fused" (kernels/compiled/decode.py, CPU only), "reference"
-    # (gather + matmul), or "auto": fused for bfloat16 on CPU, reference otherwise (float32
-    # stays on the path the transformers parity tests check)
+    # decode attention kernel: "cpp" (kernels/cpu/, the C++ kernel built for this CPU's ISA),
+    # "fused" (kernels/compiled/decode.py, Inductor), "reference" (gather + matmul), or "auto":
+    # decided per dtype and CPU by `decode_kernel` below (measurements in docs/engine.md)
     attention: str = "auto"
-    # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
-    # (models/decode_graph.py; Llama family); False keeps them op by op
+    # with the cpp or fused kernel, decode-only steps run each decoder layer as one Inductor
+    # graph (models/decode_graph.py; Llama family); False keeps them op by op
     compile_layers: bool = True
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
@@ -103,15 +103,17 @@ class EngineConfig:
 
     @property
     def decode_kernel(self) -> str:
-        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable.
+
+        auto: the fused kernel for bfloat16 on CPU, the reference otherwise."""
         if self.attention == "auto":
             if self.dtype == "auto":
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
             return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
-        if self.attention not in ("fused", "reference"):
-            raise ValueError(f"attention must be auto, fused or reference, not {self.attention!r}")
-        if self.attention == "fused" and self.device != "cpu":
-            raise ValueError("attention='fused' is the CPU kernel; use 'reference' on other devices")
+        if self.attention not in ("cpp", "fused", "reference"):
+            raise ValueError(f"attention must be auto, cpp, fused or reference, not {self.attention!r}")
+        if self.attention in ("cpp", "fused") and self.device != "cpu":
+            raise ValueError(f"attention={self.attention!r} is a CPU kernel; use 'reference' on other devices")
         return self.attention
 
     @property

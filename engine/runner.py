@@ -18,8 +18,14 @@ from torch import nn
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from engine.scheduling import Request, ScheduledItem
-from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, write_kv_cache_layers
-from kernels.compiled import decode as compiled_decode
+from kernels import (
+    GRAPH_DECODE_KERNELS,
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillSpan,
+    prepare_decode_kernel,
+    write_kv_cache_layers,
+)
 
 log = logging.getLogger(__name__)
 _BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
@@ -44,10 +50,11 @@ class ModelRunner:
         fallback: bool = False,
         compile_layers: bool = True,
     ) -> None:
-        """`fallback`: if the fused kernel cannot be compiled here, warn and use the reference
-        (`attention="auto"`); otherwise the error propagates (`attention="fused"`).
-        `compile_layers`: with the fused kernel, run decode-only steps through compiled
-        layers (models/decode_graph.py) where the model supports it."""
+        """`decode_kernel`: one of `kernels.DECODE_KERNELS`. `fallback`: if that kernel cannot be
+        built or compiled here, warn and use the reference (`attention="auto"`); otherwise the
+        error propagates. `compile_layers`: with a kernel that runs inside compiled layers
+        (`kernels.GRAPH_DECODE_KERNELS`), run decode-only steps through compiled layers
+        (models/decode_graph.py) where the model supports it."""
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -56,23 +63,24 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
         self.decode_kernel = decode_kernel
         self.decode_graph: DecodeGraph | None = None
-        if decode_kernel == "fused":  # compile now rather than in the first request's step
+        if decode_kernel != "reference":  # build or compile now rather than in the first request's step
             try:
-                self._compile(compile_layers)
+                self._prepare(decode_kernel, compile_layers)
             except Exception as exc:  # e.g. no C++ compiler in a slim image
                 if not fallback:
                     raise
                 log.warning(
-                    "fused decode attention unavailable (%s: %s); using the reference kernel",
+                    "%s decode attention unavailable (%s: %s); using the reference kernel",
+                    decode_kernel,
                     type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "",
                 )
                 self.decode_kernel, self.decode_graph = "reference", None
 
-    def _compile(self, compile_layers: bool) -> None:
-        compiled_decode.warm_up(self.storage.layers[0], self.model.config.num_heads, self.scale)
-        if compile_layers and supports_decode_graph(self.model):
-            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size)
+    def _prepare(self, kernel: str, compile_layers: bool) -> None:
+        prepare_decode_kernel(kernel, self.storage.layers[0], self.model.config.num_heads, self.scale)
+        if compile_layers and kernel in GRAPH_DECODE_KERNELS and supports_decode_graph(self.model):
+            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size, kernel)
             self.decode_graph.warm_up(self.storage.layers)
 
     @torch.inference_mode()
@@ -149,11 +157,11 @@ class ModelRunner:
 
         Rows are taken longest first; a new bucket starts when a row is shorter than
         `_BUCKET_FILL` of the bucket's longest and the bucket already has enough rows to
-        amortise the per-bucket op overhead. The fused kernel splits contexts into chunks
-        itself, so it gets every decode row in one bucket.
+        amortise the per-bucket op overhead. The fused and C++ kernels split contexts into
+        chunks themselves, so they get every decode row in one bucket.
         """
         lens = [r.num_computed_tokens + 1 for r in requests]
-        if self.decode_kernel == "fused":  # split-K over chunks: one bucket of any lengths
+        if self.decode_kernel != "reference":  # split-K kernels: one bucket of any lengths
             return [self._whole_bucket(requests, lens)] if requests else []
         order = sorted(range(len(requests)), key=lens.__getitem__, reverse=True)
         buckets: list[list[int]] = []
@@ -186,6 +194,7 @@ class ModelRunner:
             block_table=table.to(self.device),
             bias=bias.unsqueeze(1).to(self.device),
             reversed=self._directions(tables, max_blocks),
+            lens=torch.tensor(lens, dtype=torch.long, device=self.device),
         )
 
     def _directions(self, tables, width: int) -> torch.Tensor | None:

@@ -4,24 +4,33 @@ Each op is a function with one contract (documented in `attention.py`); the per-
 inputs they read (`AttentionMetadata`, `DecodeBucket`, ...) are in `metadata.py`. The plain-PyTorch
 implementations in `kernels.reference` are the CPU path and the ground truth that GPU Triton
 kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations written for
-`torch.compile` to fuse: the fast CPU decode path, checked against the reference.
+`torch.compile` to fuse, and `kernels.cpu` the C++ CPU kernels (built at first use for
+the host's vector ISA); both are checked against the reference.
 """
 
 from kernels.attention import (
+    DECODE_KERNELS,
+    GRAPH_DECODE_KERNELS,
     decode_attention_with_new,
+    decode_graph_context,
     paged_attention,
+    prepare_decode_kernel,
     write_kv_cache,
     write_kv_cache_layers,
 )
 from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
 
 __all__ = [
+    "DECODE_KERNELS",
+    "GRAPH_DECODE_KERNELS",
     "AttentionMetadata",
     "DecodeBucket",
     "DecodeChunks",
     "PrefillSpan",
     "decode_attention_with_new",
+    "decode_graph_context",
     "paged_attention",
+    "prepare_decode_kernel",
     "write_kv_cache",
     "write_kv_cache_layers",
 ]

@@ -18,16 +18,21 @@ from __future__ import annotations
 import torch
 
 from kernels.compiled import decode as _compiled
+from kernels.cpu import decode as _cpu
 from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
 from kernels.reference import attention as _ref
 
 __all__ = [
+    "DECODE_KERNELS",
+    "GRAPH_DECODE_KERNELS",
     "AttentionMetadata",
     "DecodeBucket",
     "DecodeChunks",
     "PrefillSpan",
     "decode_attention_with_new",
+    "decode_graph_context",
     "paged_attention",
+    "prepare_decode_kernel",
     "write_kv_cache",
     "write_kv_cache_layers",
 ]
@@ -44,19 +49,50 @@ def write_kv_cache_layers(kv_data: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
 
 
+# The CPU decode kernels by name (`AttentionMetadata.decode_kernel`, `EngineConfig.attention`):
+# "reference" gathers blocks then matmuls (kernels/reference; the oracle), "fused" is the same
+# math compiled by Inductor (kernels/compiled/decode.py), "cpp" the C++ kernel (kernels/cpu/).
+DECODE_KERNELS = ("reference", "fused", "cpp")
+# Kernels that also run inside a compiled decoder layer (`decode_attention_with_new`).
+GRAPH_DECODE_KERNELS = ("fused", "cpp")
+
+
+def prepare_decode_kernel(kernel: str, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Make `kernel` ready before the first step: compile the Inductor kernel for this cache's
+    shape, or build/load the C++ one. Raises (no compiler, a failed build) for the caller to
+    fall back or fail."""
+    if kernel == "fused":
+        _compiled.warm_up(kv_cache, num_heads, scale)
+    elif kernel == "cpp":
+        _cpu.ops()
+    elif kernel != "reference":
+        raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {', '.join(DECODE_KERNELS)}")
+
+
+def decode_graph_context(kernel: str, bucket: DecodeBucket, seqs: int) -> tuple[torch.Tensor, ...]:
+    """The per-step context tensors `decode_attention_with_new` takes, built once per step from a
+    bucket of every decode row with lengths that exclude this step's token; `seqs` rows (a lone
+    sequence may be doubled: Dynamo specialises size 1)."""
+    if kernel == "cpp":
+        return _cpu.graph_context(bucket, seqs)
+    return _compiled.graph_chunks(bucket.chunks(_compiled.chunk_blocks(bucket.block_size)), seqs)
+
+
 def decode_attention_with_new(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    chunks: tuple[torch.Tensor, ...],
+    context: tuple[torch.Tensor, ...],
     scale: float,
+    kernel: str = "fused",
 ) -> torch.Tensor:
     """Decode attention for tracing inside a compiled layer: one query row per sequence (q
-    [S, heads, D]) over its cached context, given as `kernels.compiled.decode.graph_chunks`
-    of a bucket whose lengths exclude this step's token, plus that token's own k, v ([S,
-    kv_heads, D], not in the cache). Returns [S, heads, D]."""
-    return _compiled.decode_with_new_math(q, k, v, kv_cache, *chunks, scale)
+    [S, heads, D]) over its cached context, given as `decode_graph_context(kernel, ...)`, plus
+    that token's own k, v ([S, kv_heads, D], not in the cache). Returns [S, heads, D]."""
+    if kernel == "cpp":
+        return _cpu.decode_with_new(q, k, v, kv_cache, context, scale)
+    return _compiled.decode_with_new_math(q, k, v, kv_cache, *context, scale)
 
 
 def paged_attention(
@@ -74,4 +110,6 @@ def paged_attention(
     """
     if meta.decode_kernel == "fused":
         return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
+    if meta.decode_kernel == "cpp":
+        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_cpu.decode)
     return _ref.paged_attention(q, k, v, kv_cache, meta)

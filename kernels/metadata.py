@@ -39,6 +39,7 @@ class DecodeBucket:
     block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
     reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
+    lens: torch.Tensor | None = None  # [B] int64 context lengths (the valid part of `bias`); derived when None
     _slot_bias: torch.Tensor | None = field(default=None, repr=False)
     _chunks: tuple[int, DecodeChunks] | None = field(default=None, repr=False)
 
@@ -47,6 +48,16 @@ class DecodeBucket:
         if self._chunks is None or self._chunks[0] != width:
             self._chunks = (width, DecodeChunks.cut(self.block_table, self.slot_bias(), width))
         return self._chunks[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.bias.shape[-1] // self.block_table.shape[1]
+
+    def context_lens(self) -> torch.Tensor:
+        """[B] int64 context length of each row (for kernels that take lengths, not masks)."""
+        if self.lens is None:
+            self.lens = (self.bias[:, 0] == 0).sum(-1)
+        return self.lens
 
     def slot_bias(self) -> torch.Tensor:
         """`bias` in slot order (a reversed block's tokens sit at its far end), computed once

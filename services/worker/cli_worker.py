@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--attention",
-        choices=["auto", "fused", "reference"],
-        help="decode attention kernel (default auto: fused for bfloat16 on CPU)",
+        choices=["auto", "cpp", "fused", "reference"],
+        help="decode attention kernel (default auto: the C++ kernel on CPU; EngineConfig.attention)",
     )
     p.add_argument(
         "--no-compile-layers",

@@ -26,8 +26,8 @@ class WorkerSettings(ServiceSettings):
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
     num_threads: int | None = None
-    attention: str = "auto"  # decode attention kernel: auto, fused (CPU) or reference (EngineConfig.attention)
-    compile_layers: bool = True  # with fused attention: decode-only steps through compiled layers (EngineConfig)
+    attention: str = "auto"  # decode attention kernel: auto, cpp or fused (CPU), reference (EngineConfig.attention)
+    compile_layers: bool = True  # with cpp or fused attention: decode-only steps through compiled layers (EngineConfig)
     telemetry_interval_s: float = 1.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
