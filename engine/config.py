@@ -78,7 +78,7 @@ class EngineConfig:
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
-    packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
+    packed_weights: bool = True  # CPU: pre-pack linear weights for oneDNN once where it pays (models/packed_linear.py)
     # decode attention kernel: "cpp" (kernels/cpu/, the C++ kernel built for this CPU's ISA),
     # "fused" (kernels/compiled/decode.py, Inductor), "reference" (gather + matmul), or "auto":
     # decided per dtype and CPU by `decode_kernel` below (measurements in docs/engine.md)

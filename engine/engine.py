@@ -19,7 +19,7 @@ from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_
 from engine.kv.storage import bytes_per_block
 from engine.loader import iter_weights, load_model_config, load_tokenizer, resolve_model
 from engine.models import build_model
-from engine.models.packed_linear import pack_linear_layers, packing_supported
+from engine.models.packed_linear import pack_linear_layers, packing_pays
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
 from engine.runner import ModelRunner
@@ -88,7 +88,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
         self.model.load_weights(iter_weights(source))
-        if config.packed_weights and packing_supported(config.torch_dtype, self.device):
+        if config.packed_weights and packing_pays(self.model, config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
