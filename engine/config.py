@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.cpu.build import target_for
 from kernels.cpu_caps import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -105,11 +106,17 @@ class EngineConfig:
     def decode_kernel(self) -> str:
         """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable.
 
-        auto: the fused kernel for bfloat16 on CPU, the reference otherwise."""
+        auto: the C++ kernel on CPU for float32 and bfloat16 wherever the probe finds a kernel
+        target (AVX2 or AVX-512), the reference elsewhere (GPU, float16, CPUs below AVX2).
+        Measured against the Inductor kernel and the reference in docs/engine.md (Decisions).
+        Where the C++ kernel cannot be built (no compiler), the engine warns and falls back to
+        the reference (`ModelRunner`)."""
         if self.attention == "auto":
             if self.dtype == "auto":
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
-            return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
+            if self.device == "cpu" and self.dtype in ("float32", "bfloat16") and target_for() is not None:
+                return "cpp"
+            return "reference"
         if self.attention not in ("cpp", "fused", "reference"):
             raise ValueError(f"attention must be auto, cpp, fused or reference, not {self.attention!r}")
         if self.attention in ("cpp", "fused") and self.device != "cpu":

@@ -109,8 +109,12 @@ def test_bfloat16_decode_kernel_close_to_reference(tiny_model_dir, kernel):
 
 
 def test_attention_choice_is_checked():
-    assert EngineConfig(dtype="bfloat16").decode_kernel == "fused"
-    assert EngineConfig(dtype="float32").decode_kernel == "reference"
+    from kernels.cpu.build import target_for
+
+    native = "cpp" if target_for() is not None else "reference"  # no kernel target below AVX2
+    assert EngineConfig(dtype="bfloat16").decode_kernel == native
+    assert EngineConfig(dtype="float32").decode_kernel == native
+    assert EngineConfig(dtype="float16").decode_kernel == "reference"
     assert EngineConfig(dtype="bfloat16", attention="cpp").decode_kernel == "cpp"
     assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "reference"
     with pytest.raises(ValueError, match="attention must be"):
@@ -120,7 +124,7 @@ def test_attention_choice_is_checked():
             LLMEngine(EngineConfig(attention=kernel, device="cuda"))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_auto_attention_falls_back_when_the_kernel_cannot_be_built(tiny_model_dir, monkeypatch, caplog, dtype):
     """No C++ compiler (a slim image): `auto` warns and serves with the reference kernel;
     an explicit `cpp` or `fused` fails at start."""
