@@ -14,9 +14,10 @@ Which GEMM runs each dtype is probed at start, never assumed (`packing_pays`):
   AMD CPUs, while oneDNN uses AVX-512 there: on the Zen 5 development machine (one thread,
   SmolLM2's shapes) MKL did ~100 GFLOP/s and packed oneDNN ~250 (~130 under the AVX2
   emulation variables). On an Intel CPU MKL may be the faster one. So both are timed on the
-  model's own largest layer at start (a few calls each, ~0.1 s) and oneDNN is used only if
-  it is clearly faster. MKL's own packed sgemm (`torch.ops.mkl._mkl_linear`) is no
-  candidate: it uses the packed weight only for the exact row count it was packed for.
+  model's own largest layer at start (a few calls each on one thread, by CPU time, ~0.1 s)
+  and oneDNN is used only if it is clearly faster. MKL's own packed sgemm
+  (`torch.ops.mkl._mkl_linear`) is no candidate: it uses the packed weight only for the
+  exact row count it was packed for.
 Everywhere else (CUDA, float16) the model keeps its `nn.Linear` layers.
 """
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 # case the packing is for (prefill chunks are large enough to amortise per-call packing).
 _BATCH_HINT = 64
 _PROBE_ROWS = (64, 256)  # row counts the float32 probe times (decode batch, prefill chunk)
-_PROBE_CALLS = 3  # timed calls per candidate and row count (the fastest counts)
+_PROBE_CALLS = 5  # timed calls per candidate and row count (the fastest counts)
 _MIN_GAIN = 0.9  # pack float32 only if oneDNN takes at most this fraction of F.linear's time
 _TOLERANCE = {torch.bfloat16: (0.05, 0.02), torch.float32: (1e-4, 1e-4)}
 
@@ -84,24 +85,33 @@ def _largest_weight(model: nn.Module) -> torch.Tensor | None:
 
 
 def _time_packed_vs_plain(weight: torch.Tensor) -> tuple[float, float]:
-    """Seconds per call summed over the probe row counts, fastest of a few calls each."""
+    """CPU seconds per call summed over the probe row counts, fastest of a few calls each.
+
+    Timed on one thread with the thread's own CPU clock, and with the two candidates' calls
+    alternating: the machine may be shared, and wall-clock time under other processes' load
+    (seen: 30-50x slower calls in bursts) would decide the choice at random."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
     gen = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, weight.shape[1], generator=gen, dtype=weight.dtype) for rows in _PROBE_ROWS]
-    with torch.inference_mode():
-        packed_s = sum(_fastest(lambda x: _onednn_linear(x, packed, None), x) for x in inputs)
-        plain_s = sum(_fastest(lambda x: F.linear(x, weight), x) for x in inputs)
+    candidates = (lambda x: _onednn_linear(x, packed, None), lambda x: F.linear(x, weight))
+    packed_s = plain_s = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for x in inputs:
+                best = [float("inf"), float("inf")]
+                for call in candidates:
+                    call(x)  # first call: allocation, oneDNN primitive creation
+                for _ in range(_PROBE_CALLS):
+                    for i, call in enumerate(candidates):
+                        start = time.thread_time()
+                        call(x)
+                        best[i] = min(best[i], time.thread_time() - start)
+                packed_s, plain_s = packed_s + best[0], plain_s + best[1]
+    finally:
+        torch.set_num_threads(threads)
     return packed_s, plain_s
-
-
-def _fastest(call, x: torch.Tensor) -> float:
-    call(x)  # first call: allocation, oneDNN primitive creation
-    best = float("inf")
-    for _ in range(_PROBE_CALLS):
-        start = time.perf_counter()
-        call(x)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @functools.cache
