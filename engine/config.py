@@ -85,8 +85,9 @@ class EngineConfig:
     # decided per dtype and CPU by `decode_kernel` below (measurements in docs/engine.md)
     attention: str = "auto"
     # with the cpp or fused kernel, decode-only steps run each decoder layer as one Inductor
-    # graph (models/decode_graph.py; Llama family); False keeps them op by op
-    compile_layers: bool = True
+    # graph (models/decode_graph.py; Llama family); False keeps them op by op; None (auto):
+    # `layers_compiled` below decides per dtype
+    compile_layers: bool | None = None
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV
@@ -122,6 +123,16 @@ class EngineConfig:
         if self.attention in ("cpp", "fused") and self.device != "cpu":
             raise ValueError(f"attention={self.attention!r} is a CPU kernel; use 'reference' on other devices")
         return self.attention
+
+    @property
+    def layers_compiled(self) -> bool:
+        """Whether decode-only steps run through compiled decoder layers (where the kernel and
+        model allow). auto: yes in bfloat16 (decode step -13% measured), no in float32, where
+        two same-process A/Bs on the shared development machine measured the compiled layers
+        slower (docs/engine.md, Decisions)."""
+        if self.compile_layers is None:
+            return self.dtype != "float32"
+        return self.compile_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -99,7 +99,7 @@ class LLMEngine:
             self.device,
             decode_kernel,
             fallback=config.attention == "auto",
-            compile_layers=config.compile_layers,
+            compile_layers=config.layers_compiled,
         )
         self.cost_model = None
         if config.policy == "bros":

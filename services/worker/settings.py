@@ -27,7 +27,7 @@ class WorkerSettings(ServiceSettings):
     max_model_len: int | None = None
     num_threads: int | None = None
     attention: str = "auto"  # decode attention kernel: auto, cpp or fused (CPU), reference (EngineConfig.attention)
-    compile_layers: bool = True  # with cpp or fused attention: decode-only steps through compiled layers (EngineConfig)
+    compile_layers: bool | None = None  # decode-only steps through compiled layers; None: per dtype (EngineConfig)
     telemetry_interval_s: float = 1.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish

@@ -115,6 +115,10 @@ def test_attention_choice_is_checked():
     assert EngineConfig(dtype="bfloat16").decode_kernel == native
     assert EngineConfig(dtype="float32").decode_kernel == native
     assert EngineConfig(dtype="float16").decode_kernel == "reference"
+    # compiled decoder layers: auto per dtype (measured), an explicit choice is kept
+    assert EngineConfig(dtype="bfloat16").layers_compiled and not EngineConfig(dtype="float32").layers_compiled
+    assert EngineConfig(dtype="float32", compile_layers=True).layers_compiled
+    assert not EngineConfig(dtype="bfloat16", compile_layers=False).layers_compiled
     assert EngineConfig(dtype="bfloat16", attention="cpp").decode_kernel == "cpp"
     assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "reference"
     with pytest.raises(ValueError, match="attention must be"):
