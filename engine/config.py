@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.cpu.build import target_for
 from kernels.cpu_caps import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -83,16 +84,17 @@ class EngineConfig:
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
-    packed_weights: bool = True  # CPU bf16: pre-pack linear weights for oneDNN once (models/packed_linear.py)
-    # attention kernel: "fused" (kernels/compiled/decode.py, CPU only, decode), "triton"
-    # (kernels/triton: decode and prefill on CUDA; on CPU only under TRITON_INTERPRET=1, for
-    # tests), "reference" (gather + matmul, any device: the oracle), or "auto": triton on CUDA,
-    # fused for bfloat16 on CPU, reference otherwise (float32 stays on the path the
-    # transformers parity tests check)
+    packed_weights: bool = True  # CPU: pre-pack linear weights for oneDNN once where it pays (models/packed_linear.py)
+    # attention kernel: "cpp" (kernels/cpu/, the C++ decode kernel built for this CPU's ISA),
+    # "fused" (kernels/compiled/decode.py, Inductor; CPU decode), "triton" (kernels/triton:
+    # decode and prefill on CUDA; on CPU only under TRITON_INTERPRET=1, for tests),
+    # "reference" (gather + matmul, any device: the oracle), or "auto": decided per device,
+    # dtype and CPU by `decode_kernel` below (measurements in docs/engine.md)
     attention: str = "auto"
-    # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
-    # (models/decode_graph.py; Llama family); False keeps them op by op
-    compile_layers: bool = True
+    # with the cpp or fused kernel, decode-only steps run each decoder layer as one Inductor
+    # graph (models/decode_graph.py; Llama family); False keeps them op by op; None (auto):
+    # `layers_compiled` below decides per dtype
+    compile_layers: bool | None = None
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV
@@ -110,7 +112,13 @@ class EngineConfig:
 
     @property
     def decode_kernel(self) -> str:
-        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable."""
+        """The decode attention kernel `attention` resolves to; ValueError if it is unknown or unusable.
+
+        auto: Triton on CUDA; the C++ kernel on CPU for float32 and bfloat16 wherever the probe
+        finds a kernel target (AVX2 or AVX-512); the reference elsewhere (float16, CPUs below
+        AVX2). Measured against the Inductor kernel and the reference in docs/engine.md
+        (Decisions). Where the C++ kernel cannot be built (no compiler), the engine warns and
+        falls back to the reference (`ModelRunner`)."""
         try:
             on_cuda = torch.device(self.device).type == "cuda"
         except RuntimeError:
@@ -120,17 +128,31 @@ class EngineConfig:
                 raise ValueError("dtype 'auto' is decided by EngineConfig.resolved() before use")
             if on_cuda:
                 return "triton"
-            return "fused" if self.device == "cpu" and self.dtype == "bfloat16" else "reference"
-        if self.attention not in ("fused", "reference", "triton"):
-            raise ValueError(f"attention must be auto, fused, triton or reference, not {self.attention!r}")
-        if self.attention == "fused" and self.device != "cpu":
-            raise ValueError("attention='fused' is the CPU kernel; use 'triton' or 'reference' on other devices")
+            if self.device == "cpu" and self.dtype in ("float32", "bfloat16") and target_for() is not None:
+                return "cpp"
+            return "reference"
+        if self.attention not in ("cpp", "fused", "reference", "triton"):
+            raise ValueError(f"attention must be auto, cpp, fused, triton or reference, not {self.attention!r}")
+        if self.attention in ("cpp", "fused") and self.device != "cpu":
+            raise ValueError(
+                f"attention={self.attention!r} is a CPU kernel; use 'triton' or 'reference' on other devices"
+            )
         if self.attention == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "attention='triton' runs on CUDA; on CPU only under Triton's interpreter (TRITON_INTERPRET=1), "
                 "which is for tests"
             )
         return self.attention
+
+    @property
+    def layers_compiled(self) -> bool:
+        """Whether decode-only steps run through compiled decoder layers (where the kernel and
+        model allow). auto: yes in bfloat16 (decode step -13% measured), no in float32, where
+        two same-process A/Bs on the shared development machine measured the compiled layers
+        slower (docs/engine.md, Decisions)."""
+        if self.compile_layers is None:
+            return self.dtype != "float32"
+        return self.compile_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:

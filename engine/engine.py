@@ -21,7 +21,7 @@ from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
-from engine.models.packed_linear import pack_linear_layers, packing_supported
+from engine.models.packed_linear import pack_linear_layers, packing_pays
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
 from engine.profiling import ProfileTarget, profile, profile_cached
@@ -62,7 +62,7 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
         load_weights(self.model, arch, config.load_format, config.seed)
-        if config.packed_weights and packing_supported(config.torch_dtype, self.device):
+        if config.packed_weights and packing_pays(self.model, config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
@@ -73,7 +73,7 @@ class LLMEngine:
             self.device,
             decode_kernel,
             fallback=config.attention == "auto",
-            compile_layers=config.compile_layers,
+            compile_layers=config.layers_compiled,
         )
         self.cost_model = None
         if config.policy == "bros":

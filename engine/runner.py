@@ -18,14 +18,21 @@ from torch import nn
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from engine.scheduling import Request, ScheduledItem
-from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, triton_unavailable, write_kv_cache_layers
-from kernels.compiled import decode as compiled_decode
+from kernels import (
+    GRAPH_DECODE_KERNELS,
+    AttentionMetadata,
+    DecodeBucket,
+    PrefillSpan,
+    prepare_decode_kernel,
+    triton_unavailable,
+    write_kv_cache_layers,
+)
 
 log = logging.getLogger(__name__)
 _BUCKET_FILL = 0.75  # a bucket's shortest row is at least this fraction of its longest...
 _BUCKET_MIN = 8  # ...unless the bucket is still smaller than this
 _BUCKET_MAX = 32  # and holds at most this many rows (bounds one gather's temporary; 64 measured no better)
-_SPLIT_K_KERNELS = ("fused", "triton")  # decode kernels that cut contexts into parts themselves
+_SPLIT_K_KERNELS = ("fused", "cpp", "triton")  # decode kernels that cut contexts into parts themselves
 
 
 @dataclass
@@ -45,10 +52,11 @@ class ModelRunner:
         fallback: bool = False,
         compile_layers: bool = True,
     ) -> None:
-        """`fallback`: if the fused kernel cannot be compiled here, warn and use the reference
-        (`attention="auto"`); otherwise the error propagates (`attention="fused"`).
-        `compile_layers`: with the fused kernel, run decode-only steps through compiled
-        layers (models/decode_graph.py) where the model supports it."""
+        """`decode_kernel`: one of `kernels.DECODE_KERNELS`. `fallback`: if that kernel cannot be
+        built or compiled here, warn and use the reference (`attention="auto"`); otherwise the
+        error propagates. `compile_layers`: with a kernel that runs inside compiled layers
+        (`kernels.GRAPH_DECODE_KERNELS`), run decode-only steps through compiled layers
+        (models/decode_graph.py) where the model supports it."""
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -57,14 +65,15 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
         self.decode_kernel = decode_kernel
         self.decode_graph: DecodeGraph | None = None
-        if decode_kernel == "fused":  # compile now rather than in the first request's step
+        if decode_kernel in GRAPH_DECODE_KERNELS:  # build or compile now rather than in the first request's step
             try:
-                self._compile(compile_layers)
+                self._prepare(decode_kernel, compile_layers)
             except Exception as exc:  # e.g. no C++ compiler in a slim image
                 if not fallback:
                     raise
                 log.warning(
-                    "fused decode attention unavailable (%s: %s); using the reference kernel",
+                    "%s decode attention unavailable (%s: %s); using the reference kernel",
+                    decode_kernel,
                     type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "",
                 )
@@ -82,10 +91,10 @@ class ModelRunner:
         log.warning("Triton attention unavailable (%s); using the reference kernel", reason)
         self.decode_kernel = "reference"
 
-    def _compile(self, compile_layers: bool) -> None:
-        compiled_decode.warm_up(self.storage.layers[0], self.model.config.num_heads, self.scale)
-        if compile_layers and supports_decode_graph(self.model):
-            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size)
+    def _prepare(self, kernel: str, compile_layers: bool) -> None:
+        prepare_decode_kernel(kernel, self.storage.layers[0], self.model.config.num_heads, self.scale)
+        if compile_layers and kernel in GRAPH_DECODE_KERNELS and supports_decode_graph(self.model):
+            self.decode_graph = DecodeGraph(self.model, self.scale, self.block_size, kernel)
             self.decode_graph.warm_up(self.storage.layers)
 
     @torch.inference_mode()
@@ -162,8 +171,8 @@ class ModelRunner:
 
         Rows are taken longest first; a new bucket starts when a row is shorter than
         `_BUCKET_FILL` of the bucket's longest and the bucket already has enough rows to
-        amortise the per-bucket op overhead. The fused kernel splits contexts into chunks
-        itself, so it gets every decode row in one bucket.
+        amortise the per-bucket op overhead. The fused and C++ kernels split contexts into
+        chunks themselves, so they get every decode row in one bucket.
         """
         lens = [r.num_computed_tokens + 1 for r in requests]
         if self.decode_kernel in _SPLIT_K_KERNELS:  # split-K over chunks: one bucket of any lengths
@@ -199,6 +208,7 @@ class ModelRunner:
             block_table=table.to(self.device),
             bias=bias.unsqueeze(1).to(self.device),
             reversed=self._directions(tables, max_blocks),
+            lens=torch.tensor(lens, dtype=torch.long, device=self.device),
         )
 
     def _directions(self, tables, width: int) -> torch.Tensor | None:

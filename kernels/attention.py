@@ -1,8 +1,7 @@
 """Paged attention: the contract between the model runner and the kernels.
 
-The runner flattens a step's tokens into one batch ordered *decodes first, then prefill
-chunks*. Everything that depends only on the batch (slot indices, masks) is built once per
-step in `AttentionMetadata` and reused by every layer, so per-layer work is only the math.
+The per-step inputs (`AttentionMetadata` and what it holds) are in `kernels/metadata.py`;
+this module dispatches each op to the kernel that runs it.
 
 KV cache layout, per layer: one tensor `[2, num_kv_heads, num_blocks, block_size,
 head_dim]` (K then V; head-major, so a gather of blocks is directly a per-head matrix). A
@@ -18,104 +17,29 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kernels.compiled import decode as _compiled
+from kernels.cpu import decode as _cpu
+from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
 from kernels.reference import attention as _ref
 
-
-@dataclass
-class PrefillSpan:
-    """One sequence with more than one new token in this step."""
-
-    q_start: int  # first row of this sequence in the flattened batch
-    q_len: int  # new tokens in this step
-    ctx_len: int  # tokens already in the cache before this step
-    block_ids: torch.Tensor | None  # [n] blocks holding all ctx_len + q_len tokens; None when ctx_len == 0
-    reversed: torch.Tensor | None = None  # [n] bool direction bits; None when every block is forward
-
-
-@dataclass
-class DecodeBucket:
-    """Single-token sequences attended together: for the reference path, rows of similar
-    context length padded to the longest; for the fused path, every decode row of the step
-    (it cuts contexts into chunks itself, `chunks`)."""
-
-    rows: torch.Tensor  # [B] rows of these sequences in the flattened batch
-    block_table: torch.Tensor  # [B, max_blocks] blocks of each sequence's context (padded with 0)
-    bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
-    reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
-    _slot_bias: torch.Tensor | None = field(default=None, repr=False)
-    _chunks: tuple[int, DecodeChunks] | None = field(default=None, repr=False)
-
-    def chunks(self, width: int) -> DecodeChunks:
-        """The bucket cut into chunks of `width` blocks (once per step; see DecodeChunks)."""
-        if self._chunks is None or self._chunks[0] != width:
-            self._chunks = (width, DecodeChunks.cut(self.block_table, self.slot_bias(), width))
-        return self._chunks[1]
-
-    def slot_bias(self) -> torch.Tensor:
-        """`bias` in slot order (a reversed block's tokens sit at its far end), computed once
-        per step for kernels that read blocks in place instead of gathering them."""
-        if self.reversed is None:
-            return self.bias
-        if self._slot_bias is None:
-            batch, _, width = self.bias.shape
-            blocks = self.bias.view(batch, self.reversed.shape[1], -1)
-            flip = self.reversed.unsqueeze(-1)
-            self._slot_bias = torch.where(flip, blocks.flip(-1), blocks).view(batch, 1, width)
-        return self._slot_bias
-
-
-@dataclass(frozen=True)
-class DecodeChunks:
-    """Decode contexts cut into chunks of `width` blocks, for split-K kernels that attend
-    chunks independently and combine each sequence's partial results."""
-
-    table: torch.Tensor  # [C, width] blocks of each chunk (a sequence's last chunk padded with block 0)
-    seq: torch.Tensor  # [C] bucket row each chunk belongs to
-    bias: torch.Tensor  # [C, 1, width * block_size] float32 slot mask: 0 valid, -inf not
-    seq_chunks: torch.Tensor  # [B, M] each row's chunk indices, padded with C (no chunk)
-
-    @staticmethod
-    def cut(block_table: torch.Tensor, slot_bias: torch.Tensor, width: int) -> DecodeChunks:
-        rows, blocks = block_table.shape
-        bs = slot_bias.shape[-1] // blocks
-        per_row = -(-blocks // width)
-        pad = per_row * width - blocks
-        table = F.pad(block_table, (0, pad)).view(rows, per_row, width)
-        bias = F.pad(slot_bias.view(rows, blocks * bs), (0, pad * bs), value=float("-inf"))
-        bias = bias.view(rows, per_row, width * bs)
-        used = (bias == 0).any(-1)  # [rows, per_row]: chunks holding at least one token
-        count = int(used.sum())
-        ids = torch.full((rows, per_row), count, dtype=torch.long, device=table.device)
-        ids[used] = torch.arange(count, device=table.device)
-        seq = torch.arange(rows, device=table.device).unsqueeze(1).expand(rows, per_row)[used]
-        return DecodeChunks(table[used], seq, bias[used].unsqueeze(1), ids)
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step attention inputs shared by all layers."""
-
-    slot_mapping: torch.Tensor  # [T] cache slot of every new token
-    decode_buckets: list[DecodeBucket]
-    prefills: list[PrefillSpan]
-    scale: float
-    # Called with the layer index before each layer's attention while KV for this batch is
-    # still being loaded layer by layer (session promotion); None otherwise.
-    wait_layer: Callable[[int], None] | None = None
-    # How decode buckets are attended: "reference" gathers blocks then matmuls (the CPU path
-    # and the GPU kernels' reference); "fused" is kernels/compiled/decode.py; "triton" runs
-    # decodes *and* prefills through kernels/triton (CUDA, or CPU under the interpreter).
-    decode_kernel: str = "reference"
-    # What a kernel derives from the fields above on the step's first layer and reuses in
-    # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
-    prepared: dict = field(default_factory=dict, repr=False)
+__all__ = [
+    "DECODE_KERNELS",
+    "GRAPH_DECODE_KERNELS",
+    "AttentionMetadata",
+    "DecodeBucket",
+    "DecodeChunks",
+    "PrefillSpan",
+    "decode_attention_with_new",
+    "decode_graph_context",
+    "paged_attention",
+    "prepare_decode_kernel",
+    "triton_unavailable",
+    "write_kv_cache",
+    "write_kv_cache_layers",
+]
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -132,19 +56,50 @@ def write_kv_cache_layers(kv_data: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         _ref.write_kv_cache_layers(kv_data, k, v, slot_mapping)
 
 
+# The CPU decode kernels by name (`AttentionMetadata.decode_kernel`, `EngineConfig.attention`):
+# "reference" gathers blocks then matmuls (kernels/reference; the oracle), "fused" is the same
+# math compiled by Inductor (kernels/compiled/decode.py), "cpp" the C++ kernel (kernels/cpu/).
+DECODE_KERNELS = ("reference", "fused", "cpp")
+# Kernels that also run inside a compiled decoder layer (`decode_attention_with_new`).
+GRAPH_DECODE_KERNELS = ("fused", "cpp")
+
+
+def prepare_decode_kernel(kernel: str, kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Make `kernel` ready before the first step: compile the Inductor kernel for this cache's
+    shape, or build/load the C++ one. Raises (no compiler, a failed build) for the caller to
+    fall back or fail."""
+    if kernel == "fused":
+        _compiled.warm_up(kv_cache, num_heads, scale)
+    elif kernel == "cpp":
+        _cpu.ops()
+    elif kernel != "reference":
+        raise ValueError(f"unknown decode kernel {kernel!r}; expected one of {', '.join(DECODE_KERNELS)}")
+
+
+def decode_graph_context(kernel: str, bucket: DecodeBucket, seqs: int) -> tuple[torch.Tensor, ...]:
+    """The per-step context tensors `decode_attention_with_new` takes, built once per step from a
+    bucket of every decode row with lengths that exclude this step's token; `seqs` rows (a lone
+    sequence may be doubled: Dynamo specialises size 1)."""
+    if kernel == "cpp":
+        return _cpu.graph_context(bucket, seqs)
+    return _compiled.graph_chunks(bucket.chunks(_compiled.chunk_blocks(bucket.block_size)), seqs)
+
+
 def decode_attention_with_new(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
-    chunks: tuple[torch.Tensor, ...],
+    context: tuple[torch.Tensor, ...],
     scale: float,
+    kernel: str = "fused",
 ) -> torch.Tensor:
     """Decode attention for tracing inside a compiled layer: one query row per sequence (q
-    [S, heads, D]) over its cached context, given as `kernels.compiled.decode.graph_chunks`
-    of a bucket whose lengths exclude this step's token, plus that token's own k, v ([S,
-    kv_heads, D], not in the cache). Returns [S, heads, D]."""
-    return _compiled.decode_with_new_math(q, k, v, kv_cache, *chunks, scale)
+    [S, heads, D]) over its cached context, given as `decode_graph_context(kernel, ...)`, plus
+    that token's own k, v ([S, kv_heads, D], not in the cache). Returns [S, heads, D]."""
+    if kernel == "cpp":
+        return _cpu.decode_with_new(q, k, v, kv_cache, context, scale)
+    return _compiled.decode_with_new_math(q, k, v, kv_cache, *context, scale)
 
 
 def paged_attention(
@@ -164,6 +119,8 @@ def paged_attention(
         return _triton().paged_attention(q, k, v, kv_cache, meta)
     if meta.decode_kernel == "fused":
         return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
+    if meta.decode_kernel == "cpp":
+        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_cpu.decode)
     return _ref.paged_attention(q, k, v, kv_cache, meta)
 
 

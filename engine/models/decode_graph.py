@@ -32,8 +32,8 @@ import zlib
 import torch
 from torch import nn
 
-from kernels import DecodeBucket
-from kernels.compiled.decode import chunk_blocks, compile_copy, graph_chunks, warm_up_bucket
+from kernels import GRAPH_DECODE_KERNELS, DecodeBucket, decode_graph_context
+from kernels.compiled.decode import chunk_blocks, compile_copy, warm_up_bucket
 
 
 def supports_decode_graph(model: nn.Module) -> bool:
@@ -41,8 +41,8 @@ def supports_decode_graph(model: nn.Module) -> bool:
     return hasattr(model, "layer_inputs") and all(hasattr(layer, "decode") for layer in model.layers)
 
 
-def _layer_decode(layer, x, layer_args, cache, chunks, scale: float):
-    return layer.decode(x, *layer_args, cache, chunks, scale)
+def _layer_decode(layer, x, layer_args, cache, context, scale: float, kernel: str):
+    return layer.decode(x, *layer_args, cache, context, scale, kernel)
 
 
 @functools.cache
@@ -56,12 +56,17 @@ class DecodeGraph:
     """Runs a decode-only step through compiled layers: returns the final hidden states and
     every layer's new K and V (`[layers, S, kv_heads, D]`) for the caller to write."""
 
-    def __init__(self, model: nn.Module, scale: float, block_size: int) -> None:
+    def __init__(self, model: nn.Module, scale: float, block_size: int, kernel: str = "fused") -> None:
+        """`kernel`: the decode attention traced into the layers (`kernels.GRAPH_DECODE_KERNELS`)."""
+        if kernel not in GRAPH_DECODE_KERNELS:
+            raise ValueError(f"decode kernel {kernel!r} cannot run inside a compiled layer")
         self.model = model
         self.scale = scale
         self.block_size = block_size
+        self.kernel = kernel
         shape = zlib.crc32(repr(model.config).encode())  # stable across processes, for Inductor's disk cache
-        static = (type(model).__name__, shape, next(model.parameters()).dtype, block_size, chunk_blocks(block_size))
+        dtype = next(model.parameters()).dtype
+        static = (type(model).__name__, shape, dtype, block_size, chunk_blocks(block_size), kernel)
         self._layer = _compiled_layer(static)
 
     @torch.inference_mode()
@@ -74,13 +79,13 @@ class DecodeGraph:
             input_ids, positions = input_ids.expand(2), positions.expand(2)
         x, *layer_args = self.model.layer_inputs(input_ids, positions)
         layer_args = tuple(layer_args)
-        chunks = graph_chunks(context.chunks(chunk_blocks(self.block_size)), x.shape[0])
+        step_context = decode_graph_context(self.kernel, context, x.shape[0])
         for t in (x, *layer_args):
             torch._dynamo.mark_dynamic(t, 0)
         keys, values = [], []
         for layer, cache in zip(self.model.layers, caches):
             torch._dynamo.mark_dynamic(cache, 2)
-            x, k, v = self._layer(layer, x, layer_args, cache, chunks, self.scale)
+            x, k, v = self._layer(layer, x, layer_args, cache, step_context, self.scale, self.kernel)
             keys.append(k)
             values.append(v)
         return x[:seqs], torch.stack(keys)[:, :seqs], torch.stack(values)[:, :seqs]

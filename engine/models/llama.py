@@ -39,11 +39,12 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, cache, meta)
         return self.o_proj(out.view(x.shape[0], self.q_size))
 
-    def decode(self, x, cos, sin, cache: KVCache, chunks, scale: float):
+    def decode(self, x, cos, sin, cache: KVCache, context, scale: float, kernel: str):
         """Decode-only step without touching the cache (see models/decode_graph.py): returns
-        the output and this step's k, v for the caller to write."""
+        the output and this step's k, v for the caller to write. `context` is the step's
+        `kernels.decode_graph_context` for the decode `kernel`."""
         q, k, v = self._qkv(x, cos, sin)
-        out = decode_attention_with_new(q, k, v, cache, chunks, scale)
+        out = decode_attention_with_new(q, k, v, cache, context, scale, kernel)
         return self.o_proj(out.view(x.shape[0], self.q_size)), k, v
 
     def _qkv(self, x, cos, sin):
@@ -81,9 +82,9 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, cos, sin, cache, chunks, scale: float):
+    def decode(self, x, cos, sin, cache, context, scale: float, kernel: str):
         """`forward` for a decode-only step, as one compiled graph: returns (x, k, v)."""
-        out, k, v = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, chunks, scale)
+        out, k, v = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, context, scale, kernel)
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 

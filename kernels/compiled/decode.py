@@ -39,15 +39,12 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_caps import isolate_compile_cache
-
-if TYPE_CHECKING:
-    from kernels.attention import DecodeBucket, DecodeChunks
+from kernels.metadata import DecodeBucket, DecodeChunks
 
 CHUNK_TOKENS = 64  # context tokens per chunk (rounded to whole blocks)
 
@@ -194,8 +191,6 @@ def warm_up(kv_cache: torch.Tensor, num_heads: int, scale: float) -> None:
 
 def warm_up_bucket(block_size: int, device: torch.device) -> DecodeBucket:
     """Two sequences of three chunks each over the null block 0: no size-1 dimension."""
-    from kernels.attention import DecodeBucket
-
     width = 2 * chunk_blocks(block_size) + 1
     return DecodeBucket(
         rows=torch.arange(2, device=device),

@@ -13,13 +13,10 @@ for a handful of query rows per sequence. Prefill chunks use SDPA (causal, GQA-a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from kernels.attention import AttentionMetadata, DecodeBucket, PrefillSpan
+from kernels.metadata import AttentionMetadata, DecodeBucket, PrefillSpan
 
 
 def write_kv_cache(kv_cache, k, v, slot_mapping) -> None:

@@ -28,8 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
         "--attention",
-        choices=["auto", "fused", "triton", "reference"],
-        help="attention kernel (default auto: triton on CUDA, fused for bfloat16 on CPU)",
+        choices=["auto", "cpp", "fused", "triton", "reference"],
+        help="attention kernel (default auto: triton on CUDA, the C++ kernel on CPU; EngineConfig.attention)",
     )
     p.add_argument(
         "--no-compile-layers",

@@ -27,7 +27,9 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
     return ids[len(prompt) :], logits
 
 
-@pytest.mark.parametrize("attention", ["reference", pytest.param("fused", marks=requires_cxx)])
+@pytest.mark.parametrize(
+    "attention", ["reference", pytest.param("fused", marks=requires_cxx), pytest.param("cpp", marks=requires_cxx)]
+)
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_logits_match_transformers(name, attention, tiny_model_dir):
     path = tiny_model_dir(name)
@@ -75,14 +77,15 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
 
 
 @requires_cxx
-def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
-    """The serving default (bf16 on CPU: fused decode) against the gather+matmul reference,
-    step by step over a batch whose contexts span several blocks."""
+@pytest.mark.parametrize("kernel", ["cpp", "fused"])
+def test_bfloat16_decode_kernel_close_to_reference(tiny_model_dir, kernel):
+    """The bf16 CPU decode kernels (the C++ one is the serving default) against the
+    gather+matmul reference, step by step over a batch whose contexts span several blocks."""
     path = tiny_model_dir("llama")
     rng = random.Random(2)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (3, 40, 17, 66)]
     runs = {}
-    for attention in ("fused", "reference"):
+    for attention in (kernel, "reference"):
         cfg = EngineConfig(model=str(path), dtype="bfloat16", num_blocks=64, block_size=8, attention=attention)
         assert cfg.decode_kernel == attention
         engine = LLMEngine(cfg)
@@ -97,7 +100,7 @@ def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
     # Compare while both runs have fed the same tokens: after a near-tie flips a greedy
     # token (bf16 rounding differs), the sequences differ and so do their logits.
     diverged: set[str] = set()
-    for fused, ref in zip(runs["fused"], runs["reference"], strict=True):
+    for fused, ref in zip(runs[kernel], runs["reference"], strict=True):
         for rid in ref.keys() - diverged:
             torch.testing.assert_close(fused[rid], ref[rid], atol=0.1, rtol=0.05)
             if fused[rid].argmax() != ref[rid].argmax():
@@ -106,33 +109,52 @@ def test_bfloat16_fused_decode_close_to_reference(tiny_model_dir):
 
 
 def test_attention_choice_is_checked():
-    assert EngineConfig(dtype="bfloat16").decode_kernel == "fused"
-    assert EngineConfig(dtype="float32").decode_kernel == "reference"
+    from kernels.cpu.build import target_for
+
+    native = "cpp" if target_for() is not None else "reference"  # no kernel target below AVX2
+    assert EngineConfig(dtype="bfloat16").decode_kernel == native
+    assert EngineConfig(dtype="float32").decode_kernel == native
+    assert EngineConfig(dtype="float16").decode_kernel == "reference"
+    # compiled decoder layers: auto per dtype (measured), an explicit choice is kept
+    assert EngineConfig(dtype="bfloat16").layers_compiled and not EngineConfig(dtype="float32").layers_compiled
+    assert EngineConfig(dtype="float32", compile_layers=True).layers_compiled
+    assert not EngineConfig(dtype="bfloat16", compile_layers=False).layers_compiled
+    assert EngineConfig(dtype="bfloat16", attention="cpp").decode_kernel == "cpp"
     assert EngineConfig(dtype="bfloat16", device="cuda").decode_kernel == "triton"
     with pytest.raises(ValueError, match="attention must be"):
         LLMEngine(EngineConfig(attention="flash"))
-    with pytest.raises(ValueError, match="CPU kernel"):
-        LLMEngine(EngineConfig(attention="fused", device="cuda"))
+    for kernel in ("fused", "cpp"):
+        with pytest.raises(ValueError, match="CPU kernel"):
+            LLMEngine(EngineConfig(attention=kernel, device="cuda"))
 
 
-def test_auto_attention_falls_back_when_compiling_fails(tiny_model_dir, monkeypatch, caplog):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_auto_attention_falls_back_when_the_kernel_cannot_be_built(tiny_model_dir, monkeypatch, caplog, dtype):
     """No C++ compiler (a slim image): `auto` warns and serves with the reference kernel;
-    an explicit `fused` fails at start."""
+    an explicit `cpp` or `fused` fails at start."""
     from kernels.compiled import decode as compiled_decode
+    from kernels.cpu import decode as cpu_decode
+    from kernels.cpu.build import KernelBuildError
+
+    def no_compiler(*_args, **_kwargs):
+        raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("Compiler: cc is not found")
 
+    monkeypatch.setattr(cpu_decode, "ops", no_compiler)
     monkeypatch.setattr(compiled_decode, "warm_up", broken)
     path = tiny_model_dir("llama")
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_blocks=32))
-    assert engine.runner.decode_kernel == "reference"
-    assert "fused decode attention unavailable" in caplog.text
+    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, num_blocks=32))
+    assert engine.runner.decode_kernel == "reference" and engine.runner.decode_graph is None
+    assert "decode attention unavailable" in caplog.text
     engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    with pytest.raises(KernelBuildError, match="no C\\+\\+ compiler"):
+        LLMEngine(EngineConfig(model=str(path), dtype=dtype, num_blocks=32, attention="cpp"))
     with pytest.raises(RuntimeError, match="cc is not found"):
-        LLMEngine(EngineConfig(model=str(path), dtype="bfloat16", num_blocks=32, attention="fused"))
+        LLMEngine(EngineConfig(model=str(path), dtype=dtype, num_blocks=32, attention="fused"))
 
 
 def test_incomplete_checkpoint_is_refused(tiny_model_dir, tmp_path):

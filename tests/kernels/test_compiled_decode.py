@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import DecodeBucket
 from kernels.compiled import decode as compiled
+from kernels.metadata import DecodeBucket
 from kernels.reference.attention import _decode as reference_decode
 from tests.conftest import requires_cxx
 

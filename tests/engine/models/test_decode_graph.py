@@ -16,10 +16,15 @@ from tests.conftest import requires_cxx
 pytestmark = requires_cxx
 
 
-def _engine(path, compile_layers=True, dtype="bfloat16") -> LLMEngine:
+def _engine(path, compile_layers=True, dtype="bfloat16", attention="cpp") -> LLMEngine:
     return LLMEngine(
         EngineConfig(
-            model=str(path), dtype=dtype, num_blocks=96, block_size=8, attention="fused", compile_layers=compile_layers
+            model=str(path),
+            dtype=dtype,
+            num_blocks=96,
+            block_size=8,
+            attention=attention,
+            compile_layers=compile_layers,
         )
     )
 
@@ -54,17 +59,18 @@ def _run(engine: LLMEngine, prompts: list[list[int]], arrive: dict[int, int] | N
     return steps
 
 
+@pytest.mark.parametrize("attention", ["cpp", "fused"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_same_logits_as_op_by_op(name, tiny_model_dir, graph_steps):
+def test_same_logits_as_op_by_op(name, attention, tiny_model_dir, graph_steps):
     """bf16, staggered arrivals (decode batches of several sizes, contexts over several
     chunks): compared step by step until a near-tie flips a greedy token."""
     path = tiny_model_dir(name)
     rng = random.Random(3)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (70, 3, 150, 17, 9)]
     arrive = {1: 2, 3: 5, 4: 6}
-    graph = _run(_engine(path), prompts, arrive)
+    graph = _run(_engine(path, attention=attention), prompts, arrive)
     assert len(graph_steps) >= 5 and min(graph_steps) < max(graph_steps)
-    eager = _run(_engine(path, compile_layers=False), prompts, arrive)
+    eager = _run(_engine(path, compile_layers=False, attention=attention), prompts, arrive)
     diverged: set[str] = set()
     for g, e in zip(graph, eager, strict=True):
         for rid in e.keys() - diverged:
@@ -74,23 +80,25 @@ def test_same_logits_as_op_by_op(name, tiny_model_dir, graph_steps):
     assert len(diverged) < len(prompts)
 
 
-def test_float32_graph_matches_op_by_op_closely(tiny_model_dir, graph_steps):
+@pytest.mark.parametrize("attention", ["cpp", "fused"])
+def test_float32_graph_matches_op_by_op_closely(tiny_model_dir, graph_steps, attention):
     """In float32 the only differences are float summation order."""
     path = tiny_model_dir("llama")
     prompts = [list(range(100, 170)), list(range(7, 40))]
-    graph = _run(_engine(path, dtype="float32"), prompts)
+    graph = _run(_engine(path, dtype="float32", attention=attention), prompts)
     assert graph_steps
-    eager = _run(_engine(path, compile_layers=False, dtype="float32"), prompts)
+    eager = _run(_engine(path, compile_layers=False, dtype="float32", attention=attention), prompts)
     for g, e in zip(graph, eager, strict=True):
         for rid in e:
             torch.testing.assert_close(g[rid], e[rid], atol=2e-4, rtol=1e-4)
 
 
-def test_one_graph_for_every_batch(tiny_model_dir, graph_steps):
+@pytest.mark.parametrize("attention", ["cpp", "fused"])
+def test_one_graph_for_every_batch(tiny_model_dir, graph_steps, attention):
     """After the engine's warm-up no step recompiles: one sequence alone, one chunk, many
     chunks, growing and shrinking batches. A 1-token prompt (no context yet) arriving in a
     decode batch takes the op-by-op path for that step."""
-    engine = _engine(tiny_model_dir("llama"))
+    engine = _engine(tiny_model_dir("llama"), attention=attention)
     prompts = [[5], list(range(200, 290)), list(range(3, 9)), [11], list(range(60, 80))]
     with torch._dynamo.config.patch(error_on_recompile=True):
         _run(engine, prompts, arrive={1: 4, 2: 6, 3: 8, 4: 30})

@@ -1,4 +1,5 @@
-"""oneDNN pre-packed bf16 linear layers: same numbers as `F.linear`, and the engine uses them."""
+"""oneDNN pre-packed linear layers (bf16, and float32 where the start-up timing says it pays):
+same numbers as `F.linear`, and the engine uses them."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.models.packed_linear import PackedLinear, pack_linear_layers, packing_supported
+from engine.models import packed_linear
+from engine.models.packed_linear import PackedLinear, pack_linear_layers, packing_pays, packing_supported
 
 requires_packing = pytest.mark.skipif(
     not packing_supported(torch.bfloat16, torch.device("cpu")),
     reason="oneDNN's packed bf16 GEMM does not run on this CPU (or this PyTorch)",
+)
+requires_fp32_packing = pytest.mark.skipif(
+    not packing_supported(torch.float32, torch.device("cpu")),
+    reason="oneDNN's packed float32 GEMM does not run on this CPU (or this PyTorch)",
 )
 
 
@@ -65,9 +71,42 @@ def test_engine_packs_bf16_layers_and_keeps_outputs(name, tiny_model_dir):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=2e-2)
 
 
-def test_float32_engine_is_not_packed(tiny_model_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=16))
-    assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
+@requires_fp32_packing
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_packed_linear_matches_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = nn.Linear(96, 80, bias=bias)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(PackedLinear(layer.weight, layer.bias)(x), layer(x), atol=1e-5, rtol=1e-5)
+
+
+@requires_fp32_packing
+@pytest.mark.parametrize("packed_s,plain_s,pays", [(1.0, 2.0, True), (2.0, 1.0, False), (0.95, 1.0, False)])
+def test_float32_packs_only_where_the_timing_says_it_pays(monkeypatch, packed_s, plain_s, pays):
+    """float32 packing is decided by timing oneDNN against F.linear (MKL) at start: it must be
+    clearly faster (10%), since MKL wins on some CPUs and packing a tied head costs memory."""
+    monkeypatch.setattr(packed_linear, "_time_packed_vs_plain", lambda weight: (packed_s, plain_s))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    assert packing_pays(model, torch.float32, torch.device("cpu")) is pays
+    assert packing_pays(model, torch.float16, torch.device("cpu")) is False
+
+
+@requires_fp32_packing
+def test_float32_engine_packed_keeps_outputs(tiny_model_dir, monkeypatch):
+    """A float32 engine with packed layers gives the unpacked engine's tokens and logits (to
+    float32 summation order)."""
+    monkeypatch.setattr(packed_linear, "_time_packed_vs_plain", lambda weight: (1.0, 2.0))
+    path = str(tiny_model_dir("llama"))
+    prompts = [list(range(200, 230)), list(range(500, 517))]
+    runs = {}
+    for packed in (False, True):
+        engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_blocks=32, packed_weights=packed))
+        assert any(isinstance(m, PackedLinear) for m in engine.model.modules()) == packed
+        runs[packed] = _greedy(engine, prompts)
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
 @requires_packing
