@@ -148,8 +148,8 @@ class EngineConfig:
     def layers_compiled(self) -> bool:
         """Whether decode-only steps run through compiled decoder layers (where the kernel and
         model allow). auto: yes in bfloat16 (decode step -13% measured), no in float32, where
-        two same-process A/Bs on the shared development machine measured the compiled layers
-        slower (docs/engine.md, Decisions)."""
+        same-process A/Bs measured a tie on a quiet machine and the compiled layers slower
+        under load, and they cost compile time at start (docs/engine.md, Decisions)."""
         if self.compile_layers is None:
             return self.dtype != "float32"
         return self.compile_layers

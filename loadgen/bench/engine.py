@@ -58,7 +58,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention",
         default=None,
-        choices=["auto", "fused", "triton", "reference"],
+        choices=["auto", "cpp", "fused", "triton", "reference"],
         help="attention kernel; default: engine default (auto: triton on CUDA)",
     )
     p.add_argument(
