@@ -8,7 +8,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -89,17 +91,21 @@ def _wait_in_flight(stack, batch_id: str) -> None:
     stack.wait_until(f"an item of {batch_id} in flight", lambda: in_flight(stack, batch_id) > 0)
 
 
-async def _wait_orphan_result(stack, batch_id: str) -> str:
-    """The next item of the batch that finishes on a worker: its result lands on the queue's
-    results partition (read from its end, from now on). Returns the item's request id."""
+async def _wait_orphan_result(stack, batch_id: str, killed: threading.Event, reading: threading.Event) -> str:
+    """The first item of the batch that finishes on a worker after `killed` is set: its result
+    lands on the queue's results partition (read from its end; `reading` is set once the probe
+    reads it). Returns the item's request id."""
     topics = Topics(stack.prefix)
     queue_partition = zlib.crc32(f"{stack.prefix}-queue".encode()) % topics.results.partitions
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-results-probe")
     consumer = await kafka.consumer(group=None, hot=True)
     try:
         await kafka.assign_all(consumer, topics.results.name, from_end=True, partitions=[queue_partition])
+        reading.set()
         while True:
             for batch in await fetch_decoded(consumer, ResultBatch):
+                if not killed.is_set():
+                    continue  # the live queue service records these
                 for e in batch.events:
                     if isinstance(e, Delta) and e.finish_reason and e.request_id.startswith(batch_id):
                         return e.request_id
@@ -111,13 +117,20 @@ def test_queue_service_killed_mid_job_loses_and_duplicates_nothing(stack, client
     lines = chat_lines(40, max_tokens=120, prefix="qk")
     batch = submit(client, lines)
     wait_until(client, batch.id, 3, stack)
-    _wait_in_flight(stack, batch.id)  # between two releases nothing may be in flight: kill mid-item
-    stack.kill("queue", signal.SIGKILL)
-    during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
-    assert during.status == "in_progress" and during.request_counts.completed < 40
     # An item released by the dead queue service finishes while none runs: its result is on the
-    # broker, and must neither be lost (the item runs again) nor be recorded twice.
-    asyncio.run(asyncio.wait_for(_wait_orphan_result(stack, batch.id), 120))
+    # broker, and must neither be lost (the item runs again) nor be recorded twice. The probe
+    # reads the queue's results partition *before* the kill: subscribing after it, under load,
+    # took longer than the in-flight items needed to finish, and then no result ever came.
+    killed, reading = threading.Event(), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        probe = pool.submit(asyncio.run, asyncio.wait_for(_wait_orphan_result(stack, batch.id, killed, reading), 300))
+        stack.wait_until("the results probe reads the queue's partition", reading.is_set)
+        _wait_in_flight(stack, batch.id)  # between two releases nothing may be in flight: kill mid-item
+        stack.kill("queue", signal.SIGKILL)
+        killed.set()
+        during = client.batches.retrieve(batch.id)  # the gateway still answers from the database
+        assert during.status == "in_progress" and during.request_counts.completed < 40
+        probe.result()  # 300 s is a safety net against a hang; the result comes in seconds
     stack.queue("queue-2")
     done = wait_final(client, batch.id, stack)
     bodies = _exactly_once(client, done, lines)
