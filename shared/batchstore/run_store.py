@@ -129,21 +129,15 @@ class BatchRunStore:
 
     async def requeue(self, batch_id: str, custom_id: str, attempt: int) -> bool:
         """Put an in-flight item back in the queue as a new attempt (its release failed)."""
-        async with self.session.begin() as s:
-            res = await s.execute(
-                update(ItemRow)
-                .where(
-                    ItemRow.batch_id == batch_id,
-                    ItemRow.custom_id == custom_id,
-                    ItemRow.status == "in_flight",
-                    ItemRow.attempt == attempt,
-                )
-                .values(status="queued", attempt=attempt + 1)
-            )
-            return res.rowcount > 0
+        return await self._next_attempt(batch_id, custom_id, attempt, status="queued")
 
     async def bump_attempt(self, batch_id: str, custom_id: str, attempt: int) -> bool:
         """Re-run an in-flight item from scratch as attempt + 1 (its worker was lost)."""
+        return await self._next_attempt(batch_id, custom_id, attempt)
+
+    async def _next_attempt(self, batch_id: str, custom_id: str, attempt: int, **values) -> bool:
+        """Move an item still in flight as `attempt` to attempt + 1 (with `values`); False when
+        it is no longer there (finished, cancelled or already moved)."""
         async with self.session.begin() as s:
             res = await s.execute(
                 update(ItemRow)
@@ -153,7 +147,7 @@ class BatchRunStore:
                     ItemRow.status == "in_flight",
                     ItemRow.attempt == attempt,
                 )
-                .values(attempt=attempt + 1)
+                .values(attempt=attempt + 1, **values)
             )
             return res.rowcount > 0
 
