@@ -93,6 +93,9 @@ class EngineConfig:
     # with the fused kernel, decode-only steps run each decoder layer as one Inductor graph
     # (models/decode_graph.py; Llama family); False keeps them op by op
     compile_layers: bool = True
+    # repeat each KV head for its query heads after loading (models/kv_expand.py): the same
+    # function with multi-head attention's KV memory shape (the hybrid cache's MHA test model)
+    kv_heads_expand: bool = False
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV

@@ -19,6 +19,7 @@ from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
+from engine.models.kv_expand import expand_kv_heads
 from engine.models.packed_linear import pack_linear_layers, packing_supported
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
@@ -89,6 +90,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
         load_weights(self.model, arch, config.load_format, config.seed)
+        if config.kv_heads_expand:  # before packing: the QKV projection is rebuilt
+            self.model_config = expand_kv_heads(self.model, self.model_config)
         if config.packed_weights and packing_supported(config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)

@@ -69,6 +69,7 @@ def profile_key(engine: LLMEngine, source) -> str:
         str(engine.max_model_len),
         engine.runner.decode_kernel,  # the attention kernel and the layer graph change decode step times
         str(engine.runner.decode_graph is not None),
+        *(["kv-heads-expand"] if cfg.kv_heads_expand else []),  # MHA memory shape: other KV traffic
     ]
     model_file = source.path / "config.json" if source.path.is_dir() else source.path
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]

@@ -69,6 +69,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode-only steps op by op instead of through compiled layers",
     )
     p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        default=None,
+        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    p.add_argument(
         "--dump-prompts",
         default=None,
         metavar="FILE",
@@ -102,6 +108,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "block_size",
         "attention",
         "compile_layers",
+        "kv_heads_expand",
     ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)

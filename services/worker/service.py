@@ -94,6 +94,7 @@ class WorkerService:
             num_threads=s.num_threads,
             attention=s.attention,
             compile_layers=s.compile_layers,
+            kv_heads_expand=s.kv_heads_expand,
             enable_prefix_caching=s.enable_prefix_caching,
             session_dir=str(session_dir),
             session_host_gib=s.session_host_gib,
