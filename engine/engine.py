@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from engine.kv.hidden import HiddenBlocks, HiddenLayout
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
@@ -29,6 +30,7 @@ from engine.sampling import SamplingParams
 from engine.scheduling import (
     SLO,
     BatchLimits,
+    CacheForm,
     FinishReason,
     Request,
     RequestClass,
@@ -95,6 +97,7 @@ class LLMEngine:
         if config.packed_weights and packing_supported(config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
+        self.hidden_blocks = self._attach_hidden_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(
             self.model,
@@ -173,6 +176,10 @@ class LLMEngine:
             self.eos_token_ids,
             self.max_model_len,
         )
+        if self.config.cache_form == "hidden":
+            if session_id is not None:
+                raise ValueError("sessions keep K/V; they cannot be served with cache_form='hidden'")
+            request.cache_form = CacheForm.HIDDEN
         self.scheduler.add(request)
         if session_id is not None:
             self.sessions.begin_turn(request, session_id)
@@ -337,6 +344,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         needed = min(len(prompt) + params.max_tokens, self.max_model_len)
         capacity = self.kv.capacity_tokens()
+        if self.config.cache_form == "hidden":
+            capacity = self.hidden_blocks.capacity_tokens()
         if needed > capacity:
             raise ValueError(
                 f"the request needs up to {needed} KV slots but the KV cache holds {capacity}; "
@@ -367,6 +376,21 @@ class LLMEngine:
             pool, config.block_size, bytes_per_token=block_bytes // config.block_size, host_blocks=host_blocks
         )
         return kv, storage
+
+    def _attach_hidden_cache(self, config: EngineConfig) -> HiddenBlocks | None:
+        """The hybrid cache's component (engine/kv/hidden.py), attached first so it owns the
+        HIDDEN requests whatever the policy attaches after it; None when no request can be
+        HIDDEN (cache_form "kv", or the bros policy, which swaps and shares blocks)."""
+        if config.policy == "bros":
+            if config.cache_form == "hidden":
+                raise ValueError("cache_form='hidden' does not combine with the bros policy (it swaps blocks)")
+            return None
+        if config.cache_form == "kv":
+            return None
+        layout = HiddenLayout.of(self.model_config, config.block_size, self.storage.num_blocks)
+        forced = config.cache_form == "hidden"
+        log.log(logging.WARNING if forced and not layout.saves_memory else logging.INFO, layout.describe())
+        return self.kv.attach(HiddenBlocks.factory(layout))
 
     def _policy_options(self, config: EngineConfig) -> dict:
         if config.policy != "bros":

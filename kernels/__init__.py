@@ -8,7 +8,7 @@ kernels are tested against. `kernels.compiled` holds plain-PyTorch formulations 
 in `attention.py` and tested against the reference under Triton's interpreter.
 `kernels.reference.partial` is the contract for K/V that are not in the pool (the hybrid
 cache's rebuilt K/V, partial residency's transient prefix): partial attention with its
-log-sum-exp and an exact merge of parts.
+log-sum-exp and an exact merge of parts; `hidden.py` uses it for HIDDEN rows.
 """
 
 from kernels.attention import (
@@ -21,6 +21,7 @@ from kernels.attention import (
     write_kv_cache,
     write_kv_cache_layers,
 )
+from kernels.hidden import HiddenBatch, HiddenSeq, hidden_attention
 from kernels.reference.partial import attend_partial, merge_partials
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "attend_partial",
     "merge_partials",
     "DecodeBucket",
+    "HiddenBatch",
+    "HiddenSeq",
+    "hidden_attention",
     "PrefillSpan",
     "decode_attention_with_new",
     "paged_attention",

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.compiled import decode as _compiled
+from kernels.hidden import HiddenBatch
 from kernels.reference import attention as _ref
 
 
@@ -116,6 +117,9 @@ class AttentionMetadata:
     # What a kernel derives from the fields above on the step's first layer and reuses in
     # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
     prepared: dict = field(default_factory=dict, repr=False)
+    # HIDDEN-form rows of the hybrid cache (kernels/hidden.py), attended by `hidden_attention`
+    # after the paged attention; None when the step has none
+    hidden: HiddenBatch | None = None
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

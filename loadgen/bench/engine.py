@@ -75,6 +75,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
     )
     p.add_argument(
+        "--cache-form",
+        default=None,
+        choices=["auto", "kv", "hidden"],
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
+    p.add_argument(
         "--dump-prompts",
         default=None,
         metavar="FILE",
@@ -109,6 +115,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "attention",
         "compile_layers",
         "kv_heads_expand",
+        "cache_form",
     ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)

@@ -45,6 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
     )
+    p.add_argument(
+        "--cache-form",
+        default=None,
+        choices=["auto", "kv", "hidden"],
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
 
@@ -61,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         cfg["load_format"] = args.load_format
     if args.kv_heads_expand:
         cfg["kv_heads_expand"] = True
+    if args.cache_form is not None:
+        cfg["cache_form"] = args.cache_form
     prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))
@@ -108,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 "model",
                 "load_format",
                 "kv_heads_expand",
+                "cache_form",
                 "dtype",
                 "max_tokens",
                 "temperature",

@@ -95,6 +95,7 @@ class WorkerService:
             attention=s.attention,
             compile_layers=s.compile_layers,
             kv_heads_expand=s.kv_heads_expand,
+            cache_form=s.cache_form,
             enable_prefix_caching=s.enable_prefix_caching,
             session_dir=str(session_dir),
             session_host_gib=s.session_host_gib,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import requires_cxx
 
 STEPS = 6
 
@@ -63,3 +64,18 @@ def test_default_model_expanded_gives_the_same_tokens(smollm2_dir):
     for rid in logits:
         for a, b in zip(logits[rid], logits_x[rid], strict=True):
             torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+
+
+@requires_cxx
+def test_expanded_model_runs_the_compiled_decode_path(tiny_model_dir):
+    """One query head per KV head: the fused kernel's output is a strided view, which the
+    compiled decoder layer must reshape, not view (it failed to compile before)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dir("llama")), dtype="bfloat16", num_blocks=32, attention="fused", kv_heads_expand=True
+        )
+    )
+    assert engine.runner.decode_kernel == "fused" and engine.runner.decode_graph is not None
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
