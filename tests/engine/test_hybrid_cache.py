@@ -133,3 +133,43 @@ def test_hidden_is_refused_where_it_cannot_work(tiny_model_dir):
     # r = 1 here: a HIDDEN request may hold as many tokens as a KV one, and no more
     with pytest.raises(ValueError, match="KV slots"):
         engine.add_request("big", list(range(100, 300)), SamplingParams(max_tokens=100))
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_conversion_mid_generation_keeps_the_tokens(name, tiny_model_dir):
+    """T13: KV -> HIDDEN and HIDDEN -> KV after some tokens, by freeing and re-prefilling
+    prompt + generated tokens in the new form; the text continues exactly."""
+    path = tiny_model_dir(name)
+    prompts = _prompts(5, (21, 9, 40))
+    reference = _generate(path, prompts, cache_form="kv")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=64, max_num_batched_tokens=32))
+    forms = [CacheForm.KV, CacheForm.HIDDEN, CacheForm.KV]
+    requests = []
+    for i, p in enumerate(prompts):
+        requests.append(engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)))
+        requests[-1].cache_form = forms[i]
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        if step == 4:  # every request has produced tokens by now
+            assert all(r.num_output_tokens for r in requests)
+            engine.scheduler.convert(requests[0], CacheForm.HIDDEN)
+            engine.scheduler.convert(requests[1], CacheForm.KV)
+        if step == 6 and not requests[2].is_finished:
+            engine.scheduler.convert(requests[2], CacheForm.HIDDEN)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        engine.kv.check_invariants()
+    assert tokens == reference[0]
+    assert [r.cache_form for r in requests] == [CacheForm.HIDDEN, CacheForm.KV, CacheForm.HIDDEN]
+    assert sum(r.num_preemptions for r in requests) == 3  # each conversion freed and re-prefilled
+
+
+def test_conversion_to_hidden_needs_the_component(tiny_model_dir):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=16, cache_form="kv")
+    )
+    request = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(LookupError, match="HiddenBlocks"):
+        engine.scheduler.convert(request, CacheForm.HIDDEN)
