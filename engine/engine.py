@@ -176,6 +176,8 @@ class LLMEngine:
             self.eos_token_ids,
             self.max_model_len,
         )
+        if session_id is not None and self.config.policy == "aptserve":
+            raise ValueError("sessions keep K/V; the aptserve policy (which may pick HIDDEN) does not serve them yet")
         if self.config.cache_form == "hidden":
             if session_id is not None:
                 raise ValueError("sessions keep K/V; they cannot be served with cache_form='hidden'")
@@ -393,6 +395,14 @@ class LLMEngine:
         return self.kv.attach(HiddenBlocks.factory(layout))
 
     def _policy_options(self, config: EngineConfig) -> dict:
+        if config.policy == "aptserve":
+            if config.cache_form != "auto":
+                raise ValueError("the aptserve policy chooses each request's cache form: use cache_form='auto'")
+            return {
+                "rho": config.aptserve_rho,
+                "decay": config.aptserve_decay,
+                "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
+            }
         if config.policy != "bros":
             return {}
         return {

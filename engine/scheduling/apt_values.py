@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Literal
 
 from engine.scheduling.knapsack import Candidate
-from engine.scheduling.request import Request
+from engine.scheduling.request import SLO, Request
 
 DEMOTED_VALUE = 1e-6  # seconds: "near zero", yet ordered by age (× pending time)
 
@@ -31,16 +31,18 @@ def pending_time(request: Request, now: float) -> float:
     return max(0.0, now - since)
 
 
-def slo_violated(request: Request, now: float) -> bool:
-    """Past its TTFT (no token yet) or TBT (decoding) target; never without one."""
-    limit = request.slo.ttft_s if request.first_token_time is None else request.slo.tpot_s
+def slo_violated(request: Request, now: float, default: SLO = SLO()) -> bool:
+    """Past its TTFT (no token yet) or TBT (decoding) target (the request's own, else
+    `default`'s); never without one."""
+    slo = request.slo if request.slo != SLO() else default
+    limit = slo.ttft_s if request.first_token_time is None else slo.tpot_s
     return limit is not None and pending_time(request, now) > limit
 
 
-def request_value(request: Request, now: float, decay: float = 0.0) -> float:
+def request_value(request: Request, now: float, decay: float = 0.0, default_slo: SLO = SLO()) -> float:
     """`p`, or for a request past its SLO `decay·p` (`DEMOTED_VALUE·p` when decay is 0)."""
     p = pending_time(request, now)
-    if not slo_violated(request, now):
+    if not slo_violated(request, now, default_slo):
         return p
     return p * (decay if decay > 0 else DEMOTED_VALUE)
 
