@@ -96,6 +96,8 @@ class WorkerService:
             compile_layers=s.compile_layers,
             kv_heads_expand=s.kv_heads_expand,
             cache_form=s.cache_form,
+            aptserve_rho=s.aptserve_rho,
+            aptserve_decay=s.aptserve_decay,
             enable_prefix_caching=s.enable_prefix_caching,
             session_dir=str(session_dir),
             session_host_gib=s.session_host_gib,

@@ -30,6 +30,8 @@ class WorkerSettings(ServiceSettings):
     attention: str = "auto"  # attention kernel: auto, fused (CPU), triton or reference (EngineConfig.attention)
     compile_layers: bool = True  # with fused attention: decode-only steps through compiled layers (EngineConfig)
     cache_form: Literal["auto", "kv", "hidden"] = "auto"  # force one form of the hybrid cache (EngineConfig)
+    aptserve_rho: float = 1e-4  # aptserve: rebuild seconds per HIDDEN block per step (EngineConfig; not calibrated)
+    aptserve_decay: float = 0.0  # aptserve: a demoted request's value factor (EngineConfig)
     kv_heads_expand: bool = False  # repeat KV heads for their query heads: same outputs, MHA memory (EngineConfig)
     telemetry_interval_s: float = 1.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
