@@ -95,12 +95,26 @@ class EngineConfig:
     # graph (models/decode_graph.py; Llama family); False keeps them op by op; None (auto):
     # `layers_compiled` below decides per dtype
     compile_layers: bool | None = None
+    # repeat each KV head for its query heads after loading (models/kv_expand.py): the same
+    # function with multi-head attention's KV memory shape (the hybrid cache's MHA test model)
+    kv_heads_expand: bool = False
+    # the hybrid cache (docs/aptserve.md): "kv" or "hidden" forces that form for every request
+    # (checking and debugging); "auto" lets the policy choose (KV for every policy but aptserve)
+    cache_form: str = "auto"
+    # aptserve: seconds of K/V rebuild per block of HIDDEN context per step (the penalty's ρ;
+    # not calibrated yet, docs/aptserve.md) and a demoted request's value factor (0: ~zero)
+    aptserve_rho: float = 1e-4
+    aptserve_decay: float = 0.0
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV
     session_disk_gib: float = 20.0  # disk budget; least recently active sessions are deleted beyond it
     session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
     session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
+
+    def __post_init__(self) -> None:
+        if self.cache_form not in ("auto", "kv", "hidden"):
+            raise ValueError(f"cache_form must be auto, kv or hidden, not {self.cache_form!r}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` decided for this machine (kernels/cpu_caps.py), logged.

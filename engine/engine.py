@@ -18,9 +18,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from engine.kv.hidden import HiddenBlocks, HiddenLayout
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
+from engine.models.kv_expand import expand_kv_heads
 from engine.models.packed_linear import pack_linear_layers, packing_pays
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
@@ -31,6 +33,7 @@ from engine.sampling import SamplingParams
 from engine.scheduling import (
     SLO,
     BatchLimits,
+    CacheForm,
     FinishReason,
     Request,
     RequestClass,
@@ -62,9 +65,12 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
         load_weights(self.model, arch, config.load_format, config.seed)
+        if config.kv_heads_expand:  # before packing: the QKV projection is rebuilt
+            self.model_config = expand_kv_heads(self.model, self.model_config)
         if config.packed_weights and packing_pays(self.model, config.torch_dtype, self.device):
             pack_linear_layers(self.model)
         self.kv, self.storage = self._make_kv_cache(config)
+        self.hidden_blocks = self._attach_hidden_cache(config)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(
             self.model,
@@ -162,6 +168,12 @@ class LLMEngine:
             self.max_model_len,
             cache_salt=cache_salt,
         )
+        if session_id is not None and self.config.policy == "aptserve":
+            raise ValueError("sessions keep K/V; the aptserve policy (which may pick HIDDEN) does not serve them yet")
+        if self.config.cache_form == "hidden":
+            if session_id is not None:
+                raise ValueError("sessions keep K/V; they cannot be served with cache_form='hidden'")
+            request.cache_form = CacheForm.HIDDEN
         self.scheduler.add(request)
         if session_id is not None:
             self.sessions.begin_turn(request, session_id)
@@ -323,6 +335,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         needed = min(len(prompt) + params.max_tokens, self.max_model_len)
         capacity = self.kv.capacity_tokens()
+        if self.config.cache_form == "hidden":
+            capacity = self.hidden_blocks.capacity_tokens()
         if needed > capacity:
             raise ValueError(
                 f"the request needs up to {needed} KV slots but the KV cache holds {capacity}; "
@@ -354,7 +368,30 @@ class LLMEngine:
         )
         return kv, storage
 
+    def _attach_hidden_cache(self, config: EngineConfig) -> HiddenBlocks | None:
+        """The hybrid cache's component (engine/kv/hidden.py), attached first so it owns the
+        HIDDEN requests whatever the policy attaches after it; None when no request can be
+        HIDDEN (cache_form "kv", or the bros policy, which swaps and shares blocks)."""
+        if config.policy == "bros":
+            if config.cache_form == "hidden":
+                raise ValueError("cache_form='hidden' does not combine with the bros policy (it swaps blocks)")
+            return None
+        if config.cache_form == "kv":
+            return None
+        layout = HiddenLayout.of(self.model_config, config.block_size, self.storage.num_blocks)
+        forced = config.cache_form == "hidden"
+        log.log(logging.WARNING if forced and not layout.saves_memory else logging.INFO, layout.describe())
+        return self.kv.attach(HiddenBlocks.factory(layout))
+
     def _policy_options(self, config: EngineConfig) -> dict:
+        if config.policy == "aptserve":
+            if config.cache_form != "auto":
+                raise ValueError("the aptserve policy chooses each request's cache form: use cache_form='auto'")
+            return {
+                "rho": config.aptserve_rho,
+                "decay": config.aptserve_decay,
+                "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
+            }
         if config.policy != "bros":
             return {}
         return {

@@ -88,6 +88,7 @@ def profile_key(target: ProfileTarget, source) -> str:
         str(target.max_model_len),
         target.decode_kernel,
         str(target.compiled_layers),
+        *(["kv-heads-expand"] if cfg.kv_heads_expand else []),  # MHA memory shape: other KV traffic
     ]
     model_file = source.path / "config.json" if source.path.is_dir() else source.path
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.hidden_batch import build_hidden_batch
 from engine.kv import KVCacheManager, KVCacheStorage
+from engine.kv.hidden import HiddenLayout
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
 from engine.scheduling import Request, ScheduledItem
+from engine.scheduling.request import CacheForm
 from kernels import (
     GRAPH_DECODE_KERNELS,
     AttentionMetadata,
@@ -65,6 +68,7 @@ class ModelRunner:
         self.scale = model.config.head_dim**-0.5
         self.decode_kernel = decode_kernel
         self.decode_graph: DecodeGraph | None = None
+        self.hidden_layout = HiddenLayout.of(model.config, storage.block_size, storage.num_blocks)
         if decode_kernel in GRAPH_DECODE_KERNELS:  # build or compile now rather than in the first request's step
             try:
                 self._prepare(decode_kernel, compile_layers)
@@ -100,12 +104,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
         """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
+        hidden_items = [it for it in items if it.request.cache_form is CacheForm.HIDDEN]
+        if hidden_items:  # the hybrid cache: HIDDEN rows go last, outside buckets and spans
+            items = [it for it in items if it.request.cache_form is not CacheForm.HIDDEN]
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
-        if self._graph_applies(decodes, prefills, wait_layer):
+        if not hidden_items and self._graph_applies(decodes, prefills, wait_layer):
             return self._execute_decode_graph(decodes)
         ordered = decodes + prefills
-        input_ids, positions, slots, rows, sampled = self._flatten(ordered)
+        input_ids, positions, slots, rows, sampled = self._flatten(ordered + hidden_items)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             decode_buckets=self._decode_buckets([it.request for it in decodes]),
@@ -113,12 +120,18 @@ class ModelRunner:
             scale=self.scale,
             wait_layer=wait_layer,
             decode_kernel=self.decode_kernel,
+            hidden=self._hidden_batch(hidden_items, sum(it.num_new_tokens for it in ordered)) if hidden_items else None,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:
             return StepResult(None, [])
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return StepResult(logits, sampled)
+
+    def _hidden_batch(self, items: list[ScheduledItem], first_row: int):
+        return build_hidden_batch(
+            self.hidden_layout, items, first_row, self.kv, self.model.position_tables, self.device
+        )
 
     def _graph_applies(self, decodes, prefills, wait_layer) -> bool:
         """Decode-only steps in which every row has context in the cache and no KV is still loading."""

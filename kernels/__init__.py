@@ -10,7 +10,7 @@ GPU kernels (decode, prefill/extend, KV write), chosen by device in `attention.p
 tested against the reference under Triton's interpreter. `kernels.reference.partial` is the
 contract for K/V that are not in the pool (the hybrid cache's rebuilt K/V, partial
 residency's transient prefix): partial attention with its log-sum-exp and an exact merge of
-parts.
+parts. `kernels.hidden` uses it for HIDDEN rows.
 """
 
 from kernels.attention import (
@@ -24,6 +24,7 @@ from kernels.attention import (
     write_kv_cache,
     write_kv_cache_layers,
 )
+from kernels.hidden import HiddenBatch, HiddenSeq, hidden_attention
 from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
 from kernels.reference.partial import attend_partial, merge_partials
 
@@ -35,6 +36,9 @@ __all__ = [
     "merge_partials",
     "DecodeBucket",
     "DecodeChunks",
+    "HiddenBatch",
+    "HiddenSeq",
+    "hidden_attention",
     "PrefillSpan",
     "decode_attention_with_new",
     "decode_graph_context",

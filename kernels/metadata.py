@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels.hidden import HiddenBatch
+
 
 @dataclass
 class PrefillSpan:
@@ -117,3 +119,6 @@ class AttentionMetadata:
     # What a kernel derives from the fields above on the step's first layer and reuses in
     # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
     prepared: dict = field(default_factory=dict, repr=False)
+    # HIDDEN-form rows of the hybrid cache (kernels/hidden.py), attended by `hidden_attention`
+    # after the paged attention; None when the step has none
+    hidden: HiddenBatch | None = None

@@ -93,6 +93,12 @@ def add_run_args(
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--num-threads", type=int, default=None, help="inproc: torch threads (default: as is)")
     e.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        default=None,
+        help="inproc: repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    e.add_argument(
         "--cost-model",
         default=None,
         help="cost-model JSON (from `tandem profile`) or a shipped profile name "

@@ -59,6 +59,7 @@ def engine_config(args: argparse.Namespace, policy: str):
         "max_num_batched_tokens",
         "max_model_len",
         "num_threads",
+        "kv_heads_expand",
     ):
         if getattr(args, name, None) is not None:
             cfg[name] = getattr(args, name)

@@ -44,3 +44,26 @@ def test_help_lists_subcommands():
     assert res.returncode == 0
     for cmd in ("generate", "chat", "bench"):
         assert cmd in res.stdout
+
+
+def test_generate_with_the_hybrid_cache_forced_hidden():
+    """The default model (GQA) and its MHA expansion, every request HIDDEN: the same answer."""
+    for extra in ((), ("--kv-heads-expand",)):
+        res = _tandem(
+            "generate",
+            "--prompt",
+            "What is the capital of France?",
+            "--chat",
+            "--max-tokens",
+            "20",
+            "--dtype",
+            "float32",
+            "--cache-form",
+            "hidden",
+            *extra,
+            "--json",
+        )
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        assert out["text"] == "The capital of France is Paris."
+        assert out["config"]["cache_form"] == "hidden"

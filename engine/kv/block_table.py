@@ -36,7 +36,9 @@ class BlockTable:
     right end (offset o at slot bs-1-o). `claimed` counts token positions that own a slot:
     computed tokens plus those reserved for the step being scheduled. `owner` is the KV
     component that places this table's blocks (None: the core's forward rules); it is chosen
-    when the table is created and kept until the table is dropped.
+    when the table is created and kept until the table is dropped. `held` are device blocks
+    the owner holds for the table as a whole rather than per entry (hidden-state rows, whose
+    width is not a KV block's: `engine/kv/hidden.py`); the core counts and frees them.
 
     Only `KVLedger` primitives change a table, so every change can be rolled back.
     """
@@ -47,6 +49,7 @@ class BlockTable:
     claimed: int = 0
     host: dict[int, HostEntry] = field(default_factory=dict)
     owner: KVComponent | None = field(default=None, repr=False)
+    held: list[Block] = field(default_factory=list)
 
     def extend(self, blocks: Sequence[Block]) -> None:
         """Append forward entries (no undo record: callers go through `KVLedger.append_entries`)."""

@@ -51,10 +51,11 @@ the runner never calls into a component, which keeps the per-step slot computati
 lookup. `KVCacheManager.slot` is the same mapping for tests and tools.
 
 Next features, in these terms (`docs/engine.md`, "Designed for what comes next"):
-- *Hidden-state blocks (Apt-Serve)*: owns requests in hidden mode; `grow` takes
-  `ceil(n·r)` pool blocks for n logical entries (budget in KV-block units) and records the
-  entry -> (block, half) mapping in a per-entry list the runner reads; `publishable` is
-  False unless the hash carries the mode (`hash_block(extra=)`).
+- *Hidden-state blocks (Apt-Serve, built: `hidden.py`)*: owns requests in HIDDEN form; `grow`
+  takes `ceil(n·r)` pool blocks for n logical entries (budget in KV-block units) and keeps
+  them in `BlockTable.held` (entries have no block of their own); where entry e's rows lie is
+  arithmetic on `held` (`HiddenLayout`), which the runner reads. Such requests neither take
+  nor serve prefix-cache hits (`uses_prefix_cache`, `publishable`) and are never swapped.
 - *Partial residency (eLLM)*: owns requests with a non-resident prefix; dropping prefix
   entries detaches them to empty entries (id 0) without unregistering their hashes, so a
   later step can take them back as prefix-cache hits; its `check_invariants` accepts empty
@@ -80,6 +81,9 @@ class KVComponent(ABC):
     """
 
     name: ClassVar[str]
+    # False: requests this component would own neither take prefix-cache hits when admitted
+    # nor (with `publishable`) serve them: their blocks do not hold K/V (hidden-state rows)
+    uses_prefix_cache: ClassVar[bool] = True
 
     def __init__(self, ledger: KVLedger) -> None:
         self.ledger = ledger

@@ -93,6 +93,9 @@ class KVCacheManager:
         """
         if not self.pool.enable_caching:
             return [], 0
+        owner = self._owner_for(request)
+        if owner is not None and not owner.uses_prefix_cache:
+            return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)
         hits: list[Block] = []
@@ -255,6 +258,8 @@ class KVCacheManager:
         for e in reversed(range(len(table))):  # tail first: the head is the most shareable part
             if table.blocks[e] is not None:
                 self._detach(rid, table, e)
+        if table.held:
+            self.ledger.release_held(table)
         for e in list(table.host):
             self.ledger.release_host(table, e)
         self.ledger.drop_table(rid)
@@ -269,6 +274,8 @@ class KVCacheManager:
     def _swap_out(self, request: Request) -> bool:
         rid, bs = request.request_id, self.block_size
         table = self._tables[rid]
+        if table.held:  # rows laid out by the owner, not per entry: the copies below would lose them
+            raise RuntimeError(f"request {rid} holds {table.owner.name} blocks, which are never swapped out")
         computed = request.num_computed_tokens
         while len(table) > -(-computed // bs):  # reserved, never written: just drop
             e = len(table) - 1
@@ -345,7 +352,7 @@ class KVCacheManager:
 
     def device_blocks(self, request: Request) -> int:
         table = self._tables.get(request.request_id)
-        return 0 if table is None else sum(b is not None for b in table.blocks)
+        return 0 if table is None else sum(b is not None for b in table.blocks) + len(table.held)
 
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
         """Device blocks a restore plus room for `num_tokens` tokens in all would take (a
@@ -381,6 +388,8 @@ class KVCacheManager:
                     assert he is None or he.resident == 0, (rid, e)  # a resident part needs a device block
                 else:
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
+            for block in table.held:
+                refs[block.block_id] = refs.get(block.block_id, 0) + 1
             if table.owner is None:
                 self._check_forward(rid, table)
         for block in self.pool.blocks[1:]:
@@ -393,6 +402,6 @@ class KVCacheManager:
     @staticmethod
     def _check_forward(rid: str, table: BlockTable) -> None:
         """The core's rules: forward entries, each wholly on device or wholly on host."""
-        assert not any(table.rev), rid
+        assert not any(table.rev) and not table.held, rid
         for e, block in enumerate(table.blocks):
             assert (block is None) == (e in table.host), (rid, e)

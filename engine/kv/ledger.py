@@ -92,6 +92,34 @@ class KVLedger:
 
             self.undo.push(undo)
 
+    def append_empty_entries(self, table: BlockTable, n: int) -> None:
+        """Append n entries without a device block of their own (id 0, forward)."""
+        table.blocks.extend([None] * n)
+        table.ids.extend([0] * n)
+        table.rev.extend([False] * n)
+        if self.undo.active:
+            self.undo.push(lambda: _truncate(table, len(table) - n))
+
+    def hold(self, table: BlockTable, blocks: Sequence[Block]) -> None:
+        """The table's owner holds `blocks` (taken from the pool) for the table as a whole."""
+        table.held.extend(blocks)
+        if self.undo.active:
+            n = len(blocks)
+            self.undo.push(lambda: table.held.__delitem__(slice(len(table.held) - n, None)))
+
+    def release_held(self, table: BlockTable) -> None:
+        """Give every block the table holds as a whole back to the pool."""
+        held = list(table.held)
+        self.pool.release(reversed(held))
+        table.held.clear()
+        if self.undo.active:
+
+            def undo() -> None:
+                self.pool.acquire(held)
+                table.held.extend(held)
+
+            self.undo.push(undo)
+
     def set_claimed(self, table: BlockTable, claimed: int) -> None:
         old = table.claimed
         table.claimed = claimed

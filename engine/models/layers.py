@@ -51,6 +51,16 @@ def output_logits(hidden: torch.Tensor, lm_head: nn.Module | None, embedding: nn
     return logits.float()
 
 
+def linear_rows(linear: nn.Module, x: torch.Tensor, start: int) -> torch.Tensor:
+    """Output features `start:` of `linear(x)` (the K/V part of a fused QKV projection, for the
+    hybrid cache's rebuild): only those rows are computed when the weight is a plain matrix; a
+    packed weight (packed_linear.py) computes all and slices."""
+    if isinstance(linear, nn.Linear):
+        bias = None if linear.bias is None else linear.bias[start:]
+        return F.linear(x, linear.weight[start:], bias)
+    return linear(x)[:, start:]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -15,8 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope, load_checkpoint, output_logits
-from kernels import AttentionMetadata, decode_attention_with_new, paged_attention, write_kv_cache
+from engine.models.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rope,
+    linear_rows,
+    load_checkpoint,
+    output_logits,
+)
+from kernels import AttentionMetadata, decode_attention_with_new, hidden_attention, paged_attention, write_kv_cache
 
 KVCache = torch.Tensor  # one layer's [2, kv_heads, num_blocks, block_size, head_dim]
 
@@ -37,7 +44,19 @@ class LlamaAttention(nn.Module):
         q, k, v = self._qkv(x, cos, sin)
         write_kv_cache(cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, cache, meta)
+        if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
+            hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale)
         return self.o_proj(out.view(x.shape[0], self.q_size))
+
+    def rebuild_kv(self, x, cos, sin):
+        """K, V of stored layer inputs `x` at their own positions (the hybrid cache): the K/V
+        rows of the QKV projection, Qwen3's k-norm, RoPE."""
+        t = x.shape[0]
+        k, v = linear_rows(self.qkv_proj, x, self.q_size).split(self.kv_size, dim=-1)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v.reshape(t, self.num_kv_heads, self.head_dim)
 
     def decode(self, x, cos, sin, cache: KVCache, context, scale: float, kernel: str):
         """Decode-only step without touching the cache (see models/decode_graph.py): returns
@@ -45,7 +64,8 @@ class LlamaAttention(nn.Module):
         `kernels.decode_graph_context` for the decode `kernel`."""
         q, k, v = self._qkv(x, cos, sin)
         out = decode_attention_with_new(q, k, v, cache, context, scale, kernel)
-        return self.o_proj(out.view(x.shape[0], self.q_size)), k, v
+        # reshape: with one query head per KV head (MHA, kv_heads_expand) the kernel's output is a strided view
+        return self.o_proj(out.reshape(x.shape[0], self.q_size)), k, v
 
     def _qkv(self, x, cos, sin):
         t = x.shape[0]
@@ -111,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
         """The embedded tokens and the per-token arguments every layer takes (RoPE tables)."""
         x = self.embed_tokens(input_ids)
         return (x, *self.rotary.cos_sin(positions, x.dtype))
+
+    def position_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What `rebuild_kv` needs per token besides x (the hybrid cache): RoPE tables."""
+        return self.rotary.cos_sin(positions, self.embed_tokens.weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return output_logits(self.norm(hidden), self.lm_head, self.embed_tokens)

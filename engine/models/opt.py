@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import load_checkpoint, output_logits
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
+from engine.models.layers import linear_rows, load_checkpoint, output_logits
+from kernels import AttentionMetadata, hidden_attention, paged_attention, write_kv_cache
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -29,7 +29,19 @@ class OPTAttention(nn.Module):
         t = x.shape[0]
         q, k, v = (y.view(t, self.num_heads, self.head_dim) for y in self.qkv_proj(x).split(self.size, dim=-1))
         write_kv_cache(cache, k, v, meta.slot_mapping)
-        return self.out_proj(paged_attention(q, k, v, cache, meta).view(t, self.size))
+        out = paged_attention(q, k, v, cache, meta)
+        if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
+            hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale)
+        return self.out_proj(out.view(t, self.size))
+
+    def rebuild_kv(self, x):
+        """K, V of stored layer inputs `x` (the hybrid cache). What is stored is the tensor this
+        module receives, i.e. what enters qkv_proj: the self-attention layer norm's output for
+        pre-LN OPT, the raw residual stream for post-LN OPT-350m; the learned positions are
+        already in it, so nothing else is reapplied."""
+        t = x.shape[0]
+        k, v = linear_rows(self.qkv_proj, x, self.size).split(self.size, dim=-1)
+        return k.reshape(t, self.num_heads, self.head_dim), v.reshape(t, self.num_heads, self.head_dim)
 
 
 class OPTDecoderLayer(nn.Module):
@@ -77,6 +89,10 @@ class OPTForCausalLM(nn.Module):
                 meta.wait_layer(i)
             x = layer(x, meta, cache)
         return x
+
+    def position_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Nothing per token for `rebuild_kv`: positions are inside the stored inputs."""
+        return ()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_layer_norm is not None:

@@ -8,12 +8,13 @@ from engine.scheduling.policy import (
     SchedulingPolicy,
 )
 from engine.scheduling.registry import POLICIES, make_policy, policy_class
-from engine.scheduling.request import SLO, FinishReason, Request, RequestClass, RequestStatus
+from engine.scheduling.request import SLO, CacheForm, FinishReason, Request, RequestClass, RequestStatus
 from engine.scheduling.scheduler import Scheduler
 
 __all__ = [
     "POLICIES",
     "BatchLimits",
+    "CacheForm",
     "FinishReason",
     "Request",
     "RequestClass",

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from engine.kv.component import KVComponent
 from engine.kv.copies import KVCopy
+from engine.kv.hidden import CacheForm, HiddenBlocks
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.ledger import KVLedger
 from engine.scheduling.request import Request, RequestStatus
@@ -80,6 +81,18 @@ class SchedulerState:
         request.num_preemptions += 1
         self.running.remove(request)
         self.waiting.appendleft(request)
+
+    def convert(self, request: Request, form: CacheForm) -> None:
+        """Change the request's cache form the paper's way: drop its cache and re-prefill
+        (prompt + generated tokens) in the new form (docs/aptserve.md, "Conversions"). A
+        running request is preempted for it (and counted so); a waiting one holds nothing."""
+        if request.cache_form is form:
+            return
+        if form is CacheForm.HIDDEN:
+            self.kv.component(HiddenBlocks)  # LookupError: nothing would place its rows
+        if request.status is RequestStatus.RUNNING:
+            self.preempt(request)
+        request.cache_form = form
 
     def admit(self, request: Request, num_cached_tokens: int) -> None:
         if self.waiting[0] is request:

@@ -10,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from engine.scheduling.aptserve import AptServePolicy
 from engine.scheduling.bros import BROSPolicy
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import SchedulingPolicy
 from engine.scheduling.rr import RoundRobinPolicy
 
 POLICIES: Mapping[str, type[SchedulingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy)}
+    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, AptServePolicy)}
 )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kv.hidden import CacheForm
 from engine.sampler import make_generator
 from engine.sampling import SamplingParams
 
@@ -64,6 +65,9 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     output_text: str | None = None  # final text, when the engine detokenized incrementally
     num_preemptions: int = 0
+    # KV or HIDDEN; changed only while the request holds no cache (a conversion is "free and
+    # re-prefill in the new form", docs/aptserve.md)
+    cache_form: CacheForm = CacheForm.KV
 
     # timings (time.perf_counter seconds)
     first_scheduled_time: float | None = None

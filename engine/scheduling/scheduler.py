@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from engine.kv.hidden import CacheForm
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.scheduling.policy import BatchLimits, ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import FinishReason, Request, RequestStatus
@@ -39,6 +40,13 @@ class Scheduler:
         batch = self.policy.schedule(state)
         self.last_schedule_s = time.perf_counter() - start
         return batch
+
+    def convert(self, request: Request, form: CacheForm, now: float | None = None) -> None:
+        """Change a request's cache form between steps (`SchedulerState.convert`)."""
+        state = SchedulerState(
+            self.waiting, self.running, self.kv, self.limits, time.perf_counter() if now is None else now
+        )
+        state.convert(request, form)
 
     def step_done(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         """Report the executed batch's duration to the policy (T_avg, adaptive caps)."""

@@ -69,6 +69,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="run decode-only steps op by op instead of through compiled layers",
     )
     p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        default=None,
+        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    p.add_argument(
+        "--cache-form",
+        default=None,
+        choices=["auto", "kv", "hidden"],
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
+    p.add_argument(
         "--dump-prompts",
         default=None,
         metavar="FILE",
@@ -102,6 +114,8 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "block_size",
         "attention",
         "compile_layers",
+        "kv_heads_expand",
+        "cache_form",
     ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)

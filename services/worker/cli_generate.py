@@ -40,6 +40,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
+    p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    p.add_argument(
+        "--cache-form",
+        default=None,
+        choices=["auto", "kv", "hidden"],
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
 
@@ -54,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
         cfg["device"] = args.device
     if args.load_format is not None:
         cfg["load_format"] = args.load_format
+    if args.kv_heads_expand:
+        cfg["kv_heads_expand"] = True
+    if args.cache_form is not None:
+        cfg["cache_form"] = args.cache_form
     prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))
@@ -97,7 +112,19 @@ def run(args: argparse.Namespace) -> int:
         },
         "config": {
             k: getattr(args, k)
-            for k in ("model", "load_format", "dtype", "max_tokens", "temperature", "top_p", "top_k", "seed", "chat")
+            for k in (
+                "model",
+                "load_format",
+                "kv_heads_expand",
+                "cache_form",
+                "dtype",
+                "max_tokens",
+                "temperature",
+                "top_p",
+                "top_k",
+                "seed",
+                "chat",
+            )
         },
     }
     print(json.dumps(res, ensure_ascii=False))

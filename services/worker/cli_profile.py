@@ -20,6 +20,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        help="profile the model with each KV head repeated for its query heads (MHA memory shape)",
+    )
     p.add_argument("--force", action="store_true", help="re-profile even when a cached profile exists")
     p.add_argument("--out", default=None, help="also write the profile to this file")
     p.set_defaults(func=run)
@@ -37,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_heads_expand=args.kv_heads_expand,
     )
     target = LLMEngine(config).profile_target()  # fcfs: the engine itself does not profile
     source = resolve_model(args.model)

@@ -38,6 +38,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="run decode-only steps op by op instead of through compiled decoder layers",
     )
+    p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        default=None,
+        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    p.add_argument(
+        "--cache-form",
+        choices=["auto", "kv", "hidden"],
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.set_defaults(func=run)
 

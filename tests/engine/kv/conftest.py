@@ -14,7 +14,13 @@ def fingerprint(kv: KVCacheManager) -> tuple:
     """Everything a rollback must restore: tables, reference counts, the pools' free lists in
     order, recorded copies and the two-ended component's preemption table and steal index."""
     tables = {
-        rid: (tuple(t.ids), tuple(t.rev), t.claimed, sorted((e, h.host_block, h.resident) for e, h in t.host.items()))
+        rid: (
+            tuple(t.ids),
+            tuple(t.rev),
+            t.claimed,
+            sorted((e, h.host_block, h.resident) for e, h in t.host.items()),
+            tuple(b.block_id for b in t.held),
+        )
         for rid, t in kv.ledger.tables.items()
     }
     pools = (

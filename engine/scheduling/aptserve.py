@@ -1,0 +1,137 @@
+"""Apt-Serve's adaptive scheduler (paper §5; notes §2.5-2.8; docs/aptserve.md): each step
+either a prefill or a decode iteration, whichever queue has waited longer in total, and the
+requests of that iteration (and each one's cache form) chosen by the knapsack greedy
+(`knapsack.py`) on the values of `apt_values.py`.
+
+- *Prefill iteration*: candidates are the waiting requests, capacity the free blocks;
+  the chosen ones are admitted in arrival order within the token budget and sequence cap
+  (the last may be a chunk), each in its chosen form.
+- *Decode iteration*: candidates are the running requests, capacity the whole pool; the
+  unselected are preempted (recompute), selected ones whose form changed are converted
+  (free and re-prefill, `SchedulerState.convert`), the rest run (one token, or the next
+  chunk of an unfinished prompt).
+
+HIDDEN is offered only when the engine attached `HiddenBlocks` and the model's ratio makes
+it save memory (`HiddenLayout.saves_memory`, i.e. MHA); otherwise this is the same scheduler
+over KV only (the simulator today, which has no model). A request of one block is never
+offered HIDDEN (as the paper's code). ρ (seconds of rebuild per block of HIDDEN context per
+step) is a constructor argument, **not calibrated yet**: the default is a placeholder.
+"""
+
+from __future__ import annotations
+
+from engine.kv.hidden import CacheForm, HiddenBlocks
+from engine.scheduling.apt_values import iteration_type, make_candidate, pending_time, request_value
+from engine.scheduling.knapsack import Candidate, solve
+from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
+from engine.scheduling.request import SLO, Request
+
+DEFAULT_RHO = 1e-4  # s per block per step; placeholder until calibrated (docs/aptserve.md)
+
+
+class AptServePolicy(SchedulingPolicy):
+    name = "aptserve"
+
+    def __init__(self, rho: float = DEFAULT_RHO, decay: float = 0.0, default_slo: SLO = SLO(1.0, 1.0)) -> None:
+        """`decay`: a demoted request's value factor (0: near zero, the paper; 0.4: its
+        "Scheduling*"); `default_slo`: for requests without their own (the paper's 1 s / 1 s)."""
+        self.rho, self.decay, self.default_slo = rho, decay, default_slo
+        self.hidden_chosen = 0  # requests scheduled in HIDDEN form (a published count)
+        self.kv_chosen = 0
+
+    def schedule(self, state: SchedulerState) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        hidden = self._hidden(state)
+        outstanding = len(state.waiting) + len(state.running)
+        free = state.kv.pool.num_free
+        waiting = [self._candidate(state, r, hidden, outstanding, extra=0) for r in state.waiting]
+        fits = any(min(self._sizes(c)) <= free for c in waiting)
+        kind = iteration_type(
+            (pending_time(r, state.now) for r in state.waiting),
+            (pending_time(r, state.now) for r in state.running),
+            fits,
+        )
+        if kind == "prefill" or not state.running:
+            if fits:
+                self._prefill(state, batch, waiting, free)
+        else:
+            self._decode(state, batch, hidden, outstanding)
+        return batch
+
+    # -- the two iteration types ------------------------------------------------------------
+
+    def _prefill(self, state: SchedulerState, batch: ScheduledBatch, cands: list[Candidate], free: int) -> None:
+        choices = solve(cands, free)
+        budget, limits = state.limits.max_num_batched_tokens, state.limits
+        for request, choice in list(zip(state.waiting, choices)):
+            if not choice.scheduled:
+                continue
+            if budget <= 0 or len(state.running) >= limits.max_num_seqs:
+                break
+            request.cache_form = CacheForm.HIDDEN if choice.hidden else CacheForm.KV
+            prefix, cached = state.kv.match_prefix(request)
+            n = request.num_tokens - cached
+            if n > budget:
+                if not limits.enable_chunked_prefill and batch:
+                    break
+                n = budget
+            if not state.kv.allocate(request, n, prefix):
+                continue  # prefix hits or rounding made it larger than priced: leave it waiting
+            state.admit(request, cached)
+            batch.add(request, n)
+            self._count(choice.hidden)
+            budget -= n
+
+    def _decode(self, state: SchedulerState, batch: ScheduledBatch, hidden, outstanding: int) -> None:
+        running = list(state.running)
+        steps = [min(r.num_tokens - r.num_computed_tokens, state.limits.max_num_batched_tokens) for r in running]
+        cands = [self._candidate(state, r, hidden, outstanding, extra=n) for r, n in zip(running, steps)]
+        choices = solve(cands, state.kv.pool.capacity)
+        keep = []
+        for request, n, choice in zip(running, steps, choices):
+            form = CacheForm.HIDDEN if choice.hidden else CacheForm.KV
+            if not choice.scheduled:
+                state.preempt(request)
+                batch.preempted.append(request)
+            elif form is not request.cache_form:
+                state.convert(request, form)  # free and re-prefill in the new form
+                batch.preempted.append(request)
+            else:
+                keep.append((request, n))
+        budget = state.limits.max_num_batched_tokens
+        for request, n in keep[: state.limits.max_num_seqs]:
+            n = min(n, budget)
+            if n <= 0 or not state.kv.allocate(request, n):
+                break
+            batch.add(request, n)
+            self._count(request.cache_form is CacheForm.HIDDEN)
+            budget -= n
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _hidden(self, state: SchedulerState) -> HiddenBlocks | None:
+        """The hybrid cache's component where HIDDEN saves memory; None: KV only."""
+        try:
+            component = state.kv.component(HiddenBlocks)
+        except LookupError:
+            return None
+        return component if component.layout.saves_memory else None
+
+    def _candidate(self, state: SchedulerState, r: Request, hidden, outstanding: int, extra: int) -> Candidate:
+        """Blocks for the request's known tokens (running: after this step's `extra` new ones)."""
+        tokens = (r.num_computed_tokens + extra) if extra else r.num_tokens
+        kv_blocks = max(1, -(-tokens // state.kv.block_size))
+        hidden_blocks = hidden.layout.blocks_for(kv_blocks) if hidden is not None and kv_blocks > 1 else None
+        # a floor: a request that got its token at `now` still counts (value 0 would drop it)
+        value = max(request_value(r, state.now, self.decay, self.default_slo), 1e-12)
+        return make_candidate(value, kv_blocks, hidden_blocks, outstanding, self.rho)
+
+    @staticmethod
+    def _sizes(c: Candidate) -> tuple[int, ...]:
+        return (c.kv_blocks,) if c.hidden_blocks is None else (c.kv_blocks, c.hidden_blocks)
+
+    def _count(self, hidden: bool) -> None:
+        if hidden:
+            self.hidden_chosen += 1
+        else:
+            self.kv_chosen += 1

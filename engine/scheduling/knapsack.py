@@ -1,0 +1,115 @@
+"""Apt-Serve's per-iteration packing problem and its greedy 2-approximation (paper §5 and
+the online appendix's Algorithm 1; notes §2.6-2.8), as a pure function for the coming
+`aptserve` policy.
+
+Each candidate request picks one option: skip (memory 0, value 0), HIDDEN (memory `h` =
+its hidden-form blocks, value `p - c` with the penalty `c = N·ρ·m̄`) or KV (memory `m̄`, value
+`p`); the total memory is at most the capacity M and the total value is maximised (a
+multiple-choice knapsack; 0-1 knapsack when HIDDEN is never offered, hence NP-hard).
+
+The greedy: each request's options become increments (0 -> HIDDEN -> KV, or 0 -> KV),
+sorted by value per block (θ); increments are taken in that order until the first that does
+not fit; then the best single request alone is compared and the better of the two is kept.
+
+Decisions where the paper is silent or loose (notes §2.8, pitfall 9):
+- *Options that cannot fit alone are dropped first* (KV when `m̄ > M`, HIDDEN when `h > M`),
+  then *LP-dominated HIDDEN options* (`(p-c)/h < p/m̄`, the paper's refinement `p < 2Nρm̄`
+  for h = m̄/2, written for any ratio) and non-positive ones. What is left is concave per
+  request (θ_hidden >= θ_upgrade), so the fractional greedy is the LP optimum and
+  `ALG >= OPT/2` holds (tested against brute force).
+- *Ties* put every first increment before any upgrade, so a request's upgrade never precedes
+  its HIDDEN step.
+- *The fallback is the best single request* in its best feasible form (value >= the
+  critical increment's marginal value `V'` the paper compares, so the bound still holds, and
+  it is never worse); it is always feasible because infeasible options were dropped.
+- Memory is in blocks (integers): `h = ceil(m̄·r)` from the model's ratio r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request's options this iteration."""
+
+    value: float  # p: what scheduling it is worth (pending time, after SLO demotion)
+    kv_blocks: int  # m̄: blocks it needs in KV form (> 0)
+    hidden_blocks: int | None = None  # h: blocks in HIDDEN form; None: HIDDEN not offered
+    hidden_penalty: float = 0.0  # c = N·ρ·m̄: what HIDDEN costs everyone else
+
+
+@dataclass(frozen=True)
+class Choice:
+    scheduled: bool = False
+    hidden: bool = False
+
+
+SKIP = Choice()
+
+
+def options(c: Candidate, capacity: int) -> tuple[tuple[int, float, Choice], ...]:
+    """The candidate's useful options as (blocks, value, choice), increasing in blocks, after
+    dropping what cannot fit alone, what is worth nothing and LP-dominated HIDDEN options."""
+    out: list[tuple[int, float, Choice]] = []
+    kv_ok = c.kv_blocks <= capacity and c.value > 0
+    h = c.hidden_blocks
+    if h is not None and h <= capacity and h < c.kv_blocks:
+        hidden_value = c.value - c.hidden_penalty
+        dominated = kv_ok and hidden_value * c.kv_blocks < c.value * h  # below the 0 -> KV chord
+        if hidden_value > 0 and not dominated:
+            out.append((h, hidden_value, Choice(True, True)))
+    if kv_ok:
+        out.append((c.kv_blocks, c.value, Choice(True, False)))
+    return tuple(out)
+
+
+def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
+    """Algorithm 1 with the decisions above: a choice per candidate, in order."""
+    steps = []  # (-θ, step rank, request, blocks after, value after, choice, Δblocks, Δvalue)
+    for i, c in enumerate(candidates):
+        prev_blocks, prev_value = 0, 0.0
+        for rank, (blocks, value, choice) in enumerate(options(c, capacity)):
+            dm, dv = blocks - prev_blocks, value - prev_value
+            steps.append((-dv / dm, rank, i, choice, dm, dv))
+            prev_blocks, prev_value = blocks, value
+    steps.sort(key=lambda s: (s[0], s[1], s[2]))
+    chosen = [SKIP] * len(candidates)
+    used, total = 0, 0.0
+    for _, _, i, choice, dm, dv in steps:
+        if used + dm > capacity:
+            break  # the critical increment: stop here, as the paper does
+        used, total = used + dm, total + dv
+        chosen[i] = choice
+    best = _best_single(candidates, capacity)
+    if best is not None and best[1] > total:
+        single = [SKIP] * len(candidates)
+        single[best[0]] = best[2]
+        return single
+    return chosen
+
+
+def _best_single(candidates: Sequence[Candidate], capacity: int) -> tuple[int, float, Choice] | None:
+    best = None
+    for i, c in enumerate(candidates):
+        for _, value, choice in options(c, capacity):
+            if best is None or value > best[1]:
+                best = (i, value, choice)
+    return best
+
+
+def objective(candidates: Sequence[Candidate], choices: Sequence[Choice]) -> tuple[float, int]:
+    """(total value, total blocks) of a choice per candidate."""
+    value, blocks = 0.0, 0
+    for c, ch in zip(candidates, choices, strict=True):
+        if not ch.scheduled:
+            continue
+        if ch.hidden:
+            value += c.value - c.hidden_penalty
+            blocks += c.hidden_blocks
+        else:
+            value += c.value
+            blocks += c.kv_blocks
+    return value, blocks

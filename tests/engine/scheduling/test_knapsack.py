@@ -1,0 +1,96 @@
+"""Apt-Serve's packing greedy against brute force (the paper's testable claims T7-T9):
+concave options, never over capacity, at least half the optimum."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.scheduling.knapsack import SKIP, Candidate, Choice, objective, options, solve
+
+
+@st.composite
+def instances(draw, hidden: bool = True):
+    n = draw(st.integers(0, 7))
+    ratio = draw(st.sampled_from([0.5, 0.75]))
+    nrho = draw(st.floats(0, 0.5))  # N·ρ
+    cands = []
+    for _ in range(n):
+        m = draw(st.integers(1, 12))
+        p = draw(st.floats(0, 10))
+        h = max(1, math.ceil(m * ratio)) if hidden and draw(st.booleans()) else None
+        cands.append(Candidate(p, m, h, nrho * m))
+    return cands, draw(st.integers(0, 30))
+
+
+def brute_force(cands, capacity) -> float:
+    best = 0.0
+    forms = [SKIP, Choice(True, True), Choice(True, False)]
+    for combo in itertools.product(forms, repeat=len(cands)):
+        if any(ch.hidden and c.hidden_blocks is None for c, ch in zip(cands, combo)):
+            continue
+        value, blocks = objective(cands, combo)
+        if blocks <= capacity:
+            best = max(best, value)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_greedy_is_feasible_and_at_least_half_the_optimum(instance):
+    """T8: ALG >= OPT/2 and the memory constraint holds."""
+    cands, capacity = instance
+    choices = solve(cands, capacity)
+    value, blocks = objective(cands, choices)
+    assert blocks <= capacity
+    assert value >= brute_force(cands, capacity) / 2 - 1e-9
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(hidden=False))
+def test_without_hidden_it_is_the_knapsack_2_approximation(instance):
+    """T9: HIDDEN never offered: 0-1 knapsack greedy + best single item, never HIDDEN."""
+    cands, capacity = instance
+    choices = solve(cands, capacity)
+    assert not any(ch.hidden for ch in choices)
+    value, blocks = objective(cands, choices)
+    assert blocks <= capacity and value >= brute_force(cands, capacity) / 2 - 1e-9
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    p=st.floats(0.01, 100),
+    m=st.integers(2, 64),
+    nrho=st.floats(0, 5),
+    ratio=st.sampled_from([0.5, 0.75]),
+)
+def test_offered_options_are_concave(p, m, nrho, ratio):
+    """T7: where HIDDEN is offered, θ_hidden >= θ_upgrade and its value >= p·h/m̄ (p/2 for MHA)."""
+    h = math.ceil(m * ratio)
+    opts = options(Candidate(p, m, h, nrho * m), capacity=10**6)
+    if len(opts) == 2:
+        (hb, hv, hc), (kb, kv, kc) = opts
+        assert hc.hidden and not kc.hidden
+        assert hv / hb >= (kv - hv) / (kb - hb) - 1e-12
+        assert hv >= p * h / m - 1e-9
+    elif opts and opts[0][2].hidden is False:
+        assert p - nrho * m < p * h / m + 1e-9 or p - nrho * m <= 0  # dropped only when dominated
+
+
+def test_hidden_lets_more_requests_in_when_the_penalty_is_small():
+    """Four MHA requests of 8 blocks, 20 blocks free: KV alone fits two, HIDDEN fits all four."""
+    cands = [Candidate(5.0, 8, 4, 0.01 * 8) for _ in range(4)]
+    choices = solve(cands, 20)
+    assert sum(ch.scheduled for ch in choices) == 4
+    assert sum(ch.hidden for ch in choices) >= 3
+    heavy = [Candidate(5.0, 8, 4, 4.9) for _ in range(4)]  # penalty eats the value: KV only
+    assert [ch.hidden for ch in solve(heavy, 20)] == [False] * 4
+
+
+def test_fallback_takes_the_big_single_request():
+    """The classic counter-example to plain density greedy: a dense small item and one big one."""
+    cands = [Candidate(2.0, 1), Candidate(10.0, 10)]
+    assert solve(cands, 10) == [SKIP, Choice(True, False)]
