@@ -36,7 +36,10 @@ class BlockTable:
     right end (offset o at slot bs-1-o). `claimed` counts token positions that own a slot:
     computed tokens plus those reserved for the step being scheduled. `owner` is the KV
     component that places this table's blocks (None: the core's forward rules); it is chosen
-    when the table is created and kept until the table is dropped.
+    when the table is created and kept until the table is dropped. `transient` (partial
+    residency, `kv/partial.py`) counts the leading tokens whose K/V the next step rebuilds
+    instead of reading from the pool: their entries are empty (id 0) or, while a shrinking
+    ratio brings them back, fresh blocks that step fills; 0 for every other table.
 
     Only `KVLedger` primitives change a table, so every change can be rolled back.
     """
@@ -47,6 +50,7 @@ class BlockTable:
     claimed: int = 0
     host: dict[int, HostEntry] = field(default_factory=dict)
     owner: KVComponent | None = field(default=None, repr=False)
+    transient: int = 0
 
     def extend(self, blocks: Sequence[Block]) -> None:
         """Append forward entries (no undo record: callers go through `KVLedger.append_entries`)."""
