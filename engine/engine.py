@@ -6,6 +6,7 @@ scheduling logic of its own.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -15,7 +16,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, PartialResidency, num_blocks_for_budget
+from engine.kv.partial import check_ratio
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
@@ -77,6 +79,8 @@ class LLMEngine:
         config = config.resolved()  # dtype "auto" decided for this machine, once
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
+        if config.uncached_ratio:
+            self._check_partial_residency(config, decode_kernel)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
@@ -114,6 +118,8 @@ class LLMEngine:
             self.cost_model,
         )
         self.kv.reclaim = self.sessions.reclaim  # session pins yield to memory pressure
+        if config.uncached_ratio:
+            self._attach_partial_residency(config)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
@@ -126,6 +132,28 @@ class LLMEngine:
             config.block_size,
             self.storage.nbytes / 2**30,
             config.policy,
+        )
+
+    @staticmethod
+    def _check_partial_residency(config: EngineConfig, decode_kernel: str) -> None:
+        """The combinations partial residency refuses, before anything is loaded (docs/ellm.md)."""
+        check_ratio(config.uncached_ratio)
+        if config.policy == "bros":
+            raise ValueError(
+                "uncached_ratio > 0 cannot be combined with policy 'bros': BROS shares one block between "
+                "two requests' ends, and a shared block cannot leave the pool for one of them (docs/ellm.md)"
+            )
+        if decode_kernel == "triton":
+            raise ValueError(
+                "uncached_ratio > 0 needs attention 'reference' or 'fused': the Triton kernels "
+                "have no rebuilt-prefix path yet (docs/ellm.md)"
+            )
+
+    def _attach_partial_residency(self, config: EngineConfig) -> None:
+        """eLLM's partial residency for every request but session turns (docs/ellm.md says why)."""
+        turns = self.sessions.turns
+        self.kv.attach(
+            functools.partial(PartialResidency, ratio=config.uncached_ratio, excluded=lambda r: r.request_id in turns)
         )
 
     # -- requests ------------------------------------------------------------------------

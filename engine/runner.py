@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
+from engine.rebuilt_prefix import add_rebuilt_prefixes
 from engine.scheduling import Request, ScheduledItem
 from kernels import AttentionMetadata, DecodeBucket, PrefillSpan, triton_unavailable, write_kv_cache_layers
 from kernels.compiled import decode as compiled_decode
@@ -91,19 +92,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[ScheduledItem], wait_layer: Callable[[int], None] | None = None) -> StepResult:
         """`wait_layer(i)` runs before layer i when some KV of the batch is still loading."""
+        rebuilt = [it for it in items if self.kv.table(it.request).transient]  # partial residency (eLLM)
+        if rebuilt:
+            items = [it for it in items if not self.kv.table(it.request).transient]
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
-        if self._graph_applies(decodes, prefills, wait_layer):
+        if not rebuilt and self._graph_applies(decodes, prefills, wait_layer):
             return self._execute_decode_graph(decodes)
-        ordered = decodes + prefills
+        ordered = decodes + prefills + rebuilt
         input_ids, positions, slots, rows, sampled = self._flatten(ordered)
+        spans = self._prefill_spans(prefills, start=len(decodes))
+        transient = []
+        if rebuilt:  # their rebuilt prefixes go after every other row
+            first = len(input_ids) - sum(it.num_new_tokens for it in rebuilt)
+            transient = add_rebuilt_prefixes(rebuilt, first, self.kv, (input_ids, positions, slots), spans, self.device)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             decode_buckets=self._decode_buckets([it.request for it in decodes]),
-            prefills=self._prefill_spans(prefills, start=len(decodes)),
+            prefills=spans,
             scale=self.scale,
             wait_layer=wait_layer,
             decode_kernel=self.decode_kernel,
+            transient=transient,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:

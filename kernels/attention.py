@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kernels.compiled import decode as _compiled
 from kernels.reference import attention as _ref
+from kernels.reference import resident as _resident
 
 
 @dataclass
@@ -37,6 +38,22 @@ class PrefillSpan:
     ctx_len: int  # tokens already in the cache before this step
     block_ids: torch.Tensor | None  # [n] blocks holding all ctx_len + q_len tokens; None when ctx_len == 0
     reversed: torch.Tensor | None = None  # [n] bool direction bits; None when every block is forward
+
+
+@dataclass
+class TransientSpan:
+    """A sequence whose oldest `prefix_len` tokens have no K/V in the pool (partial residency,
+    `engine/kv/partial.py`): this step rebuilds them as extra rows `prefix_start ..` of the
+    batch (positions 0 .. prefix_len-1, attended as a ctx-0 prefill span of their own), and
+    its query rows attend those rows' K/V merged with its paged part
+    (`kernels/reference/resident.py`). Its rows are in no decode bucket or prefill span."""
+
+    q_start: int  # first row of the sequence's new tokens
+    q_len: int
+    ctx_len: int  # tokens before this step (the first new token's position)
+    prefix_start: int  # first row of its rebuilt prefix in the flattened batch
+    prefix_len: int  # rebuilt tokens (whole blocks)
+    block_ids: torch.Tensor  # [n] the logical blocks of all ctx_len + q_len tokens (0 for empty entries)
 
 
 @dataclass
@@ -116,6 +133,8 @@ class AttentionMetadata:
     # What a kernel derives from the fields above on the step's first layer and reuses in
     # every later one (kernels/triton/plan.py), keyed by the kernel and model shape.
     prepared: dict = field(default_factory=dict, repr=False)
+    # Partially resident sequences (eLLM) and the rows of their rebuilt prefixes; empty otherwise.
+    transient: list[TransientSpan] = field(default_factory=list)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -161,10 +180,14 @@ def paged_attention(
     query head h reads KV head h // (heads // kv_heads).
     """
     if meta.decode_kernel == "triton":
-        return _triton().paged_attention(q, k, v, kv_cache, meta)
-    if meta.decode_kernel == "fused":
-        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
-    return _ref.paged_attention(q, k, v, kv_cache, meta)
+        out = _triton().paged_attention(q, k, v, kv_cache, meta)
+    elif meta.decode_kernel == "fused":
+        out = _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
+    else:
+        out = _ref.paged_attention(q, k, v, kv_cache, meta)
+    if meta.transient:  # partial residency: rebuilt prefix + paged part, merged (reference on every device)
+        _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale)
+    return out
 
 
 # -- dispatch by device -------------------------------------------------------------------
