@@ -33,6 +33,19 @@ def test_generate_json_chat():
     assert out["token_ids"] and out["finish_reason"] == "stop"
 
 
+def test_generate_with_uncached_ratio_matches_full_residency():
+    """`--uncached-ratio`: the oldest half of the context rebuilt each step (from the first step
+    on: the prompt is over two blocks long), same greedy tokens on the default model."""
+    prompt = "The lighthouse keeper climbed the stairs every evening, counting each step, and lit the lamp. " * 3
+    args = ["generate", "--prompt", prompt, "--max-tokens", "16", "--dtype", "float32"]
+    full = _tandem(*args, "--json")
+    partial = _tandem(*args, "--json", "--uncached-ratio", "0.5")
+    assert full.returncode == 0 and partial.returncode == 0, partial.stderr
+    assert json.loads(partial.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
+    bad = _tandem(*args, "--uncached-ratio", "1.5")
+    assert bad.returncode == 2 and "uncached ratio must be in" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_missing_model_is_a_clear_error():
     res = _tandem("generate", "--model", "/no/such/model", "--prompt", "hi")
     assert res.returncode == 2

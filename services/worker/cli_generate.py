@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
+    p.add_argument(
+        "--uncached-ratio",
+        type=float,
+        default=None,
+        help="partial KV residency (eLLM): keep only the newest (1 - R) of each request's tokens' K/V in the "
+        "pool and rebuild the oldest each step (0..0.95; checking and debugging, see docs/ellm.md)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
 
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         cfg["device"] = args.device
     if args.load_format is not None:
         cfg["load_format"] = args.load_format
+    if args.uncached_ratio is not None:
+        cfg["uncached_ratio"] = args.uncached_ratio
     prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))

@@ -88,6 +88,7 @@ class WorkerService:
             dtype=s.dtype,
             kv_cache_gib=s.kv_cache_gib,
             policy=s.policy,
+            uncached_ratio=s.uncached_ratio,
             max_num_seqs=s.max_num_seqs,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len,

@@ -23,6 +23,7 @@ class WorkerSettings(ServiceSettings):
     dtype: str = "auto"  # auto: bfloat16 where the CPU (or GPU) computes it natively, else float32
     kv_cache_gib: float = 1.0
     policy: str = "fcfs"
+    uncached_ratio: float = 0.0  # partial KV residency (eLLM, docs/ellm.md): 0 = off; EngineConfig checks it
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
