@@ -55,7 +55,7 @@ Next features, in these terms (`docs/engine.md`, "Designed for what comes next")
   `ceil(n·r)` pool blocks for n logical entries (budget in KV-block units) and records the
   entry -> (block, half) mapping in a per-entry list the runner reads; `publishable` is
   False unless the hash carries the mode (`hash_block(extra=)`).
-- *Partial residency (eLLM)*: owns requests with a non-resident prefix; dropping prefix
+- *Partial residency (eLLM)*, built as `kv/partial.py`: owns requests with a non-resident prefix; dropping prefix
   entries detaches them to empty entries (id 0) without unregistering their hashes, so a
   later step can take them back as prefix-cache hits; its `check_invariants` accepts empty
   entries without a host copy.
