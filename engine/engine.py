@@ -79,7 +79,7 @@ class LLMEngine:
         config = config.resolved()  # dtype "auto" decided for this machine, once
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
-        if config.uncached_ratio:
+        if config.uncached_ratio or config.policy == "ellm":
             self._check_partial_residency(config, decode_kernel)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -107,7 +107,7 @@ class LLMEngine:
             compile_layers=config.compile_layers,
         )
         self.cost_model = None
-        if config.policy == "bros":
+        if config.policy in ("bros", "ellm"):
             self.cost_model = self._cost_model(config, source)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
         self.sessions = SessionStore(
@@ -143,10 +143,12 @@ class LLMEngine:
                 "uncached_ratio > 0 cannot be combined with policy 'bros': BROS shares one block between "
                 "two requests' ends, and a shared block cannot leave the pool for one of them (docs/ellm.md)"
             )
+        if config.policy == "ellm" and config.uncached_ratio:
+            raise ValueError("policy 'ellm' chooses the uncached ratio itself each step: leave uncached_ratio at 0")
         if decode_kernel == "triton":
             raise ValueError(
-                "uncached_ratio > 0 needs attention 'reference' or 'fused': the Triton kernels "
-                "have no rebuilt-prefix path yet (docs/ellm.md)"
+                "partial residency (uncached_ratio > 0, policy 'ellm') needs attention 'reference' or 'fused': "
+                "the Triton kernels have no rebuilt-prefix path yet (docs/ellm.md)"
             )
 
     def _attach_partial_residency(self, config: EngineConfig) -> None:
@@ -394,6 +396,9 @@ class LLMEngine:
         return kv, storage
 
     def _policy_options(self, config: EngineConfig) -> dict:
+        if config.policy == "ellm":  # session turns stay resident (docs/ellm.md)
+            excluded = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built later)
+            return {"cost_model": self.cost_model, "default_slo": SLO(None, config.rt_tpot_s), "excluded": excluded}
         if config.policy != "bros":
             return {}
         return {

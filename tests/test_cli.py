@@ -33,13 +33,15 @@ def test_generate_json_chat():
     assert out["token_ids"] and out["finish_reason"] == "stop"
 
 
-def test_generate_with_uncached_ratio_matches_full_residency():
-    """`--uncached-ratio`: the oldest half of the context rebuilt each step (from the first step
-    on: the prompt is over two blocks long), same greedy tokens on the default model."""
-    prompt = "The lighthouse keeper climbed the stairs every evening, counting each step, and lit the lamp. " * 3
-    args = ["generate", "--prompt", prompt, "--max-tokens", "16", "--dtype", "float32"]
-    full = _tandem(*args, "--json")
-    partial = _tandem(*args, "--json", "--uncached-ratio", "0.5")
+def test_generate_with_uncached_ratio_matches_full_residency(tiny_model_dir):
+    """`--uncached-ratio`: the oldest half of the context rebuilt each step (from the first
+    decode on: the prompt is over two blocks long), same greedy tokens (a tiny model: the
+    default model's equality is tests/engine/test_partial_residency.py's)."""
+    ids = ",".join(str(1000 + 37 * i) for i in range(40))
+    args = ["generate", "--model", str(tiny_model_dir("llama")), "--prompt-ids", ids, "--max-tokens", "12"]
+    args += ["--dtype", "float32", "--json"]
+    full = _tandem(*args)
+    partial = _tandem(*args, "--uncached-ratio", "0.5")
     assert full.returncode == 0 and partial.returncode == 0, partial.stderr
     assert json.loads(partial.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
     bad = _tandem(*args, "--uncached-ratio", "1.5")

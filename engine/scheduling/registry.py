@@ -11,12 +11,13 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from engine.scheduling.bros import BROSPolicy
+from engine.scheduling.ellm import ELLMPolicy
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import SchedulingPolicy
 from engine.scheduling.rr import RoundRobinPolicy
 
 POLICIES: Mapping[str, type[SchedulingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy)}
+    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, ELLMPolicy)}
 )
 
 

@@ -170,6 +170,14 @@ def test_preemption_under_a_binding_pool(tiny_model_dir):
     assert preemptions[0] > before
 
 
+def test_default_model_float32(tmp_path):
+    """The default model (SmolLM2-135M, GQA) in float32: the same greedy tokens with half of
+    each context rebuilt every step."""
+    prompts = [[1000 + 37 * i for i in range(n)] for n in (40, 75)]
+    full = _generate(_engine("default", 0.0), prompts, max_tokens=16)
+    assert _generate(_engine("default", 0.5), prompts, max_tokens=16) == full
+
+
 def test_refused_combinations(tiny_model_dir):
     path = tiny_model_dir("llama")
     with pytest.raises(ValueError, match="bros"):
