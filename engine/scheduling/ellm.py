@@ -2,11 +2,13 @@
 uncached ratio `r` that maximise tokens/s under the TPOT SLO and the KV memory, then run FCFS
 with that bound (chunked prefill, recompute preemption) and that ratio.
 
-The optimiser (`choose`) is an exact search over a grid of ratios (0, 0.05, ..., 0.9) rather
-than the paper's SLSQP over a relaxed problem: for a given `r` the largest feasible `b` is the
+The optimiser (`choose`) searches a grid of ratios (0, 0.05, ..., 0.9) rather than running
+the paper's SLSQP over a relaxed problem: for each `r` it takes the largest feasible `b`, the
 longest FCFS prefix of the candidates (running first, then waiting) whose resident blocks fit
-the pool, so the 2-D problem is one scan per ratio, and the best of the grid is the optimum
-of the grid (no solver tolerance, no start point, no failure mode). Step time comes from the
+the pool, so the 2-D problem is one scan per ratio with no solver tolerance, start point or
+failure mode. Taking the largest `b` is optimal for that `r` whenever `b/T` grows with `b`,
+i.e. while one more row costs less than the step's average (the per-step constant of the
+profile makes that so on this engine); it is not checked per step. Step time comes from the
 worker's profiled cost model (`engine/cost_model.py`): the `b` decode rows over their whole
 contexts plus the rebuild, priced as a prefill of `Σ u_i` tokens with `Σ u_i²` query-key
 pairs. Unlike the paper's FLOPs-only Eq. 5 the profile has a per-step constant, so `b/T` rises

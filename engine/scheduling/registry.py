@@ -15,9 +15,10 @@ from engine.scheduling.ellm import ELLMPolicy
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import SchedulingPolicy
 from engine.scheduling.rr import RoundRobinPolicy
+from engine.scheduling.swap import SwapPolicy
 
 POLICIES: Mapping[str, type[SchedulingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, ELLMPolicy)}
+    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, ELLMPolicy, SwapPolicy)}
 )
 
 

@@ -34,9 +34,10 @@ def test_max_batch_bounds_the_choice():
     assert choice.batch <= 6
 
 
-def test_engine_under_ellm_matches_fcfs(tiny_model_dir, tmp_path):
-    """A pool too small for the batch: ellm rebuilds prefixes to fit more requests, and the
-    greedy tokens are FCFS's; its decision time is published."""
+def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
+    """A pool too small for the batch: ellm rebuilds prefixes to fit more requests, swap moves
+    whole requests to host and back, and the greedy tokens are FCFS's; ellm's decision time is
+    published."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.scheduling.ellm import ELLMPolicy
 
@@ -44,7 +45,7 @@ def test_engine_under_ellm_matches_fcfs(tiny_model_dir, tmp_path):
     COST.save(path)
     prompts = [[1000 + 7 * i + j for i in range(n)] for j, n in enumerate((60, 50, 70, 40, 65))]
 
-    def run(policy: str):
+    def run(policy: str, **overrides):
         engine = LLMEngine(
             EngineConfig(
                 model=str(tiny_model_dir("llama")),
@@ -57,6 +58,7 @@ def test_engine_under_ellm_matches_fcfs(tiny_model_dir, tmp_path):
                 cost_model_path=str(path),
                 rt_tpot_s=1.0,
                 num_threads=1,
+                **overrides,
             )
         )
         for i, p in enumerate(prompts):
@@ -71,9 +73,11 @@ def test_engine_under_ellm_matches_fcfs(tiny_model_dir, tmp_path):
             if isinstance(policy_obj, ELLMPolicy):
                 ratios.append(policy_obj.last.ratio)
                 assert policy_obj.last.decision_s > 0
-        return tokens, ratios
+        return tokens, ratios, engine.stats
 
-    fcfs, _ = run("fcfs")
-    ellm, ratios = run("ellm")
+    fcfs, _, _ = run("fcfs")
+    ellm, ratios, _ = run("ellm")
     assert ellm == fcfs
     assert max(ratios) > 0, json.dumps(ratios)
+    swap, _, stats = run("swap", num_host_blocks=64)  # the vLLM-Swap baseline: requests move to host and back
+    assert swap == fcfs and stats.swap_outs > 0
