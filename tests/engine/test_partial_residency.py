@@ -184,3 +184,35 @@ def test_refused_combinations(tiny_model_dir):
         _build(path, 0.5, policy="bros")
     with pytest.raises(ValueError, match="uncached ratio"):
         _build(path, 0.99)
+
+
+def test_session_turns_stay_fully_resident(tiny_model_dir):
+    """A session turn is left to the core's rules (the keeper copies all of a finished turn's
+    blocks); a plain request of the same engine is partially resident; both give full
+    residency's tokens, and the next turn reuses the kept KV."""
+    path = tiny_model_dir("llama")
+    prompt, other = _prompts(11, (70, 70))
+    full = _generate(_engine(path, 0.0), [prompt, other])
+    engine = _engine(path, 0.5)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("turn1", prompt, params, session_id="s")
+    engine.add_request("plain", other, params)
+    tokens: dict[str, list[int]] = {"turn1": [], "plain": []}
+    owners = set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        for rid in ("turn1", "plain"):
+            request = engine.scheduler.requests.get(rid)
+            if request is not None and engine.kv.holds(request):
+                table = engine.kv.table(request)
+                owners.add((rid, type(table.owner).__name__, table.transient > 0))
+        engine.kv.check_invariants()
+    assert [tokens["turn1"], tokens["plain"]] == full
+    assert ("turn1", "NoneType", False) in owners and ("plain", "PartialResidency", True) in owners
+    assert not any(rid == "turn1" and owner != "NoneType" for rid, owner, _ in owners)
+    second = prompt + tokens["turn1"] + [7, 8, 9]
+    turn2 = engine.add_request("turn2", second, params, session_id="s")
+    while engine.has_unfinished():  # no check_invariants here: it does not count the session pin's references
+        engine.step()
+    assert turn2.num_cached_tokens >= 64  # the kept turn's blocks
