@@ -54,14 +54,21 @@ def _prompts(seed: int = 1, lengths=(5, 37, 18, 70)) -> list[list[int]]:
     return [[rng.randrange(49152) for _ in range(n)] for n in lengths]
 
 
-def _generate(engine: LLMEngine, prompts, max_tokens: int = MAX_TOKENS, on_step=None) -> list[list[int]]:
-    """Greedy tokens per prompt, in prompt order."""
+def _generate(
+    engine: LLMEngine, prompts, max_tokens: int = MAX_TOKENS, on_step=None, arrive_at=None
+) -> list[list[int]]:
+    """Greedy tokens per prompt, in prompt order; prompt i arrives before step `arrive_at[i]`
+    (default: all before the first)."""
     rids = [f"r{next(_ids)}" for _ in prompts]
-    for rid, p in zip(rids, prompts):
-        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    arrive_at = arrive_at or [0] * len(prompts)
+    pending = sorted(zip(arrive_at, range(len(prompts))))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     steps = 0
-    while engine.has_unfinished():
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= steps:
+            i = pending.pop(0)[1]
+            engine.add_request(rids[i], prompts[i], params)
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
             preemptions[0] += out.finished and out.request.num_preemptions
@@ -145,19 +152,20 @@ def test_prefix_hit_on_released_prefix_blocks(tiny_model_dir):
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(
-    lengths=st.lists(st.integers(2, 80), min_size=2, max_size=5),
+    requests=st.lists(st.tuples(st.integers(2, 80), st.integers(0, 12)), min_size=2, max_size=5),
     ratio=st.sampled_from([0.25, 0.5, 0.9]),
     seed=st.integers(0, 1000),
 )
-def test_memory_pressure_preemption(tiny_model_dir, lengths, ratio, seed):
-    """A pool too small for the batch: requests are preempted and re-admitted (taking their
-    released prefix back from the cache where it survived); tokens still equal full residency
-    with a pool large enough for everything."""
+def test_memory_pressure_preemption(tiny_model_dir, requests, ratio, seed):
+    """Prompts of any lengths arriving at any steps into a pool too small for the batch:
+    requests are preempted and re-admitted (taking their released prefix back from the cache
+    where it survived); tokens still equal full residency with a pool large enough for all."""
     path = tiny_model_dir("llama")
-    prompts = _prompts(seed, lengths)
+    prompts = _prompts(seed, [n for n, _ in requests])
+    arrive_at = [step for _, step in requests]
     full = _generate(_engine(path, 0.0), prompts)
     tight = _engine(path, ratio, num_blocks=12, max_num_batched_tokens=48)
-    assert _generate(tight, prompts) == full
+    assert _generate(tight, prompts, arrive_at=arrive_at) == full
 
 
 def test_preemption_under_a_binding_pool(tiny_model_dir):
