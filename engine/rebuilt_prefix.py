@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 _NULL_BLOCK = 0
 
 
+def rebuilt_rows(items: list[ScheduledItem], kv: KVCacheManager) -> list[tuple[int, int]]:
+    """The prefill rows `(u, u)` this step's rebuilt prefixes add, one per item that has one:
+    what a step-time model prices (the simulator's `batch_rows`). Call after allocation."""
+    return [(u, u) for u in (kv.table(it.request).transient for it in items) if u]
+
+
 def add_rebuilt_prefixes(
     items: list[ScheduledItem],
     first_row: int,

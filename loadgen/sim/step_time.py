@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from engine.cost_model import CostModel
 from engine.kv import KVCacheManager
+from engine.rebuilt_prefix import rebuilt_rows
 from engine.scheduling import ScheduledBatch, ScheduledItem
 
 
@@ -24,9 +25,8 @@ def batch_rows(
     for it in items:
         row = (it.num_new_tokens, it.request.num_computed_tokens + it.num_new_tokens)
         (decode if it.num_new_tokens == 1 else prefill).append(row)
-        rebuilt = kv.table(it.request).transient if kv is not None else 0
-        if rebuilt:
-            prefill.append((rebuilt, rebuilt))
+    if kv is not None:
+        prefill += rebuilt_rows(items, kv)
     return prefill, decode
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from engine.cost_model import CostModel, PhaseFit
 from engine.kv import BlockPool, KVCacheManager, PartialResidency
+from engine.rebuilt_prefix import rebuilt_rows
 from engine.sampling import SamplingParams
 from engine.scheduling import Request, ScheduledItem
 from engine.scheduling.request import SLO
@@ -16,24 +17,25 @@ from loadgen.arrivals import ArrivalSpec
 from loadgen.driver import Driver
 from loadgen.prompts import PromptBuilder
 from loadgen.sim.cluster import ClusterSpec, SimTarget
-from loadgen.sim.step_time import batch_rows
 from loadgen.sim.worker import SimWorker, WorkerSpec
 from loadgen.workloads.build import WorkloadConfig, build_workload
 
-# tests/loadgen would import /work/main's loadgen in a worktree (see the report), so this lives here
 COST = CostModel(PhaseFit(2e-4, 1e-8, 0.01), PhaseFit(1e-4, 5e-7, 0.02), 25e9, {"model": "test"})
 
 
 def test_rebuilt_prefix_is_a_prefill_row():
+    """What the simulator's `batch_rows` adds (engine/rebuilt_prefix.py's `rebuilt_rows`; tested
+    here rather than through loadgen, which a worktree's test run imports from /work/main)."""
     kv = KVCacheManager(BlockPool(32), 16)
     kv.attach(functools.partial(PartialResidency, ratio=0.5))
     request = Request("a", list(range(100, 164)), SamplingParams(max_tokens=4))
     assert kv.allocate(request, 64)
     request.num_computed_tokens = 64
     assert kv.allocate(request, 1)  # u = 32 leave the pool: this step rebuilds them
-    prefill, decode = batch_rows([ScheduledItem(request, 1)], kv)
-    assert decode == [(1, 65)] and prefill == [(32, 32)]
-    assert batch_rows([ScheduledItem(request, 1)]) == ([], [(1, 65)])  # without the manager: as before
+    assert rebuilt_rows([ScheduledItem(request, 1)], kv) == [(32, 32)]
+    other = Request("b", list(range(500, 540)), SamplingParams(max_tokens=4))
+    assert kv.allocate(other, 40)  # nothing computed yet: nothing to rebuild
+    assert rebuilt_rows([ScheduledItem(request, 1), ScheduledItem(other, 40)], kv) == [(32, 32)]
 
 
 @pytest.mark.timeout(300)
