@@ -9,11 +9,13 @@ import itertools
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv import PartialResidency
+from tests.conftest import requires_cxx
 
 MAX_TOKENS = 12
 _ids = itertools.count()
@@ -224,3 +226,35 @@ def test_session_turns_stay_fully_resident(tiny_model_dir):
     while engine.has_unfinished():  # no check_invariants here: it does not count the session pin's references
         engine.step()
     assert turn2.num_cached_tokens >= 64  # the kept turn's blocks
+
+
+@requires_cxx
+def test_bfloat16_fused_close_to_full_residency(tiny_model_dir):
+    """The serving default (bf16 on CPU: fused decode and compiled layers for fully resident
+    steps): half of each context rebuilt gives logits close to full residency's, step by
+    step, while both runs have fed the same tokens (bf16 near-ties may flip a token)."""
+    path = tiny_model_dir("llama")
+    runs = {}
+    for ratio in (0.0, 0.5):
+        engine = _build(path, ratio, dtype="bfloat16", attention="auto")
+        assert engine.runner.decode_kernel == "fused"
+        rids = [f"p{i}" for i in range(4)]
+        for rid, p in zip(rids, _prompts()):
+            engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            engine.step()
+            engine.kv.check_invariants()
+            if engine.last_logits is not None:
+                reqs, logits = engine.last_logits
+                steps.append(dict(zip((r.request_id for r in reqs), logits)))
+        runs[ratio] = steps
+    diverged: set[str] = set()
+    compared = 0
+    for partial, full in zip(runs[0.5], runs[0.0], strict=True):
+        for rid in full.keys() - diverged:
+            torch.testing.assert_close(partial[rid], full[rid], atol=0.1, rtol=0.05)
+            compared += 1
+            if partial[rid].argmax() != full[rid].argmax():
+                diverged.add(rid)
+    assert compared > 20 and len(diverged) < 4
