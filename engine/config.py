@@ -111,6 +111,10 @@ class EngineConfig:
     session_disk_gib: float = 20.0  # disk budget; least recently active sessions are deleted beyond it
     session_eviction: str = "idle-layer-size"  # host-tier eviction policy ("idle-layer-size" or "lru")
     session_prefetch_ttl_s: float = 30.0  # a prefetch pin is released if no request of the session comes
+    # partial KV residency (eLLM, docs/ellm.md): every request keeps only its newest (1 - r)
+    # share of computed tokens in the pool; the oldest whole blocks are rebuilt each step.
+    # 0 = off. Fixed r is for checking and debugging; the `ellm` policy chooses it per step
+    uncached_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cache_form not in ("auto", "kv", "hidden"):

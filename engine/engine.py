@@ -7,6 +7,7 @@ engine thread); what other threads may read is `info` and the `snapshot` each st
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -17,8 +18,9 @@ from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
+from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, PartialResidency, num_blocks_for_budget
 from engine.kv.hidden import HiddenBlocks, HiddenLayout
+from engine.kv.partial import check_ratio
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
@@ -53,6 +55,8 @@ class LLMEngine:
         config = config.resolved()  # dtype "auto" decided for this machine, once
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
+        if config.uncached_ratio or config.policy == "ellm":
+            self._check_partial_residency(config, decode_kernel)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
@@ -82,7 +86,7 @@ class LLMEngine:
             compile_layers=config.layers_compiled,
         )
         self.cost_model = None
-        if config.policy == "bros":
+        if config.policy in ("bros", "ellm"):
             self.cost_model = self._cost_model(config, source)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
         self.sessions = SessionStore(
@@ -93,6 +97,8 @@ class LLMEngine:
             self.cost_model,
         )
         self.kv.reclaim = self.sessions.reclaim  # session pins yield to memory pressure
+        if config.uncached_ratio:
+            self._attach_partial_residency(config)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
@@ -119,6 +125,35 @@ class LLMEngine:
             config.block_size,
             self.storage.nbytes / 2**30,
             config.policy,
+        )
+
+    @staticmethod
+    def _check_partial_residency(config: EngineConfig, decode_kernel: str) -> None:
+        """The combinations partial residency refuses, before anything is loaded (docs/ellm.md)."""
+        check_ratio(config.uncached_ratio)
+        if config.policy == "bros":
+            raise ValueError(
+                "uncached_ratio > 0 cannot be combined with policy 'bros': BROS shares one block between "
+                "two requests' ends, and a shared block cannot leave the pool for one of them (docs/ellm.md)"
+            )
+        if config.policy == "ellm" and config.uncached_ratio:
+            raise ValueError("policy 'ellm' chooses the uncached ratio itself each step: leave uncached_ratio at 0")
+        if config.cache_form == "hidden" or config.policy == "aptserve":
+            raise ValueError(
+                "partial residency (uncached_ratio > 0, policy 'ellm') does not combine with the hybrid cache's "
+                "HIDDEN form (cache_form='hidden', policy 'aptserve'): both rebuild K/V in the step's last rows"
+            )
+        if decode_kernel == "triton":
+            raise ValueError(
+                "partial residency (uncached_ratio > 0, policy 'ellm') needs attention 'reference', 'cpp' or 'fused': "
+                "the Triton kernels have no rebuilt-prefix path yet (docs/ellm.md)"
+            )
+
+    def _attach_partial_residency(self, config: EngineConfig) -> None:
+        """eLLM's partial residency for every request but session turns (docs/ellm.md says why)."""
+        turns = self.sessions.turns
+        self.kv.attach(
+            functools.partial(PartialResidency, ratio=config.uncached_ratio, excluded=lambda r: r.request_id in turns)
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -392,6 +427,9 @@ class LLMEngine:
                 "decay": config.aptserve_decay,
                 "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
             }
+        if config.policy == "ellm":  # session turns stay resident (docs/ellm.md)
+            excluded = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built later)
+            return {"cost_model": self.cost_model, "default_slo": SLO(None, config.rt_tpot_s), "excluded": excluded}
         if config.policy != "bros":
             return {}
         return {

@@ -19,6 +19,7 @@ from engine.hidden_batch import build_hidden_batch
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.kv.hidden import HiddenLayout
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
+from engine.rebuilt_prefix import add_rebuilt_prefixes
 from engine.scheduling import Request, ScheduledItem
 from engine.scheduling.request import CacheForm
 from kernels import (
@@ -107,20 +108,31 @@ class ModelRunner:
         hidden_items = [it for it in items if it.request.cache_form is CacheForm.HIDDEN]
         if hidden_items:  # the hybrid cache: HIDDEN rows go last, outside buckets and spans
             items = [it for it in items if it.request.cache_form is not CacheForm.HIDDEN]
+        rebuilt = [it for it in items if self.kv.table(it.request).transient]  # partial residency (eLLM)
+        if rebuilt:
+            items = [it for it in items if not self.kv.table(it.request).transient]
+        # the engine refuses HIDDEN together with partial residency: both want the last rows
+        assert not (hidden_items and rebuilt), "HIDDEN rows and rebuilt prefixes in one step"
         decodes = [it for it in items if it.num_new_tokens == 1]
         prefills = [it for it in items if it.num_new_tokens > 1]
-        if not hidden_items and self._graph_applies(decodes, prefills, wait_layer):
+        if not hidden_items and not rebuilt and self._graph_applies(decodes, prefills, wait_layer):
             return self._execute_decode_graph(decodes)
-        ordered = decodes + prefills
+        ordered = decodes + prefills + rebuilt
         input_ids, positions, slots, rows, sampled = self._flatten(ordered + hidden_items)
+        spans = self._prefill_spans(prefills, start=len(decodes))
+        transient = []
+        if rebuilt:  # their rebuilt prefixes go after every other row
+            first = len(input_ids) - sum(it.num_new_tokens for it in rebuilt)
+            transient = add_rebuilt_prefixes(rebuilt, first, self.kv, (input_ids, positions, slots), spans, self.device)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             decode_buckets=self._decode_buckets([it.request for it in decodes]),
-            prefills=self._prefill_spans(prefills, start=len(decodes)),
+            prefills=spans,
             scale=self.scale,
             wait_layer=wait_layer,
             decode_kernel=self.decode_kernel,
             hidden=self._hidden_batch(hidden_items, sum(it.num_new_tokens for it in ordered)) if hidden_items else None,
+            transient=transient,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:

@@ -25,7 +25,7 @@ from kernels.attention import (
     write_kv_cache_layers,
 )
 from kernels.hidden import HiddenBatch, HiddenSeq, hidden_attention
-from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
+from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan, TransientSpan
 from kernels.reference.partial import attend_partial, merge_partials
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "HiddenSeq",
     "hidden_attention",
     "PrefillSpan",
+    "TransientSpan",
     "decode_attention_with_new",
     "decode_graph_context",
     "paged_attention",

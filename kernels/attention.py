@@ -22,8 +22,9 @@ import torch
 
 from kernels.compiled import decode as _compiled
 from kernels.cpu import decode as _cpu
-from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan
+from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan, TransientSpan
 from kernels.reference import attention as _ref
+from kernels.reference import resident as _resident
 
 __all__ = [
     "DECODE_KERNELS",
@@ -32,6 +33,7 @@ __all__ = [
     "DecodeBucket",
     "DecodeChunks",
     "PrefillSpan",
+    "TransientSpan",
     "decode_attention_with_new",
     "decode_graph_context",
     "paged_attention",
@@ -116,12 +118,16 @@ def paged_attention(
     query head h reads KV head h // (heads // kv_heads).
     """
     if meta.decode_kernel == "triton":
-        return _triton().paged_attention(q, k, v, kv_cache, meta)
-    if meta.decode_kernel == "fused":
-        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
-    if meta.decode_kernel == "cpp":
-        return _ref.paged_attention(q, k, v, kv_cache, meta, decode=_cpu.decode)
-    return _ref.paged_attention(q, k, v, kv_cache, meta)
+        out = _triton().paged_attention(q, k, v, kv_cache, meta)
+    elif meta.decode_kernel == "fused":
+        out = _ref.paged_attention(q, k, v, kv_cache, meta, decode=_compiled.decode)
+    elif meta.decode_kernel == "cpp":
+        out = _ref.paged_attention(q, k, v, kv_cache, meta, decode=_cpu.decode)
+    else:
+        out = _ref.paged_attention(q, k, v, kv_cache, meta)
+    if meta.transient:  # partial residency: rebuilt prefix + paged part, merged (reference on every device)
+        _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale)
+    return out
 
 
 # -- dispatch by device -------------------------------------------------------------------

@@ -32,6 +32,22 @@ class PrefillSpan:
 
 
 @dataclass
+class TransientSpan:
+    """A sequence whose oldest `prefix_len` tokens have no K/V in the pool (partial residency,
+    `engine/kv/partial.py`): this step rebuilds them as extra rows `prefix_start ..` of the
+    batch (positions 0 .. prefix_len-1, attended as a ctx-0 prefill span of their own), and
+    its query rows attend those rows' K/V merged with its paged part
+    (`kernels/reference/resident.py`). Its rows are in no decode bucket or prefill span."""
+
+    q_start: int  # first row of the sequence's new tokens
+    q_len: int
+    ctx_len: int  # tokens before this step (the first new token's position)
+    prefix_start: int  # first row of its rebuilt prefix in the flattened batch
+    prefix_len: int  # rebuilt tokens (whole blocks)
+    block_ids: torch.Tensor  # [n] the logical blocks of all ctx_len + q_len tokens (0 for empty entries)
+
+
+@dataclass
 class DecodeBucket:
     """Single-token sequences attended together: for the reference path, rows of similar
     context length padded to the longest; for the fused path, every decode row of the step
@@ -122,3 +138,5 @@ class AttentionMetadata:
     # HIDDEN-form rows of the hybrid cache (kernels/hidden.py), attended by `hidden_attention`
     # after the paged attention; None when the step has none
     hidden: HiddenBatch | None = None
+    # Partially resident sequences (eLLM) and the rows of their rebuilt prefixes; empty otherwise.
+    transient: list[TransientSpan] = field(default_factory=list)

@@ -33,6 +33,21 @@ def test_generate_json_chat():
     assert out["token_ids"] and out["finish_reason"] == "stop"
 
 
+def test_generate_with_uncached_ratio_matches_full_residency(tiny_model_dir):
+    """`--uncached-ratio`: the oldest half of the context rebuilt each step (from the first
+    decode on: the prompt is over two blocks long), same greedy tokens (a tiny model: the
+    default model's equality is tests/engine/test_partial_residency.py's)."""
+    ids = ",".join(str(1000 + 37 * i) for i in range(40))
+    args = ["generate", "--model", str(tiny_model_dir("llama")), "--prompt-ids", ids, "--max-tokens", "12"]
+    args += ["--dtype", "float32", "--json"]
+    full = _tandem(*args)
+    partial = _tandem(*args, "--uncached-ratio", "0.5")
+    assert full.returncode == 0 and partial.returncode == 0, partial.stderr
+    assert json.loads(partial.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
+    bad = _tandem(*args, "--uncached-ratio", "1.5")
+    assert bad.returncode == 2 and "uncached ratio must be in" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_missing_model_is_a_clear_error():
     res = _tandem("generate", "--model", "/no/such/model", "--prompt", "hi")
     assert res.returncode == 2

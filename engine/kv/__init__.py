@@ -6,6 +6,7 @@ from engine.kv.block_table import BlockTable, HostEntry
 from engine.kv.component import KVComponent
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.ledger import KVLedger
+from engine.kv.partial import PartialResidency
 from engine.kv.prefix_hash import hash_block
 from engine.kv.storage import KVCacheStorage, num_blocks_for_budget
 from engine.kv.two_ended import TwoEndedBlocks
@@ -19,6 +20,7 @@ __all__ = [
     "KVCacheStorage",
     "KVComponent",
     "KVLedger",
+    "PartialResidency",
     "TwoEndedBlocks",
     "hash_block",
     "num_blocks_for_budget",

@@ -39,6 +39,9 @@ class BlockTable:
     when the table is created and kept until the table is dropped. `held` are device blocks
     the owner holds for the table as a whole rather than per entry (hidden-state rows, whose
     width is not a KV block's: `engine/kv/hidden.py`); the core counts and frees them.
+    `transient` (partial residency, `kv/partial.py`) counts the leading tokens whose K/V the
+    next step rebuilds instead of reading from the pool: their entries are empty (id 0) or,
+    while a shrinking ratio brings them back, fresh blocks that step fills; 0 for every other table.
 
     Only `KVLedger` primitives change a table, so every change can be rolled back.
     """
@@ -50,6 +53,7 @@ class BlockTable:
     host: dict[int, HostEntry] = field(default_factory=dict)
     owner: KVComponent | None = field(default=None, repr=False)
     held: list[Block] = field(default_factory=list)
+    transient: int = 0
 
     def extend(self, blocks: Sequence[Block]) -> None:
         """Append forward entries (no undo record: callers go through `KVLedger.append_entries`)."""

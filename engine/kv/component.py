@@ -56,7 +56,7 @@ Next features, in these terms (`docs/engine.md`, "Designed for what comes next")
   them in `BlockTable.held` (entries have no block of their own); where entry e's rows lie is
   arithmetic on `held` (`HiddenLayout`), which the runner reads. Such requests neither take
   nor serve prefix-cache hits (`uses_prefix_cache`, `publishable`) and are never swapped.
-- *Partial residency (eLLM)*: owns requests with a non-resident prefix; dropping prefix
+- *Partial residency (eLLM)*, built as `kv/partial.py`: owns requests with a non-resident prefix; dropping prefix
   entries detaches them to empty entries (id 0) without unregistering their hashes, so a
   later step can take them back as prefix-cache hits; its `check_invariants` accepts empty
   entries without a host copy.

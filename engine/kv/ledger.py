@@ -126,6 +126,13 @@ class KVLedger:
         if self.undo.active:
             self.undo.push(lambda: setattr(table, "claimed", old))
 
+    def set_transient(self, table: BlockTable, tokens: int) -> None:
+        """The next step rebuilds the table's first `tokens` tokens' K/V (partial residency)."""
+        old = table.transient
+        table.transient = tokens
+        if self.undo.active:
+            self.undo.push(lambda: setattr(table, "transient", old))
+
     # -- device blocks ----------------------------------------------------------------------
 
     def take_free(self, n: int) -> list[Block]:

@@ -12,12 +12,14 @@ from types import MappingProxyType
 
 from engine.scheduling.aptserve import AptServePolicy
 from engine.scheduling.bros import BROSPolicy
+from engine.scheduling.ellm import ELLMPolicy
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import SchedulingPolicy
 from engine.scheduling.rr import RoundRobinPolicy
+from engine.scheduling.swap import SwapPolicy
 
 POLICIES: Mapping[str, type[SchedulingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, AptServePolicy)}
+    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, AptServePolicy, ELLMPolicy, SwapPolicy)}
 )
 
 

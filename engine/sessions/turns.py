@@ -50,6 +50,10 @@ class TurnBook:
         self._count(turn)
         return turn
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether the request is a turn in flight (partial residency leaves turns fully resident)."""
+        return request_id in self._turns
+
     def in_flight(self, session_id: str) -> bool:
         return session_id in self._in_flight
 

@@ -3,6 +3,9 @@
 A row with one new token is a decode (the runner treats it so), every other row is a
 prefill chunk; each row is `(num_new_tokens, context_tokens_after_the_step)`, the
 `CostModel.estimate` contract. Call before the batch's progress is applied.
+
+Partial residency (eLLM): given the KV manager, a request whose table rebuilds `u` tokens this
+step adds a prefill row `(u, u)`, the rows the runner appends (`engine/rebuilt_prefix.py`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.cost_model import CostModel
+from engine.kv import KVCacheManager
+from engine.rebuilt_prefix import rebuilt_rows
 from engine.scheduling import ScheduledBatch, ScheduledItem
 
 
-def batch_rows(items: Sequence[ScheduledItem]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def batch_rows(
+    items: Sequence[ScheduledItem], kv: KVCacheManager | None = None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     prefill, decode = [], []
     for it in items:
         row = (it.num_new_tokens, it.request.num_computed_tokens + it.num_new_tokens)
         (decode if it.num_new_tokens == 1 else prefill).append(row)
+    if kv is not None:
+        prefill += rebuilt_rows(items, kv)
     return prefill, decode
 
 
@@ -28,6 +37,8 @@ def swap_bytes(batch: ScheduledBatch, bytes_per_token: int) -> int:
     return priced or int(getattr(batch, "swap_slots", 0) or 0) * bytes_per_token
 
 
-def step_seconds(cost: CostModel, batch: ScheduledBatch, bytes_per_token: int) -> float:
-    prefill, decode = batch_rows(batch.items)
+def step_seconds(
+    cost: CostModel, batch: ScheduledBatch, bytes_per_token: int, kv: KVCacheManager | None = None
+) -> float:
+    prefill, decode = batch_rows(batch.items, kv)
     return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token))

@@ -134,7 +134,7 @@ class SimWorker:
         self.bookkeeping.scheduled(batch)
         if not batch:
             return None
-        duration = step_seconds(self.cost, batch, self.spec.kv_bytes_per_token)
+        duration = step_seconds(self.cost, batch, self.spec.kv_bytes_per_token, self.kv)
         if self._jitter is not None:
             duration *= self._jitter()
         self.batch, self.step_end_s, self.duration_s = batch, now + duration, duration

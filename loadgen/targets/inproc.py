@@ -85,7 +85,7 @@ class InprocTarget(StepTarget):
             self._last_batch = batch
             if batch:
                 self._priced = self._price(batch)
-                self._rows = batch_rows(batch.items)  # before the step advances progress
+                self._rows = batch_rows(batch.items, self.engine.kv)  # before the step advances progress
             return batch
 
         self._last_batch = None
@@ -94,7 +94,7 @@ class InprocTarget(StepTarget):
 
     def _price(self, batch) -> float:
         if isinstance(self.clock, ModelClock):
-            return step_seconds(self.clock.cost, batch, self.clock.bytes_per_token)
+            return step_seconds(self.clock.cost, batch, self.clock.bytes_per_token, self.engine.kv)
         return 0.0
 
     # -- StepTarget ----------------------------------------------------------------------

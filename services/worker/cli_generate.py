@@ -51,6 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "kv", "hidden"],
         help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
     )
+    p.add_argument(
+        "--uncached-ratio",
+        type=float,
+        default=None,
+        help="partial KV residency (eLLM): keep only the newest (1 - R) of each request's tokens' K/V in the "
+        "pool and rebuild the oldest each step (0..0.95; checking and debugging, see docs/ellm.md)",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
 
@@ -69,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         cfg["kv_heads_expand"] = True
     if args.cache_form is not None:
         cfg["cache_form"] = args.cache_form
+    if args.uncached_ratio is not None:
+        cfg["uncached_ratio"] = args.uncached_ratio
     prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))

@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--policy", help="scheduling policy (fcfs, ...)")
+    p.add_argument(
+        "--uncached-ratio", type=float, help="partial KV residency (eLLM): share of each request's KV rebuilt per step"
+    )
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")

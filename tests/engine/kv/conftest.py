@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.kv import KVCacheManager, TwoEndedBlocks
+from engine.kv import KVCacheManager, PartialResidency, TwoEndedBlocks
 from engine.kv.copies import CopyKind, KVCopy
 
 
@@ -18,6 +18,7 @@ def fingerprint(kv: KVCacheManager) -> tuple:
             tuple(t.ids),
             tuple(t.rev),
             t.claimed,
+            t.transient,
             sorted((e, h.host_block, h.resident) for e, h in t.host.items()),
             tuple(b.block_id for b in t.held),
         )
@@ -37,6 +38,8 @@ def fingerprint(kv: KVCacheManager) -> tuple:
             )
             best = c.steal_index.best()
             components.append((tuple(shares), c.num_stealable, None if best is None else best.block_id))
+        elif isinstance(c, PartialResidency):
+            components.append(c.ratio)
     return tables, pools, tuple(kv.ledger.copies), kv.pending_swap_bytes, tuple(components)
 
 
@@ -62,10 +65,23 @@ class SlotMemory:
             for slot, value in zip(c.dst_slots, values):
                 dst[slot] = value
 
+    def write_step(self, kv: KVCacheManager, rid: str, start: int, end: int) -> None:
+        """A step of a partially resident request: its rebuilt prefix rows land in the entries
+        that have a block (fresh ones a shrinking ratio brought back), then its new tokens."""
+        table, bs = kv.ledger.tables[rid], kv.block_size
+        for p in range(table.transient):
+            if table.ids[p // bs]:
+                self.device[table.slot(p, bs)] = (rid, p)
+        self.write(kv, rid, start, end)
+
     def check_resident(self, kv: KVCacheManager, rid: str, computed: int) -> None:
-        """Every computed position of a resident request reads back its own data."""
+        """Every computed position of a resident request reads back its own data (positions
+        in a partially resident request's empty entries are rebuilt each step, not read)."""
         table = kv.ledger.tables[rid]
+        partial = isinstance(table.owner, PartialResidency)
         for p in range(computed):
+            if partial and table.ids[p // kv.block_size] == 0:
+                continue
             assert self.device.get(table.slot(p, kv.block_size)) == (rid, p), (rid, p)
 
 

@@ -1,0 +1,121 @@
+"""eLLM's request-level optimiser as a policy: each step choose the batch bound `b` and the
+uncached ratio `r` that maximise tokens/s under the TPOT SLO and the KV memory, then run FCFS
+with that bound (chunked prefill, recompute preemption) and that ratio.
+
+The optimiser (`choose`) searches a grid of ratios (0, 0.05, ..., 0.9) rather than running
+the paper's SLSQP over a relaxed problem: for each `r` it takes the largest feasible `b`, the
+longest FCFS prefix of the candidates (running first, then waiting) whose resident blocks fit
+the pool, so the 2-D problem is one scan per ratio with no solver tolerance, start point or
+failure mode. Taking the largest `b` is optimal for that `r` whenever `b/T` grows with `b`,
+i.e. while one more row costs less than the step's average (the per-step constant of the
+profile makes that so on this engine); it is not checked per step. Step time comes from the
+worker's profiled cost model (`engine/cost_model.py`): the `b` decode rows over their whole
+contexts plus the rebuild, priced as a prefill of `Σ u_i` tokens with `Σ u_i²` query-key
+pairs. Unlike the paper's FLOPs-only Eq. 5 the profile has a per-step constant, so `b/T` rises
+with `b` and trading `r` for `b` pays exactly when memory binds (notes §5.2.3). When no pair
+meets the SLO, it falls back to `r = 0` and the memory-bound `b` (plain FCFS). The search stops
+early once every candidate fits (a larger `r` only adds cost), and its time is published as
+`last.decision_s`.
+
+`b` bounds admission only: running requests are not preempted to reach it (memory pressure
+still preempts, as in FCFS).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import ClassVar
+
+from engine.cost_model import CostModel
+from engine.kv.partial import PartialResidency
+from engine.scheduling.fcfs import FCFSPolicy
+from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
+from engine.scheduling.request import SLO, Request
+
+RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
+
+
+@dataclass(frozen=True)
+class Choice:
+    batch: int  # b: the admission bound
+    ratio: float  # r
+    step_s: float  # the cost model's step time at (b, r)
+    decision_s: float = 0.0  # wall time of the search (published)
+
+
+def choose(
+    contexts: Sequence[int], capacity_tokens: int, block_size: int, cost: CostModel, tpot_s: float, max_batch: int
+) -> Choice:
+    """The (b, r) maximising b / T(b, r) subject to T <= tpot_s and the resident blocks of the
+    first b candidates (`contexts`: their tokens after this step, FCFS order) fitting
+    `capacity_tokens`. Falls back to r = 0 when no pair meets the SLO."""
+    bs = block_size
+    best: Choice | None = None
+    fallback: Choice | None = None
+    for r in RATIO_GRID:
+        used = b = d_work = p_ln = p_work = 0
+        for s in contexts[:max_batch]:
+            u = int(r * (s - 1)) // bs * bs  # rebuilt: whole computed blocks
+            need = -(-(s - u) // bs) * bs
+            if used + need > capacity_tokens:
+                break
+            used += need
+            b += 1
+            d_work += s
+            p_ln += u
+            p_work += u * u
+        if b == 0:
+            continue
+        step = cost.estimate_sums(p_ln, p_work, b, d_work)
+        if r == 0:
+            fallback = Choice(b, r, step)
+        if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
+            best = Choice(b, r, step)
+        if b == min(len(contexts), max_batch):
+            break  # everyone fits: a larger r only adds rebuild cost
+    return best or fallback or Choice(1, 0.0, math.inf)
+
+
+class ELLMPolicy(SchedulingPolicy):
+    name: ClassVar[str] = "ellm"
+
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        default_slo: SLO = SLO(0.4, 0.2),
+        excluded: Callable[[Request], bool] | None = None,
+    ) -> None:
+        """`default_slo.tpot_s` is the TPOT target; `excluded(request)`: requests kept fully
+        resident (session turns; see `PartialResidency`)."""
+        if default_slo.tpot_s is None:
+            raise ValueError("ellm needs a TPOT target")
+        self.cost_model = cost_model
+        self.tpot_s = default_slo.tpot_s
+        self.excluded = excluded
+        self.fcfs = FCFSPolicy()
+        self.last = Choice(0, 0.0, 0.0)
+
+    def kv_components(self):
+        return (partial(PartialResidency, ratio=0.0, excluded=self.excluded),)
+
+    def schedule(self, state: SchedulerState) -> ScheduledBatch:
+        if self.cost_model is None:
+            raise ValueError("the ellm policy needs a cost model (profile the model or pass cost_model=...)")
+        start = time.perf_counter()
+        contexts = [r.num_tokens for r in state.running] + [r.num_tokens for r in state.waiting]
+        choice = choose(
+            contexts,
+            state.kv.capacity_tokens(),
+            state.kv.block_size,
+            self.cost_model,
+            self.tpot_s,
+            state.limits.max_num_seqs,
+        )
+        self.last = replace(choice, decision_s=time.perf_counter() - start)
+        state.kv.component(PartialResidency).set_ratio(choice.ratio)
+        bounded = replace(state.limits, max_num_seqs=max(1, min(choice.batch, state.limits.max_num_seqs)))
+        return self.fcfs.schedule(replace(state, limits=bounded))
