@@ -234,6 +234,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def check_invariants(self) -> None:
+        """The KV manager's consistency check with the session store's pins counted as holders
+        (tests and debugging; `KVCacheManager.check_invariants` alone sees only block tables)."""
+        self.kv.check_invariants(outside=self.sessions.pins.held_blocks())
+
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -11,7 +11,7 @@ sequence of calls can be rolled back to an undo mark (BROS packs candidates that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from engine.kv.block_pool import Block, BlockPool
@@ -373,11 +373,15 @@ class KVCacheManager:
 
     # -- consistency (tests call this after every step) -------------------------------------------
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, outside: Iterable[Block] = ()) -> None:
         """Raise AssertionError if tables, reference counts, host space or a component's state
-        disagree."""
+        disagree. `outside`: blocks referenced by holders other than block tables, one
+        reference per occurrence (the session store's pins; `LLMEngine.check_invariants`
+        passes them), so a held pin is not mistaken for a leaked reference."""
         bs = self.block_size
         refs: dict[int, int] = {}
+        for block in outside:
+            refs[block.block_id] = refs.get(block.block_id, 0) + 1
         for rid, table in self._tables.items():
             assert len(table.blocks) == len(table.ids) == len(table.rev) == -(-table.claimed // bs), rid
             assert all(0 <= e < len(table) for e in table.host), rid

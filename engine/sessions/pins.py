@@ -57,6 +57,12 @@ class PinBook:
         """Whether `before_step` has anything to do."""
         return bool(self._turns or self._prefetches or self._deferred)
 
+    def held_blocks(self) -> list[Block]:
+        """Every device block a live pin references, once per pin holding it (for the KV
+        manager's reference-count check)."""
+        pins = [pin for _, pin in self._turns.values()] + list(self._prefetches.values()) + self._deferred
+        return [block for pin in pins for block in pin.blocks]
+
     def before_step(self) -> None:
         """Release what is due: pins whose load has finished, admitted turns, expired prefetches."""
         if self._deferred:

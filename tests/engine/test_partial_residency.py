@@ -223,8 +223,9 @@ def test_session_turns_stay_fully_resident(tiny_model_dir):
     assert not any(rid == "turn1" and owner != "NoneType" for rid, owner, _ in owners)
     second = prompt + tokens["turn1"] + [7, 8, 9]
     turn2 = engine.add_request("turn2", second, params, session_id="s")
-    while engine.has_unfinished():  # no check_invariants here: it does not count the session pin's references
+    while engine.has_unfinished():
         engine.step()
+        engine.check_invariants()  # the turn's pin holds the kept blocks until admission
     assert turn2.num_cached_tokens >= 64  # the kept turn's blocks
 
 

@@ -59,6 +59,21 @@ def test_prefetched_turn_reuses_device_blocks(make_engine):
     assert_no_leaked_pins(engine)  # the turn took over the prefetch pin and released it on admission
 
 
+def test_invariant_check_counts_pinned_blocks(make_engine):
+    """A prefetch pin's references are holders, not leaks: the engine's check passes while it is
+    held, the table-only check sees the extra references, and both pass once it is released."""
+    engine = make_engine()
+    run(engine, "t1", PROMPT1, session_id="chat")
+    engine.sessions.prefetch("chat")
+    assert len(engine.sessions.pins.held_blocks()) == KEPT // BS
+    engine.check_invariants()
+    with pytest.raises(AssertionError):
+        engine.kv.check_invariants()
+    engine.sessions.release("chat")
+    assert engine.sessions.pins.held_blocks() == []
+    engine.kv.check_invariants()
+
+
 def test_release_drops_prefetch_pin(make_engine):
     engine = make_engine()
     run(engine, "t1", PROMPT1, session_id="chat")
