@@ -15,7 +15,7 @@ pairs. Unlike the paper's FLOPs-only Eq. 5 the profile has a per-step constant, 
 with `b` and trading `r` for `b` pays exactly when memory binds (notes §5.2.3). When no pair
 meets the SLO, it falls back to `r = 0` and the memory-bound `b` (plain FCFS). The search stops
 early once every candidate fits (a larger `r` only adds cost), and its time is published as
-`last.decision_s`.
+`last.decision_s`, with running totals of the choices in `stats` (`DecisionStats`).
 
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
@@ -49,6 +49,48 @@ class Choice:
     ratio: float  # r
     step_s: float  # the cost model's step time at (b, r)
     decision_s: float = 0.0  # wall time of the search (published)
+    rebuild_s: float = 0.0  # the part of step_s that the rebuilt prefixes add
+
+
+@dataclass
+class DecisionStats:
+    """Running totals of the policy's choices, for benchmarks and the docs: how often it
+    rebuilds, how much, at what batch size, and how long it takes to decide."""
+
+    steps: int = 0
+    rebuilding_steps: int = 0  # steps with r > 0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    batch_sum: int = 0
+    step_s_sum: float = 0.0  # predicted step time at the choice
+    rebuild_s_sum: float = 0.0  # predicted rebuild time at the choice
+    decision_s_sum: float = 0.0
+    decision_s_max: float = 0.0
+
+    def add(self, c: Choice) -> None:
+        self.steps += 1
+        self.rebuilding_steps += c.ratio > 0
+        self.ratio_sum += c.ratio
+        self.ratio_max = max(self.ratio_max, c.ratio)
+        self.batch_sum += c.batch
+        if math.isfinite(c.step_s):
+            self.step_s_sum += c.step_s
+            self.rebuild_s_sum += c.rebuild_s
+        self.decision_s_sum += c.decision_s
+        self.decision_s_max = max(self.decision_s_max, c.decision_s)
+
+    def as_dict(self) -> dict:
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "rebuilding_step_share": self.rebuilding_steps / n,
+            "mean_ratio": self.ratio_sum / n,
+            "max_ratio": self.ratio_max,
+            "mean_batch_bound": self.batch_sum / n,
+            "rebuild_share_of_step_time": self.rebuild_s_sum / self.step_s_sum if self.step_s_sum else 0.0,
+            "mean_decision_s": self.decision_s_sum / n,
+            "max_decision_s": self.decision_s_max,
+        }
 
 
 def choose(
@@ -87,7 +129,8 @@ def choose(
         if i == 0:
             fallback = Choice(b, 0.0, step)
         if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
-            best = Choice(b, RATIO_GRID[i], step)
+            rebuild_s = step - cost.estimate_sums(0, 0, b, int(d_work[i]))
+            best = Choice(b, RATIO_GRID[i], step, rebuild_s=rebuild_s)
     return best or fallback or Choice(1, 0.0, math.inf)
 
 
@@ -115,6 +158,7 @@ class ELLMPolicy(SchedulingPolicy):
         self.excluded = excluded
         self.fcfs = FCFSPolicy()
         self.last = Choice(0, 0.0, 0.0)
+        self.stats = DecisionStats()
 
     def kv_components(self):
         return (partial(PartialResidency, ratio=0.0, excluded=self.excluded),)
@@ -135,6 +179,7 @@ class ELLMPolicy(SchedulingPolicy):
             state.limits.max_num_seqs,
         )
         self.last = replace(choice, decision_s=time.perf_counter() - start)
+        self.stats.add(self.last)
         state.kv.component(PartialResidency).set_ratio(choice.ratio)
         bounded = replace(state.limits, max_num_seqs=max(1, min(choice.batch, state.limits.max_num_seqs)))
         return self.fcfs.schedule(replace(state, limits=bounded))
