@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit
-from engine.scheduling.ellm import RATIO_GRID, Choice, choose
+from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
 
 BS = 16
 # A step dominated by its constant (weights read once per step), as on this engine: more rows are cheap.
@@ -36,6 +36,22 @@ def test_binding_memory_trades_rebuilding_for_batch():
 def test_max_batch_bounds_the_choice():
     choice = choose([200] * 8, 4 * 208, BS, COST, tpot_s=1.0, max_batch=6)
     assert choice.batch <= 6
+
+
+def test_choice_prices_the_rebuild_and_stats_add_up():
+    """A rebuilding choice says how much of its step the rebuild is; the running totals
+    average the choices (an infinite fallback step is counted but not priced)."""
+    rebuild = choose([200] * 8, 4 * 208, BS, COST, tpot_s=1.0, max_batch=128)
+    plain = choose([100] * 8, 8 * 112, BS, COST, tpot_s=1.0, max_batch=128)
+    assert rebuild.ratio > 0 and 0 < rebuild.rebuild_s < rebuild.step_s
+    assert plain.rebuild_s == 0
+    stats = DecisionStats()
+    for c in (rebuild, plain, Choice(1, 0.0, math.inf, decision_s=0.002)):
+        stats.add(c)
+    out = stats.as_dict()
+    assert out["steps"] == 3 and out["rebuilding_step_share"] == 1 / 3
+    assert out["max_ratio"] == rebuild.ratio and out["max_decision_s"] == 0.002
+    assert out["rebuild_share_of_step_time"] == rebuild.rebuild_s / (rebuild.step_s + plain.step_s)
 
 
 def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch) -> Choice:
