@@ -15,7 +15,7 @@ pairs. Unlike the paper's FLOPs-only Eq. 5 the profile has a per-step constant, 
 with `b` and trading `r` for `b` pays exactly when memory binds (notes §5.2.3). When no pair
 meets the SLO, it falls back to `r = 0` and the memory-bound `b` (plain FCFS). The search stops
 early once every candidate fits (a larger `r` only adds cost), and its time is published as
-`last.decision_s`.
+`last.decision_s`, with running totals of the choices in `stats` (`DecisionStats`).
 
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
@@ -23,12 +23,15 @@ still preempts, as in FCFS).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar
+
+import numpy as np
 
 from engine.cost_model import CostModel
 from engine.kv.partial import PartialResidency
@@ -37,6 +40,7 @@ from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingP
 from engine.scheduling.request import SLO, Request
 
 RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
+_RATIOS = np.array(RATIO_GRID, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,48 @@ class Choice:
     ratio: float  # r
     step_s: float  # the cost model's step time at (b, r)
     decision_s: float = 0.0  # wall time of the search (published)
+    rebuild_s: float = 0.0  # the part of step_s that the rebuilt prefixes add
+
+
+@dataclass
+class DecisionStats:
+    """Running totals of the policy's choices, for benchmarks and the docs: how often it
+    rebuilds, how much, at what batch size, and how long it takes to decide."""
+
+    steps: int = 0
+    rebuilding_steps: int = 0  # steps with r > 0
+    ratio_sum: float = 0.0
+    ratio_max: float = 0.0
+    batch_sum: int = 0
+    step_s_sum: float = 0.0  # predicted step time at the choice
+    rebuild_s_sum: float = 0.0  # predicted rebuild time at the choice
+    decision_s_sum: float = 0.0
+    decision_s_max: float = 0.0
+
+    def add(self, c: Choice) -> None:
+        self.steps += 1
+        self.rebuilding_steps += c.ratio > 0
+        self.ratio_sum += c.ratio
+        self.ratio_max = max(self.ratio_max, c.ratio)
+        self.batch_sum += c.batch
+        if math.isfinite(c.step_s):
+            self.step_s_sum += c.step_s
+            self.rebuild_s_sum += c.rebuild_s
+        self.decision_s_sum += c.decision_s
+        self.decision_s_max = max(self.decision_s_max, c.decision_s)
+
+    def as_dict(self) -> dict:
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "rebuilding_step_share": self.rebuilding_steps / n,
+            "mean_ratio": self.ratio_sum / n,
+            "max_ratio": self.ratio_max,
+            "mean_batch_bound": self.batch_sum / n,
+            "rebuild_share_of_step_time": self.rebuild_s_sum / self.step_s_sum if self.step_s_sum else 0.0,
+            "mean_decision_s": self.decision_s_sum / n,
+            "max_decision_s": self.decision_s_max,
+        }
 
 
 def choose(
@@ -52,32 +98,46 @@ def choose(
 ) -> Choice:
     """The (b, r) maximising b / T(b, r) subject to T <= tpot_s and the resident blocks of the
     first b candidates (`contexts`: their tokens after this step, FCFS order) fitting
-    `capacity_tokens`. Falls back to r = 0 when no pair meets the SLO."""
+    `capacity_tokens`. Falls back to r = 0 when no pair meets the SLO.
+
+    Vectorised over the whole grid (one `ratios x candidates` array, prefix sums along the
+    candidates) so its time grows with the array, not with Python loop iterations: about
+    0.08 ms at 512 candidates on this machine, where the scalar scan took 0.8 ms (1.6 ms at 1,024)
+    (docs/ellm.md, "Decision time"). The largest feasible `b` per ratio is the first index
+    where the cumulative resident need passes the capacity (needs are positive, so the
+    cumulative sums are increasing)."""
+    s = np.asarray(contexts[:max_batch], dtype=np.int64)
+    if s.size == 0:
+        return Choice(1, 0.0, math.inf)
     bs = block_size
+    u = (np.floor(_RATIOS[:, None] * (s - 1)[None, :]).astype(np.int64) // bs) * bs  # whole computed blocks
+    need = -(-(s[None, :] - u) // bs) * bs
+    batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
+    d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
+    p_ln = _prefix_at(u, batch)
+    p_work = _prefix_at(u * u, batch)
+    # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
+    full = np.flatnonzero(batch == s.size)
+    last = int(full[0]) if full.size else len(RATIO_GRID) - 1
     best: Choice | None = None
     fallback: Choice | None = None
-    for r in RATIO_GRID:
-        used = b = d_work = p_ln = p_work = 0
-        for s in contexts[:max_batch]:
-            u = int(r * (s - 1)) // bs * bs  # rebuilt: whole computed blocks
-            need = -(-(s - u) // bs) * bs
-            if used + need > capacity_tokens:
-                break
-            used += need
-            b += 1
-            d_work += s
-            p_ln += u
-            p_work += u * u
+    for i in range(last + 1):
+        b = int(batch[i])
         if b == 0:
             continue
-        step = cost.estimate_sums(p_ln, p_work, b, d_work)
-        if r == 0:
-            fallback = Choice(b, r, step)
+        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i]))
+        if i == 0:
+            fallback = Choice(b, 0.0, step)
         if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
-            best = Choice(b, r, step)
-        if b == min(len(contexts), max_batch):
-            break  # everyone fits: a larger r only adds rebuild cost
+            rebuild_s = step - cost.estimate_sums(0, 0, b, int(d_work[i]))
+            best = Choice(b, RATIO_GRID[i], step, rebuild_s=rebuild_s)
     return best or fallback or Choice(1, 0.0, math.inf)
+
+
+def _prefix_at(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Row i's sum of its first `counts[i]` values."""
+    sums = np.concatenate([np.zeros((values.shape[0], 1), dtype=np.int64), np.cumsum(values, axis=1)], axis=1)
+    return sums[np.arange(values.shape[0]), counts]
 
 
 class ELLMPolicy(SchedulingPolicy):
@@ -98,6 +158,7 @@ class ELLMPolicy(SchedulingPolicy):
         self.excluded = excluded
         self.fcfs = FCFSPolicy()
         self.last = Choice(0, 0.0, 0.0)
+        self.stats = DecisionStats()
 
     def kv_components(self):
         return (partial(PartialResidency, ratio=0.0, excluded=self.excluded),)
@@ -106,7 +167,9 @@ class ELLMPolicy(SchedulingPolicy):
         if self.cost_model is None:
             raise ValueError("the ellm policy needs a cost model (profile the model or pass cost_model=...)")
         start = time.perf_counter()
-        contexts = [r.num_tokens for r in state.running] + [r.num_tokens for r in state.waiting]
+        # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
+        candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
+        contexts = [r.num_tokens for r in candidates]
         choice = choose(
             contexts,
             state.kv.capacity_tokens(),
@@ -116,6 +179,7 @@ class ELLMPolicy(SchedulingPolicy):
             state.limits.max_num_seqs,
         )
         self.last = replace(choice, decision_s=time.perf_counter() - start)
+        self.stats.add(self.last)
         state.kv.component(PartialResidency).set_ratio(choice.ratio)
         bounded = replace(state.limits, max_num_seqs=max(1, min(choice.batch, state.limits.max_num_seqs)))
         return self.fcfs.schedule(replace(state, limits=bounded))

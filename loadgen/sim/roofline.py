@@ -61,10 +61,15 @@ GPUS = {
     "a100-40gb": GPU("A100-SXM4-40GB", 312e12, 1.555e12, 40e9, 25e9),
     # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 x16 ~50 GB/s effective
     "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9, 50e9),
+    # A100-PCIE-80GB (eLLM's testbed, PCIe 4.0 x16, no NVLink): 312 TFLOP/s fp16 dense,
+    # 1,935 GB/s HBM2e (NVIDIA's datasheet); ~25 GB/s effective host link
+    "a100-80gb": GPU("A100-PCIE-80GB", 312e12, 1.935e12, 80e9, 25e9),
 }
 MODELS = {
     "opt-13b": Model("facebook/opt-13b", 12.85e9, 40, 5120, 40, 40, 128, 2048),
     "llama-3-8b": Model("meta-llama/Meta-Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192),
+    # eLLM's single-GPU model (MHA, native 4K context)
+    "llama-2-13b": Model("meta-llama/Llama-2-13b-hf", 13.02e9, 40, 5120, 40, 40, 128, 4096),
 }
 
 
@@ -137,7 +142,11 @@ def build_profile(model: str, gpu: str, e: Efficiency = Efficiency()) -> CostMod
     return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta)
 
 
-SHIPPED = {"opt-13b-a100-40gb": ("opt-13b", "a100-40gb"), "llama-3-8b-h100": ("llama-3-8b", "h100")}
+SHIPPED = {
+    "opt-13b-a100-40gb": ("opt-13b", "a100-40gb"),
+    "llama-3-8b-h100": ("llama-3-8b", "h100"),
+    "llama-2-13b-a100-80gb": ("llama-2-13b", "a100-80gb"),  # eLLM's setup (issue 18)
+}
 
 
 def main(argv: list[str] | None = None) -> int:

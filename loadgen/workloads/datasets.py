@@ -6,6 +6,7 @@
 | lmsys | 90.50 +- 148.52 | 237.04 +- 228.21 | BROS Table 2 (LMSYS-Chat-1M) |
 | code | 157 +- 60 | 70 +- 45 | our choice (Apt-Serve gives HumanEval only as a figure: short prompts, short outputs, low variance) |
 | summarisation | 1500 +- 600 | 200 +- 150 | our choice (Apt-Serve: LongBench, long prompts, ShareGPT-like outputs, clipped to OPT's 2048) |
+| sharegpt-ellm | 222.76 +- 256.36 | 1346 +- 1541 | eLLM §6.1 (ShareGPT_Vicuna: mean input 222, output 1,346; output std ours, ShareGPT's CV), TPOT SLO 50 ms (Llama2-13B), no TTFT SLO |
 | be | U(512, 1024) | U(32, 128) | BROS/FlexGen synthetic BE |
 
 Default SLOs (seconds) are the papers' GPU values, ``(TTFT, TPOT/P99-TBT)``: chat 0.4/0.2
@@ -60,6 +61,8 @@ def _ln(mean: float, std: float) -> LengthDist:
 
 PROFILES: dict[str, LengthProfile] = {
     "sharegpt": LengthProfile("sharegpt", _ln(222.76, 256.36), _ln(234.51, 268.50), SLOSpec(0.4, 0.2)),
+    # eLLM's ShareGPT (Llama2-13B on one A100): the paper gives the means and the TPOT SLO only
+    "sharegpt-ellm": LengthProfile("sharegpt-ellm", _ln(222.76, 256.36), _ln(1346.0, 1541.0), SLOSpec(None, 0.05)),
     "lmsys": LengthProfile("lmsys", _ln(90.50, 148.52), _ln(237.04, 228.21), SLOSpec(0.4, 0.2)),
     "code": LengthProfile("code", _ln(157.0, 60.0), _ln(70.0, 45.0), SLOSpec(0.5, 0.5)),
     "summarisation": LengthProfile("summarisation", _ln(1500.0, 600.0), _ln(200.0, 150.0), SLOSpec(4.0, 1.0)),

@@ -180,6 +180,21 @@ def test_preemption_under_a_binding_pool(tiny_model_dir):
     assert preemptions[0] > before
 
 
+def test_swap_policy_moves_partially_resident_requests_whole(tiny_model_dir):
+    """The vLLM-Swap baseline over partially resident requests: a victim's resident part goes
+    to host and comes back (its empty entries stay empty), and the rebuild path keeps running
+    around it; tokens equal full residency's with a pool large enough for all."""
+    path = tiny_model_dir("llama")
+    prompts = _prompts(3, (70, 60, 50, 40))
+    full = _generate(_engine(path, 0.0), prompts, max_tokens=20)
+    engine = _engine(path, 0.5, policy="swap", num_blocks=12, max_num_batched_tokens=48, num_host_blocks=64)
+    rebuilt = _rebuilt_steps(engine)
+    swaps_before = engine.stats.swap_outs
+    assert _generate(engine, prompts, max_tokens=20) == full
+    assert engine.stats.swap_outs > swaps_before and max(rebuilt) > 0
+    del engine.runner.execute
+
+
 def test_default_model_float32(tmp_path):
     """The default model (SmolLM2-135M, GQA) in float32: the same greedy tokens with half of
     each context rebuilt every step."""

@@ -4,9 +4,13 @@ memory binds and the SLO allows, and the engine under it gives the same greedy t
 from __future__ import annotations
 
 import json
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit
-from engine.scheduling.ellm import choose
+from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
 
 BS = 16
 # A step dominated by its constant (weights read once per step), as on this engine: more rows are cheap.
@@ -32,6 +36,63 @@ def test_binding_memory_trades_rebuilding_for_batch():
 def test_max_batch_bounds_the_choice():
     choice = choose([200] * 8, 4 * 208, BS, COST, tpot_s=1.0, max_batch=6)
     assert choice.batch <= 6
+
+
+def test_choice_prices_the_rebuild_and_stats_add_up():
+    """A rebuilding choice says how much of its step the rebuild is; the running totals
+    average the choices (an infinite fallback step is counted but not priced)."""
+    rebuild = choose([200] * 8, 4 * 208, BS, COST, tpot_s=1.0, max_batch=128)
+    plain = choose([100] * 8, 8 * 112, BS, COST, tpot_s=1.0, max_batch=128)
+    assert rebuild.ratio > 0 and 0 < rebuild.rebuild_s < rebuild.step_s
+    assert plain.rebuild_s == 0
+    stats = DecisionStats()
+    for c in (rebuild, plain, Choice(1, 0.0, math.inf, decision_s=0.002)):
+        stats.add(c)
+    out = stats.as_dict()
+    assert out["steps"] == 3 and out["rebuilding_step_share"] == 1 / 3
+    assert out["max_ratio"] == rebuild.ratio and out["max_decision_s"] == 0.002
+    assert out["rebuild_share_of_step_time"] == rebuild.rebuild_s / (rebuild.step_s + plain.step_s)
+
+
+def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch) -> Choice:
+    """The optimiser written as the plain scan it replaces: one pass over the candidates per
+    ratio. `choose` (vectorised) must pick exactly what this picks."""
+    bs = block_size
+    best = fallback = None
+    for r in RATIO_GRID:
+        used = b = d_work = p_ln = p_work = 0
+        for s in contexts[:max_batch]:
+            u = int(r * (s - 1)) // bs * bs
+            need = -(-(s - u) // bs) * bs
+            if used + need > capacity_tokens:
+                break
+            used, b, d_work, p_ln, p_work = used + need, b + 1, d_work + s, p_ln + u, p_work + u * u
+        if b == 0:
+            continue
+        step = cost.estimate_sums(p_ln, p_work, b, d_work)
+        if r == 0:
+            fallback = Choice(b, r, step)
+        if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
+            best = Choice(b, r, step)
+        if b == min(len(contexts), max_batch):
+            break
+    return best or fallback or Choice(1, 0.0, math.inf)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 3000), max_size=80),
+    capacity_blocks=st.integers(0, 400),
+    block_size=st.sampled_from([1, 16, 32]),
+    tpot_s=st.floats(0.001, 2.0),
+    max_batch=st.integers(1, 100),
+)
+def test_vectorised_choice_equals_the_scan(contexts, capacity_blocks, block_size, tpot_s, max_batch):
+    capacity = capacity_blocks * block_size
+    got = choose(contexts, capacity, block_size, COST, tpot_s, max_batch)
+    want = scan_choose(contexts, capacity, block_size, COST, tpot_s, max_batch)
+    assert (got.batch, got.ratio) == (want.batch, want.ratio)
+    assert got.step_s == want.step_s or (math.isinf(got.step_s) and math.isinf(want.step_s))
 
 
 def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):

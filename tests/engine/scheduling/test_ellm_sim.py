@@ -49,3 +49,22 @@ def test_sim_runs_the_policy_to_completion(policy):
     result = Driver(target, build_workload(cfg), PromptBuilder(49152, cfg.seed)).run()
     assert result.records and all(r.finish_reason is not None for r in result.records)
     worker.kv.check_invariants()
+
+
+def test_paper_setup_profile_and_workload():
+    """eLLM's setup (Llama2-13B on one A100-80GB, ShareGPT with 1,346-token outputs, 50 ms TPOT):
+    the shipped profile is what `loadgen/sim/roofline.py` derives, with Llama2-13B's KV size
+    (2 x 40 layers x 5120 x 2 bytes per token) and 4K context."""
+    from loadgen.factory import load_cost_model
+    from loadgen.sim.roofline import build_profile
+    from loadgen.workloads.datasets import PROFILES
+
+    shipped = load_cost_model("llama-2-13b-a100-80gb")
+    derived = build_profile("llama-2-13b", "a100-80gb")
+    assert shipped == derived
+    assert shipped.meta["kv_bytes_per_token"] == 2 * 40 * 5120 * 2
+    assert shipped.meta["max_model_len"] == 4096
+    profile = PROFILES["sharegpt-ellm"]
+    assert profile.output.mean() == pytest.approx(1346, rel=0.01)
+    assert profile.prompt.mean() == pytest.approx(222.76, rel=0.01)
+    assert profile.slo.tpot_s == 0.05 and profile.slo.ttft_s is None

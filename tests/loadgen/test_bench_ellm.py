@@ -1,0 +1,85 @@
+"""`tandem bench ellm-decision` and `tandem bench ellm-sim` as a user runs them: the JSON holds
+the timings / per-seed summaries, the ellm policy's decision totals and the provenance stamp."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cost_model import CostModel, PhaseFit
+
+
+def tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.timeout(300)
+def test_ellm_decision_bench_writes_timings(tmp_path):
+    path = tmp_path / "d.json"
+    res = tandem("bench", "ellm-decision", "--sizes", "16,64", "--repeats", "5", "--json", str(path))
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    assert [(r["candidates"], r["pool"]) for r in doc["rows"]] == [
+        (16, "memory binds"),
+        (16, "all fit"),
+        (64, "memory binds"),
+        (64, "all fit"),
+    ]
+    for row in doc["rows"]:
+        assert 0 < row["median_s"] <= row["max_s"] and row["cpu_median_s"] >= 0
+    binds, fits = doc["rows"][2], doc["rows"][3]
+    assert binds["chosen_batch"] < 64 and fits["chosen_batch"] == 64
+    assert doc["provenance"]["git"]["commit"]
+
+
+@pytest.mark.timeout(300)
+def test_ellm_sim_bench_rebuilds_where_it_pays(tmp_path):
+    """A profile where re-prefilling the pool costs less than a step's constant
+    (c_p * C = 2e-5 s x 768 tokens < 0.02 s): ellm rebuilds, and the JSON says so per seed."""
+    profile = tmp_path / "cheap.json"
+    CostModel(
+        PhaseFit(2e-5, 1e-9, 0.01),
+        PhaseFit(2e-4, 1e-8, 0.02),
+        1e9,
+        {"kv_bytes_per_token": 100_000, "block_size": 16, "max_model_len": 2048},
+    ).save(profile)
+    path = tmp_path / "s.json"
+    res = tandem(
+        "bench",
+        "ellm-sim",
+        "--cost-model",
+        str(profile),
+        "--workload",
+        "sharegpt",
+        "--num-blocks",
+        "48",
+        "--rates",
+        "4",
+        "--seeds",
+        "1,2",
+        "--duration",
+        "15",
+        "--length-scale",
+        "0.5",
+        "--slo-tpot",
+        "0.2",
+        "--slo-ttft",
+        "2",
+        "--json",
+        str(path),
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    rate = doc["rates"]["4.0"]
+    assert set(rate["per_seed"]) == {"fcfs", "swap", "ellm"}
+    assert all(len(runs) == 2 for runs in rate["per_seed"].values())
+    assert "decisions" not in rate["per_seed"]["fcfs"][0]
+    for run in rate["per_seed"]["ellm"]:
+        decisions = run["decisions"]
+        assert decisions["steps"] > 0 and decisions["rebuilding_step_share"] > 0 and decisions["max_ratio"] > 0
+    agg = rate["aggregate"]["fcfs"]["output_tokens_per_s"]
+    assert agg["min"] <= agg["mean"] <= agg["max"]
+    assert doc["provenance"]["git"]["commit"]
