@@ -7,8 +7,10 @@ which is how CI checks the kernels without a GPU. The interpreter is slow (each 
 Python over NumPy) and exists for tests, not serving.
 
 Modules: `kv_write` (slots), `decode` (split-K decode + merge), `extend` (prefill with a cached
-prefix), `common` (paged addressing, online softmax), `plan` (the step's metadata in kernel
-form, built once per step), `tiles` (tile sizes per target).
+prefix), `partial` (attention over dense K/V with its log-sum-exp, and the merge of parts:
+the contract of `kernels/reference/partial.py`), `common` (paged addressing, online softmax),
+`plan` (the step's metadata in kernel form, built once per step), `tiles` (tile sizes per
+target).
 """
 
 from __future__ import annotations
