@@ -122,7 +122,7 @@ def test_mixed_batches_of_both_forms(name, tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
-def test_hidden_rows_on_the_triton_kernels(name, tiny_model_dir, kernel_device, monkeypatch):
+def test_hidden_rows_on_the_triton_kernels(name, bare_tiny_model_dir, kernel_device, monkeypatch):
     """The Triton kernels for both forms in the same steps (paged attention for KV rows, the
     partial attention and merge for HIDDEN rows, kernels/triton/hidden.py) give the reference
     engine's KV-form tokens and logits. Under the interpreter (no GPU) one short mixed case
@@ -132,7 +132,7 @@ def test_hidden_rows_on_the_triton_kernels(name, tiny_model_dir, kernel_device, 
     calls = []
     attend = triton_hidden.hidden_attention
     monkeypatch.setattr(triton_hidden, "hidden_attention", lambda *a: calls.append(1) or attend(*a))
-    path = tiny_model_dir(name)
+    path = bare_tiny_model_dir(name)  # token ids only: runs where the default model is not installed
     prompts = _prompts(4, (5, 37, 18))
     forms = [CacheForm.HIDDEN, CacheForm.KV, CacheForm.HIDDEN]
     reference = _generate(path, prompts, cache_form="kv", attention="reference")

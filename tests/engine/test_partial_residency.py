@@ -110,7 +110,7 @@ def test_greedy_tokens_equal_full_residency(name, tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_triton_kernels_give_full_residency_tokens(name, tiny_model_dir, kernel_device, monkeypatch):
+def test_triton_kernels_give_full_residency_tokens(name, bare_tiny_model_dir, kernel_device, monkeypatch):
     """attention="triton" with partial residency: every layer attends the rebuilt prefix and
     the paged rest as Triton parts merged by the Triton merge (kernels/triton/resident.py), and
     the other rows through the Triton paged kernels; greedy tokens equal the reference
@@ -121,7 +121,7 @@ def test_triton_kernels_give_full_residency_tokens(name, tiny_model_dir, kernel_
     calls = []
     attend = kernels.triton.attend_transient
     monkeypatch.setattr(kernels.triton, "attend_transient", lambda *a: calls.append(1) or attend(*a))
-    path = tiny_model_dir(name)
+    path = bare_tiny_model_dir(name)  # token ids only: runs where the default model is not installed
     prompts = _prompts(lengths=(5, 37))
     full = _generate(_engine(path, 0.0), prompts, max_tokens=6)
     for ratio in (0.5, 0.9):

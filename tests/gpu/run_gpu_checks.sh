@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, for the device machine (docs/gpu.md says how to call it).
 #
-#   tests/gpu/run_gpu_checks.sh tests         # CUDA tests: kernels, engine through Triton, transformers parity
+#   tests/gpu/run_gpu_checks.sh tests         # CUDA tests: kernels (paged, partial + merge, HIDDEN, transient
+#                                             # prefix), engine through Triton (KV, HIDDEN, partial residency),
+#                                             # transformers parity
 #   tests/gpu/run_gpu_checks.sh bench-qwen    # nano-vllm's benchmark shape on the Qwen3-0.6B architecture
 #   tests/gpu/run_gpu_checks.sh bench-llama   # the same workload on the Llama-3-8B architecture
 #
@@ -50,7 +52,11 @@ case "${1:-tests}" in
     tests)
         stamp > "$out/tests-env.json"
         "$py" -m pytest -q -p no:cacheprovider -rs tests/gpu tests/kernels/test_triton_attention.py \
-            tests/engine/test_triton_engine.py 2>&1 | tee "$out/tests.log"
+            tests/kernels/test_triton_partial.py tests/kernels/test_triton_hidden.py \
+            tests/kernels/test_triton_resident.py tests/engine/test_triton_engine.py \
+            tests/engine/test_hybrid_cache.py::test_hidden_rows_on_the_triton_kernels \
+            tests/engine/test_partial_residency.py::test_triton_kernels_give_full_residency_tokens \
+            2>&1 | tee "$out/tests.log"
         ;;
     bench-qwen) bench qwen3-0.6b qwen3-0.6b ;;
     bench-llama) bench llama-3-8b llama-3-8b ;;
