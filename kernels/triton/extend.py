@@ -13,6 +13,11 @@ r // group, head r % group), so GQA loads each K/V tile once for the whole group
 `tl.dot` has >= 16 rows whatever the group. The tile list (span and first token of each
 program) is built on the host once per step (`plan.ExtendPlan`). No split-K here: a prefill
 step has many query tiles, which already fill the GPU.
+
+For eLLM's partially resident sequences (`resident.py`) the same kernel reads from a span's
+first resident position (`kv_from`, 0 for every ordinary span), writes to its own rows of a
+compact buffer (`o_start`, q_start otherwise) and, with `WITH_LSE`, each row's log-sum-exp,
+so its result is a part to merge with the rebuilt prefix's.
 """
 
 import torch
