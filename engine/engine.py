@@ -56,7 +56,7 @@ class LLMEngine:
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
         if config.uncached_ratio or config.policy == "ellm":
-            self._check_partial_residency(config, decode_kernel)
+            self._check_partial_residency(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
@@ -128,7 +128,7 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _check_partial_residency(config: EngineConfig, decode_kernel: str) -> None:
+    def _check_partial_residency(config: EngineConfig) -> None:
         """The combinations partial residency refuses, before anything is loaded (docs/ellm.md)."""
         check_ratio(config.uncached_ratio)
         if config.policy == "bros":
@@ -142,11 +142,6 @@ class LLMEngine:
             raise ValueError(
                 "partial residency (uncached_ratio > 0, policy 'ellm') does not combine with the hybrid cache's "
                 "HIDDEN form (cache_form='hidden', policy 'aptserve'): both rebuild K/V in the step's last rows"
-            )
-        if decode_kernel == "triton":
-            raise ValueError(
-                "partial residency (uncached_ratio > 0, policy 'ellm') needs attention 'reference', 'cpp' or 'fused': "
-                "the Triton kernels have no rebuilt-prefix path yet (docs/ellm.md)"
             )
 
     def _attach_partial_residency(self, config: EngineConfig) -> None:

@@ -10,7 +10,9 @@ GPU kernels (decode, prefill/extend, KV write), chosen by device in `attention.p
 tested against the reference under Triton's interpreter. `kernels.reference.partial` is the
 contract for K/V that are not in the pool (the hybrid cache's rebuilt K/V, partial
 residency's transient prefix): partial attention with its log-sum-exp and an exact merge of
-parts. `kernels.hidden` uses it for HIDDEN rows.
+parts. `kernels.hidden` uses it for HIDDEN rows. `kernels.triton.partial` is its Triton form,
+which `kernels.triton.hidden` and `kernels.triton.resident` use when the step's kernel is
+`triton`.
 """
 
 from kernels.attention import (

@@ -125,8 +125,11 @@ def paged_attention(
         out = _ref.paged_attention(q, k, v, kv_cache, meta, decode=_cpu.decode)
     else:
         out = _ref.paged_attention(q, k, v, kv_cache, meta)
-    if meta.transient:  # partial residency: rebuilt prefix + paged part, merged (reference on every device)
-        _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale)
+    if meta.transient:  # partial residency: rebuilt prefix + paged part, merged by the step's kernel
+        if meta.decode_kernel == "triton":
+            _triton().attend_transient(out, q, k, v, kv_cache, meta)
+        else:
+            _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale)
     return out
 
 
@@ -135,7 +138,9 @@ def paged_attention(
 # has no metadata to say otherwise), attention when the engine resolved its kernel to
 # "triton" (`attention` auto on CUDA; "reference" keeps the PyTorch oracle on any device).
 # CPU tensors take the paths above, and Triton only when forced (`attention="triton"` under
-# TRITON_INTERPRET=1, for tests; the KV write then stays the reference's).
+# TRITON_INTERPRET=1, for tests; the KV write then stays the reference's). The step's kernel
+# also decides for the forms whose K/V are not in the pool: eLLM's transient prefix (above)
+# and the hybrid cache's HIDDEN rows (`kernels/hidden.py`, through `HiddenBatch.kernel`).
 
 
 def triton_unavailable(device: torch.device | str) -> str | None:

@@ -17,8 +17,16 @@ buckets and prefill spans and points their K/V writes at the null block). It
 
 Rebuilt K/V are step temporaries: never written to the pool. Everything here except the
 `rebuild` callable is built once per step by the runner (`HiddenBatch`) and shared by all
-layers. The reference is plain PyTorch (`kernels/reference/hidden.py`); a GPU version follows
-the same contract.
+layers. The reference is plain PyTorch (`kernels/reference/hidden.py`, the oracle and the CPU
+path); `kernels/triton/hidden.py` runs the attention and the merge as Triton kernels (the
+rebuild stays the model's projection in PyTorch).
+
+Dispatch follows the step's attention kernel (`HiddenBatch.kernel`, copied from
+`AttentionMetadata.decode_kernel`): "triton" (what `attention="auto"` resolves to on CUDA, or
+forced on CPU under the interpreter in tests) takes the Triton path, anything else the
+reference. Why the step's kernel and not the tensors' device: `attention="reference"` must
+stay the PyTorch oracle on CUDA too, for HIDDEN rows as for paged ones, and the interpreter
+tests must be able to run the Triton path on CPU tensors.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ class HiddenBatch:
     # per-token arguments of the model's rebuild at `ctx_positions` (RoPE tables; OPT: none)
     position_args: tuple[torch.Tensor, ...] = ()
     scratch: dict = field(default_factory=dict, repr=False)  # the gather buffer, reused by every layer
+    # the step's attention kernel (set by AttentionMetadata from its decode_kernel): "triton" or another
+    kernel: str = "reference"
 
 
 def hidden_attention(
@@ -70,4 +80,9 @@ def hidden_attention(
 ) -> None:
     """Store the HIDDEN rows' layer inputs `x` ([T, d]) and fill their rows of `out` ([T,
     heads, D]) with attention over rebuilt context K/V plus their own `k`, `v`."""
-    _ref.hidden_attention(out, q, k, v, x, kv_cache, hidden, rebuild, scale)
+    if hidden.kernel == "triton":
+        from kernels.triton import hidden as _triton  # Triton is a GPU (and test) dependency only
+
+        _triton.hidden_attention(out, q, k, v, x, kv_cache, hidden, rebuild, scale)
+    else:
+        _ref.hidden_attention(out, q, k, v, x, kv_cache, hidden, rebuild, scale)

@@ -7,8 +7,11 @@ which is how CI checks the kernels without a GPU. The interpreter is slow (each 
 Python over NumPy) and exists for tests, not serving.
 
 Modules: `kv_write` (slots), `decode` (split-K decode + merge), `extend` (prefill with a cached
-prefix), `common` (paged addressing, online softmax), `plan` (the step's metadata in kernel
-form, built once per step), `tiles` (tile sizes per target).
+prefix), `partial` (attention over dense K/V with its log-sum-exp, and the merge of parts:
+the contract of `kernels/reference/partial.py`), `common` (paged addressing, online softmax),
+`plan` (the step's metadata in kernel form, built once per step), `tiles` (tile sizes per
+target), `hidden` (the hybrid cache's HIDDEN rows) and `resident` (eLLM's transient prefix
+merged with the paged suffix).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kernels.triton import kv_write as _kv_write
 from kernels.triton.decode import decode as _decode
 from kernels.triton.extend import extend as _extend
 from kernels.triton.plan import step_plan
+from kernels.triton.resident import attend_transient as _attend_transient
 from kernels.triton.tiles import TileConfig, tile_config
 
 if TYPE_CHECKING:
@@ -92,3 +96,17 @@ def paged_attention(
     if plan.extend is not None:
         _extend(q, k, v, kv_cache, out, plan.extend, meta.scale, tiles, fp32_dot)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def attend_transient(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    tiles: TileConfig | None = None,
+) -> None:
+    """Contract of `kernels.reference.resident.attend_transient` (rows of `meta.transient`)."""
+    _check(kv_cache.device)
+    _attend_transient(out, q, k, v, kv_cache, meta, tiles)

@@ -13,6 +13,11 @@ r // group, head r % group), so GQA loads each K/V tile once for the whole group
 `tl.dot` has >= 16 rows whatever the group. The tile list (span and first token of each
 program) is built on the host once per step (`plan.ExtendPlan`). No split-K here: a prefill
 step has many query tiles, which already fill the GPU.
+
+For eLLM's partially resident sequences (`resident.py`) the same kernel reads from a span's
+first resident position (`kv_from`, 0 for every ordinary span), writes to its own rows of a
+compact buffer (`o_start`, q_start otherwise) and, with `WITH_LSE`, each row's log-sum-exp,
+so its result is a part to merge with the rebuilt prefix's.
 """
 
 import torch
@@ -27,13 +32,14 @@ from kernels.triton.tiles import TileConfig
 @triton.jit
 def _extend(
     q_ptr, k_ptr, v_ptr, kv_ptr, out_ptr,
-    tile_span_ptr, tile_first_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, table_ptr, rev_ptr,
-    scale_log2e,
+    tile_span_ptr, tile_first_ptr, q_start_ptr, q_len_ptr, ctx_len_ptr, kv_from_ptr, o_start_ptr, table_ptr, rev_ptr,
+    lse_ptr, scale_log2e, num_heads,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
     stride_o_tok, stride_o_head,
     stride_kv, stride_kv_head, stride_block, stride_slot, stride_table, stride_rev,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HAS_REV: tl.constexpr, FP32_DOT: tl.constexpr,
+    WITH_LSE: tl.constexpr,
 ):  # fmt: skip
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -42,6 +48,8 @@ def _extend(
     q_start = tl.load(q_start_ptr + span).to(tl.int64)
     q_len = tl.load(q_len_ptr + span)
     ctx_len = tl.load(ctx_len_ptr + span)
+    kv_from = tl.load(kv_from_ptr + span)  # first key position to attend (eLLM: the first resident one)
+    o_start = tl.load(o_start_ptr + span).to(tl.int64)
 
     r = tl.arange(0, ROWS)
     d = tl.arange(0, D_PAD)
@@ -56,12 +64,12 @@ def _extend(
     total = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
 
-    # the cached prefix: every position precedes every new token, so no causal mask
+    # the cached prefix from kv_from on: every position precedes every new token, so no causal mask
     k_plane = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_plane = k_plane + stride_kv
     table_row = table_ptr + span.to(tl.int64) * stride_table
     rev_row = rev_ptr + span.to(tl.int64) * stride_rev
-    for tile in range(0, ctx_len, TILE):
+    for tile in range(kv_from, ctx_len, TILE):
         pos = tile + tl.arange(0, TILE)
         offs, readable = paged_offsets(table_row, rev_row, pos, pos < ctx_len, stride_block, stride_slot,
                                        BLOCK_SIZE, HAS_REV)  # fmt: skip
@@ -71,9 +79,9 @@ def _extend(
         v = tl.load(v_plane + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         peak, total, acc = softmax_step(scores, v, peak, total, acc, FP32_DOT)
 
-    # the new tokens, causally: token i sees new tokens 0..i
+    # the new tokens, causally: token i sees new tokens 0..i (those at positions >= kv_from)
     last = tl.minimum(q_len, first + TOKENS)
-    for tile in range(0, last, TILE):
+    for tile in range(tl.maximum(kv_from - ctx_len, 0), last, TILE):
         j = tile + tl.arange(0, TILE)
         j_ok = j < last
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -85,8 +93,13 @@ def _extend(
         peak, total, acc = softmax_step(scores, v, peak, total, acc, FP32_DOT)
 
     out = normalised(acc, total)
-    tl.store(out_ptr + (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :],
+    out_row = o_start + tok
+    tl.store(out_ptr + out_row[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+    if WITH_LSE:  # natural-log log-sum-exp, -inf for a row that saw no key (kernels/reference/partial.py)
+        seen = total > 0
+        lse = tl.where(seen, (peak + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + out_row * num_heads + head, lse, mask=row_ok)
 
 
 def extend(
@@ -99,8 +112,11 @@ def extend(
     scale: float,
     tiles: TileConfig,
     fp32_dot: bool,
+    lse: torch.Tensor | None = None,
 ) -> None:
-    """Attend every prefill span's rows of q into the same rows of out (k, v: [T, kv_heads, D])."""
+    """Attend every prefill span's rows of q into its output rows of out (k, v: [T, kv_heads,
+    D]); with `lse` (`[rows of out, heads]`, contiguous) also each row's log-sum-exp, so the
+    result is a part to merge (eLLM's paged suffix, kernels/triton/resident.py)."""
     programs = plan.tile_span.shape[0]
     if programs == 0:
         return
@@ -111,14 +127,14 @@ def extend(
     rev = plan.reversed if plan.reversed is not None else plan.table
     _extend[(programs, kv_heads)](
         q, k, v, kv_cache, out,
-        plan.tile_span, plan.tile_first, plan.q_start, plan.q_len, plan.ctx_len, plan.table, rev,
-        scale * LOG2E,
+        plan.tile_span, plan.tile_first, plan.q_start, plan.q_len, plan.ctx_len, plan.kv_from, plan.o_start,
+        plan.table, rev, out if lse is None else lse, scale * LOG2E, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         plan.table.stride(0), rev.stride(0),
         GROUP=group, TOKENS=plan.tokens_per_tile, ROWS=rows, HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=tiles.extend_tile,
-        HAS_REV=plan.reversed is not None, FP32_DOT=fp32_dot,
+        HAS_REV=plan.reversed is not None, FP32_DOT=fp32_dot, WITH_LSE=lse is not None,
         num_warps=tiles.extend_warps, num_stages=tiles.extend_stages,
     )  # fmt: skip

@@ -46,6 +46,8 @@ class ExtendPlan:
     q_start: torch.Tensor  # [P] first row of each span in the flattened batch
     q_len: torch.Tensor  # [P] new tokens
     ctx_len: torch.Tensor  # [P] tokens already in the cache (the prefix)
+    kv_from: torch.Tensor  # [P] first key position attended (0; eLLM's paged part: the first resident one)
+    o_start: torch.Tensor  # [P] output row of each span's first token (q_start; or a compact buffer's)
     table: torch.Tensor  # [P, W] blocks of each prefix, holes (-1) past it
     reversed: torch.Tensor | None  # [P, W] int8 direction bits; None when all forward
     tile_span: torch.Tensor  # [N] span of each program
@@ -68,7 +70,7 @@ def step_plan(
     if plan is None:
         device = meta.slot_mapping.device
         decodes = [_decode_plan(b, heads, kv_heads, head_dim, block_size, tiles) for b in meta.decode_buckets]
-        extend = _extend_plan(meta.prefills, heads // kv_heads, tiles, device) if meta.prefills else None
+        extend = extend_plan(meta.prefills, heads // kv_heads, tiles, device) if meta.prefills else None
         plan = meta.prepared[key] = StepPlan(decodes, extend)
     return plan
 
@@ -104,7 +106,16 @@ def _decode_plan(
     )
 
 
-def _extend_plan(spans: list[PrefillSpan], group: int, tiles: TileConfig, device: torch.device) -> ExtendPlan:
+def extend_plan(
+    spans: list[PrefillSpan],
+    group: int,
+    tiles: TileConfig,
+    device: torch.device,
+    kv_from: list[int] | None = None,
+    o_start: list[int] | None = None,
+) -> ExtendPlan:
+    """The prefill kernel's form of `spans`; `kv_from` (default 0) and `o_start` (default each
+    span's q_start) serve eLLM's paged part (kernels/triton/resident.py)."""
     per_tile = tokens_per_tile(group, tiles)
     tile_span, tile_first = [], []
     for i, span in enumerate(spans):
@@ -112,12 +123,13 @@ def _extend_plan(spans: list[PrefillSpan], group: int, tiles: TileConfig, device
             tile_span.append(i)
             tile_first.append(first)
     table, reversed_bits = _prefix_tables(spans, device)
+    starts = [s.q_start for s in spans]
     ints = torch.tensor(
-        [[s.q_start for s in spans], [s.q_len for s in spans], [s.ctx_len for s in spans]],
+        [starts, [s.q_len for s in spans], [s.ctx_len for s in spans], kv_from or [0] * len(spans), o_start or starts],
         dtype=torch.int32,
     ).to(device)
     tile_list = torch.tensor([tile_span, tile_first], dtype=torch.int32).to(device)
-    return ExtendPlan(ints[0], ints[1], ints[2], table, reversed_bits, tile_list[0], tile_list[1], per_tile)
+    return ExtendPlan(*ints, table, reversed_bits, tile_list[0], tile_list[1], per_tile)
 
 
 def _prefix_tables(spans: list[PrefillSpan], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
