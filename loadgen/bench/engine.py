@@ -81,6 +81,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
     )
     p.add_argument(
+        "--uncached-ratio",
+        type=float,
+        default=None,
+        help="partial KV residency (eLLM) for every request: rebuild the oldest share R of each context per step",
+    )
+    p.add_argument(
         "--dump-prompts",
         default=None,
         metavar="FILE",
@@ -116,6 +122,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "compile_layers",
         "kv_heads_expand",
         "cache_form",
+        "uncached_ratio",
     ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)

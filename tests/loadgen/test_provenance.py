@@ -125,6 +125,21 @@ def test_bench_engine_json_carries_the_stamp(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.timeout(300)
+def test_bench_engine_runs_partial_residency(tmp_path, tiny_model_dir):
+    """`--uncached-ratio` reaches the engine (so the GPU plan can benchmark eLLM's form) and
+    every requested token is still produced."""
+    out = tmp_path / "engine.json"
+    res = _tandem(
+        *("bench", "engine", "--model", str(tiny_model_dir("llama")), "--num-prompts", "3", "--input-len", "40", "60"),
+        *("--output-len", "4", "--dtype", "float32", "--uncached-ratio", "0.5", "--json", str(out), "--quiet"),
+    )
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(out.read_text())
+    assert doc["config"]["engine_config"]["uncached_ratio"] == 0.5
+    assert doc["output_tokens"] == 12
+
+
+@pytest.mark.timeout(300)
 def test_sim_results_carry_the_stamp(tmp_path):
     out = tmp_path / "sim"
     res = _tandem("sim", "--duration", "5", "--rate", "2", "--length-scale", "0.25", "--out", str(out))
