@@ -79,17 +79,42 @@ def inproc_target(args: argparse.Namespace, policy: str, default_slo=None) -> Ta
     return TargetBundle(target, prompts, eng.max_model_len, eng.tokenizer)
 
 
+DEFAULT_STEP_NOISE = "lognormal:0.05"
+DEFAULT_SWAP_SPACE_GIB = 4.0  # vLLM's default `swap_space` per GPU
+
+
 def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> TargetBundle:
+    """Simulated workers on the profile's truth (times the step noise); their policies plan
+    with a model fitted to a noisy profile of that truth (`sim/planning.py`), and every policy
+    gets the same host swap space. docs/simulator.md, "Fairness"."""
     from loadgen.sim.cluster import ClusterSpec, SimTarget
+    from loadgen.sim.jitter import StepJitter
     from loadgen.sim.worker import SimWorker
 
     cost = load_cost_model(args.cost_model or DEFAULT_SIM_PROFILE)
     spec = worker_spec(args, cost.meta)
-    opts = policy_options(policy, cost, default_slo)
-    workers = [SimWorker(f"w{i}", spec, cost, policy, opts) for i in range(args.workers)]
+    noise = StepJitter.parse(getattr(args, "step_noise", DEFAULT_STEP_NOISE), seed=args.seed)
+    plan = cost if getattr(args, "exact_planning", False) else planning_cost(args, cost, spec, noise)
+    opts = policy_options(policy, plan, default_slo)
+    workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
-    target = SimTarget(workers, ClusterSpec(args.placement, bw))
+    target = SimTarget(workers, ClusterSpec(args.placement, bw), planning_cost=plan)
     return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len)
+
+
+def planning_cost(args: argparse.Namespace, truth, spec, noise):
+    from loadgen.sim.planning import planning_model
+
+    return planning_model(
+        truth,
+        noise,
+        seed=args.seed,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        capacity_tokens=spec.num_blocks * spec.block_size,
+        block_size=spec.block_size,
+    )
 
 
 def worker_spec(args: argparse.Namespace, meta: dict):
@@ -99,13 +124,19 @@ def worker_spec(args: argparse.Namespace, meta: dict):
     num_blocks = args.num_blocks or (
         int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta else 4096
     )
+    bytes_per_token = int(meta.get("kv_bytes_per_token", 0))
+    swap_gib = getattr(args, "swap_space_gib", DEFAULT_SWAP_SPACE_GIB)
+    host_blocks = (
+        int(swap_gib * 2**30) // (bytes_per_token * block) if bytes_per_token and swap_gib is not None else None
+    )
     return WorkerSpec(
         num_blocks=num_blocks,
         block_size=block,
         max_num_seqs=args.max_num_seqs or 128,
         max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         max_model_len=args.max_model_len or int(meta.get("max_model_len", 2048)),
-        kv_bytes_per_token=int(meta.get("kv_bytes_per_token", 0)),
+        kv_bytes_per_token=bytes_per_token,
+        host_blocks=host_blocks,
     )
 
 
