@@ -129,6 +129,18 @@ def add_run_args(
         help="sim: host swap space per worker in GiB, the same for every policy (vLLM's default 4)",
     )
     e.add_argument(
+        "--min-be-share",
+        type=float,
+        default=None,
+        help="bros: BE's guaranteed share of scheduled tokens while it waits (default: the policy's, 0.1; 0 = off)",
+    )
+    e.add_argument(
+        "--token-group",
+        type=int,
+        default=None,
+        help="bros: RT tokens per deadline after the first (default 1: a deadline per token)",
+    )
+    e.add_argument(
         "--seeds",
         type=int,
         default=1,

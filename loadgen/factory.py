@@ -23,6 +23,7 @@ class TargetBundle:
     prompts: PromptBuilder
     max_len: int | None
     tokenizer: object = None
+    policy_flags: dict | None = None  # policy options given on the command line
 
 
 def load_cost_model(name_or_path: str):
@@ -39,12 +40,21 @@ def load_cost_model(name_or_path: str):
     return CostModel.load(p)
 
 
-def policy_options(policy: str, cost_model=None, default_slo=None) -> dict:
-    """The options a policy's constructor accepts among those we can offer (cost model, SLO)."""
+POLICY_FLAGS = ("min_be_share", "token_group")  # command-line options a policy may accept
+
+
+def policy_flags(args: argparse.Namespace) -> dict:
+    """The policy options given on the command line (`--min-be-share`, `--token-group`)."""
+    return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
+
+
+def policy_options(policy: str, cost_model=None, default_slo=None, flags: dict | None = None) -> dict:
+    """The options a policy's constructor accepts among those we can offer (cost model, SLO,
+    command-line flags such as BROS's minimum BE share); flags it does not take are ignored."""
     from engine.scheduling import policy_class
 
     accepted = inspect.signature(policy_class(policy).__init__).parameters
-    offer = {"cost_model": cost_model, "default_slo": default_slo}
+    offer = {"cost_model": cost_model, "default_slo": default_slo, **(flags or {})}
     return {k: v for k, v in offer.items() if k in accepted and v is not None}
 
 
@@ -71,12 +81,13 @@ def inproc_target(args: argparse.Namespace, policy: str, default_slo=None) -> Ta
     from loadgen.workloads.random_tokens import special_token_ids
 
     cost = load_cost_model(args.cost_model) if getattr(args, "cost_model", None) else None
-    target = InprocTarget.from_config(engine_config(args, policy), policy_options(policy, cost, default_slo))
+    opts = policy_options(policy, cost, default_slo, policy_flags(args))
+    target = InprocTarget.from_config(engine_config(args, policy), opts)
     eng = target.engine
     mc = eng.model_config
     exclude = special_token_ids(eng.tokenizer, extra=[mc.bos_token_id, *mc.eos_token_ids])
     prompts = PromptBuilder(mc.vocab_size, args.seed, exclude, eng.tokenizer)
-    return TargetBundle(target, prompts, eng.max_model_len, eng.tokenizer)
+    return TargetBundle(target, prompts, eng.max_model_len, eng.tokenizer, policy_flags(args))
 
 
 DEFAULT_STEP_NOISE = "lognormal:0.05"
@@ -95,11 +106,11 @@ def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> Targe
     spec = worker_spec(args, cost.meta)
     noise = StepJitter.parse(getattr(args, "step_noise", DEFAULT_STEP_NOISE), seed=args.seed)
     plan = cost if getattr(args, "exact_planning", False) else planning_cost(args, cost, spec, noise)
-    opts = policy_options(policy, plan, default_slo)
+    opts = policy_options(policy, plan, default_slo, policy_flags(args))
     workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
     target = SimTarget(workers, ClusterSpec(args.placement, bw), planning_cost=plan)
-    return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len)
+    return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
 
 
 def planning_cost(args: argparse.Namespace, truth, spec, noise):

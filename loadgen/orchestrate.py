@@ -100,7 +100,7 @@ def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:
     )
     # the simulator's policies plan with its planning model, never the truth (sim/planning.py)
     cost = getattr(getattr(target, "engine", None), "cost_model", None) or getattr(target, "planning_cost", None)
-    opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s))
+    opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s), bundle.policy_flags)
     if "default_slo" in opts:
         for scheduler in schedulers:
             scheduler.policy = make_policy(policy, **opts)
