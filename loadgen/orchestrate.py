@@ -17,6 +17,7 @@ from loadgen.workloads.build import build_workload
 def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: bool, progress: bool) -> dict:
     from loadgen import report
 
+    stamp = _stamp(args)  # at the start: the code that runs is the code checked out now
     scale = _SloScale(args)
     results: dict[str, RunResult] = {}
     effective: dict[str, dict] = {}
@@ -41,7 +42,7 @@ def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: b
         from loadgen.spread import seed_spread
 
         doc["seeds"] = seed_spread(seeds, per_seed)
-    doc["provenance"] = _stamp(args)
+    doc["provenance"] = stamp
     return doc
 
 
