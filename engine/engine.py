@@ -436,6 +436,8 @@ class LLMEngine:
             "cost_model": self.cost_model,
             "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
             "base_cap": config.bros_base_cap,
+            "min_be_share": config.bros_min_be_share,
+            "token_group": config.bros_token_group,
         }
 
     def _cost_model(self, config: EngineConfig, source):

@@ -111,6 +111,42 @@ def add_run_args(
         help="sim: placement policy (default: direct with one worker, least-loaded with several)",
     )
     e.add_argument(
+        "--step-noise",
+        default="lognormal:0.05",
+        help="sim: noise on simulated step times: lognormal:CV, a saved jitter file "
+        "(tandem-step-jitter/1), or none (docs/simulator.md, Fairness)",
+    )
+    e.add_argument(
+        "--exact-planning",
+        action="store_true",
+        help="sim: let policies plan with the very cost model that sets step times "
+        "(the old, unfair setup; default: a model fitted to a noisy simulated profile)",
+    )
+    e.add_argument(
+        "--swap-space-gib",
+        type=float,
+        default=4.0,
+        help="sim: host swap space per worker in GiB, the same for every policy (vLLM's default 4)",
+    )
+    e.add_argument(
+        "--min-be-share",
+        type=float,
+        default=None,
+        help="bros: BE's guaranteed share of scheduled tokens while it waits (default: the policy's, 0.1; 0 = off)",
+    )
+    e.add_argument(
+        "--token-group",
+        type=int,
+        default=None,
+        help="bros: RT tokens per deadline after the first (default 1: a deadline per token)",
+    )
+    e.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="run each policy with this many seeds (--seed, --seed+1, ...) and report their spread",
+    )
+    e.add_argument(
         "--kv-bandwidth-gbps",
         type=float,
         default=None,

@@ -23,6 +23,7 @@ class TargetBundle:
     prompts: PromptBuilder
     max_len: int | None
     tokenizer: object = None
+    policy_flags: dict | None = None  # policy options given on the command line
 
 
 def load_cost_model(name_or_path: str):
@@ -39,12 +40,21 @@ def load_cost_model(name_or_path: str):
     return CostModel.load(p)
 
 
-def policy_options(policy: str, cost_model=None, default_slo=None) -> dict:
-    """The options a policy's constructor accepts among those we can offer (cost model, SLO)."""
+POLICY_FLAGS = ("min_be_share", "token_group")  # command-line options a policy may accept
+
+
+def policy_flags(args: argparse.Namespace) -> dict:
+    """The policy options given on the command line (`--min-be-share`, `--token-group`)."""
+    return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
+
+
+def policy_options(policy: str, cost_model=None, default_slo=None, flags: dict | None = None) -> dict:
+    """The options a policy's constructor accepts among those we can offer (cost model, SLO,
+    command-line flags such as BROS's minimum BE share); flags it does not take are ignored."""
     from engine.scheduling import policy_class
 
     accepted = inspect.signature(policy_class(policy).__init__).parameters
-    offer = {"cost_model": cost_model, "default_slo": default_slo}
+    offer = {"cost_model": cost_model, "default_slo": default_slo, **(flags or {})}
     return {k: v for k, v in offer.items() if k in accepted and v is not None}
 
 
@@ -71,25 +81,51 @@ def inproc_target(args: argparse.Namespace, policy: str, default_slo=None) -> Ta
     from loadgen.workloads.random_tokens import special_token_ids
 
     cost = load_cost_model(args.cost_model) if getattr(args, "cost_model", None) else None
-    target = InprocTarget.from_config(engine_config(args, policy), policy_options(policy, cost, default_slo))
+    opts = policy_options(policy, cost, default_slo, policy_flags(args))
+    target = InprocTarget.from_config(engine_config(args, policy), opts)
     eng = target.engine
     mc = eng.model_config
     exclude = special_token_ids(eng.tokenizer, extra=[mc.bos_token_id, *mc.eos_token_ids])
     prompts = PromptBuilder(mc.vocab_size, args.seed, exclude, eng.tokenizer)
-    return TargetBundle(target, prompts, eng.max_model_len, eng.tokenizer)
+    return TargetBundle(target, prompts, eng.max_model_len, eng.tokenizer, policy_flags(args))
+
+
+DEFAULT_STEP_NOISE = "lognormal:0.05"
+DEFAULT_SWAP_SPACE_GIB = 4.0  # vLLM's default `swap_space` per GPU
 
 
 def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> TargetBundle:
+    """Simulated workers on the profile's truth (times the step noise); their policies plan
+    with a model fitted to a noisy profile of that truth (`sim/planning.py`), and every policy
+    gets the same host swap space. docs/simulator.md, "Fairness"."""
     from loadgen.sim.cluster import ClusterSpec, SimTarget
+    from loadgen.sim.jitter import StepJitter
     from loadgen.sim.worker import SimWorker
 
     cost = load_cost_model(args.cost_model or DEFAULT_SIM_PROFILE)
     spec = worker_spec(args, cost.meta)
-    opts = policy_options(policy, cost, default_slo)
-    workers = [SimWorker(f"w{i}", spec, cost, policy, opts) for i in range(args.workers)]
+    noise = StepJitter.parse(getattr(args, "step_noise", DEFAULT_STEP_NOISE), seed=args.seed)
+    plan = cost if getattr(args, "exact_planning", False) else planning_cost(args, cost, spec, noise)
+    opts = policy_options(policy, plan, default_slo, policy_flags(args))
+    workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
-    target = SimTarget(workers, ClusterSpec(args.placement, bw))
-    return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len)
+    target = SimTarget(workers, ClusterSpec(args.placement, bw), planning_cost=plan)
+    return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
+
+
+def planning_cost(args: argparse.Namespace, truth, spec, noise):
+    from loadgen.sim.planning import planning_model
+
+    return planning_model(
+        truth,
+        noise,
+        seed=args.seed,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        capacity_tokens=spec.num_blocks * spec.block_size,
+        block_size=spec.block_size,
+    )
 
 
 def worker_spec(args: argparse.Namespace, meta: dict):
@@ -99,13 +135,19 @@ def worker_spec(args: argparse.Namespace, meta: dict):
     num_blocks = args.num_blocks or (
         int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta else 4096
     )
+    bytes_per_token = int(meta.get("kv_bytes_per_token", 0))
+    swap_gib = getattr(args, "swap_space_gib", DEFAULT_SWAP_SPACE_GIB)
+    host_blocks = (
+        int(swap_gib * 2**30) // (bytes_per_token * block) if bytes_per_token and swap_gib is not None else None
+    )
     return WorkerSpec(
         num_blocks=num_blocks,
         block_size=block,
         max_num_seqs=args.max_num_seqs or 128,
         max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         max_model_len=args.max_model_len or int(meta.get("max_model_len", 2048)),
-        kv_bytes_per_token=int(meta.get("kv_bytes_per_token", 0)),
+        kv_bytes_per_token=bytes_per_token,
+        host_blocks=host_blocks,
     )
 
 

@@ -17,20 +17,32 @@ from loadgen.workloads.build import build_workload
 def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: bool, progress: bool) -> dict:
     from loadgen import report
 
+    stamp = _stamp(args)  # at the start: the code that runs is the code checked out now
     scale = _SloScale(args)
     results: dict[str, RunResult] = {}
     effective: dict[str, dict] = {}
+    seeds = [args.seed + i for i in range(max(1, getattr(args, "seeds", 1) or 1))]
+    per_seed: dict[str, list[dict]] = {}
     for policy in policies:
         if args.find_rate:
             effective[policy] = _search(args, policy, scale).as_dict()
         results[policy] = run_once(args, policy, scale, args.rate, progress)
         _log(f"{policy}: done in {results[policy].elapsed_s:.1f} s of {'simulated' if _is_sim(args) else 'run'} time")
+        per_seed[policy] = [summarize(results[policy].records, results[policy].elapsed_s)]
+        for seed in seeds[1:]:  # only the first seed's requests go into the document (size)
+            res = run_once(argparse.Namespace(**{**vars(args), "seed": seed}), policy, scale, args.rate, False)
+            per_seed[policy].append(summarize(res.records, res.elapsed_s))
+            _log(f"{policy}: seed {seed} done")
     config = _config(args, policies, scale)
     if comparison:
         doc = report.comparison_document(results, config, effective or None)
     else:
         doc = report.run_document(results[policies[0]], config, effective or None)
-    doc["provenance"] = _stamp(args)
+    if len(seeds) > 1:
+        from loadgen.spread import seed_spread
+
+        doc["seeds"] = seed_spread(seeds, per_seed)
+    doc["provenance"] = stamp
     return doc
 
 
@@ -87,10 +99,9 @@ def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:
     schedulers = (
         [target.engine.scheduler] if hasattr(target, "engine") else [w.scheduler for w in target.workers.values()]
     )
-    cost = getattr(getattr(target, "engine", None), "cost_model", None) or getattr(
-        next(iter(getattr(target, "workers", {}).values()), None), "cost", None
-    )
-    opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s))
+    # the simulator's policies plan with its planning model, never the truth (sim/planning.py)
+    cost = getattr(getattr(target, "engine", None), "cost_model", None) or getattr(target, "planning_cost", None)
+    opts = policy_options(policy, cost, SLO(slo.ttft_s, slo.tpot_s), bundle.policy_flags)
     if "default_slo" in opts:
         for scheduler in schedulers:
             scheduler.policy = make_policy(policy, **opts)

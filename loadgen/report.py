@@ -110,6 +110,10 @@ def summary_markdown(doc: dict, title: str) -> str:
         lines += [f"## {cls.upper()} requests", "", table(rows), ""]
     if doc.get("ratios"):
         lines += [_ratio_section(doc["ratios"])]
+    if doc.get("seeds"):
+        from loadgen.spread import spread_markdown
+
+        lines += [spread_markdown(doc["seeds"])]
     if doc.get("effective_throughput"):
         lines += [_effective_section(doc["effective_throughput"])]
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in ("ttft_cdf.png", "timeline.png", "attainment_vs_rate.png")), ""]

@@ -24,6 +24,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_profile", "add_parser"),
     ("loadgen.bench.cli", "add_parser"),
     ("loadgen.cli", "add_parser"),
+    ("loadgen.repro.cli", "add_parser"),
     ("services.gateway.cli", "add_parser"),
     ("services.scheduler.cli", "add_parser"),
     ("services.advisory.cli", "add_parser"),

@@ -14,6 +14,19 @@ Per step:
    of its prefill) fits, else it may replace the least urgent scheduled RT request if that
    request's own deadline still holds when deferred one step.
 
+Minimum BE share (our addition, `min_be_share`; the paper has none and its BE throughput
+falls to almost nothing under RT overload): the policy keeps a moving average of BE's share
+of the scheduled tokens, counted only over steps that left some BE request out (a step that
+ran every BE request held nothing back, however few tokens that was). While that share
+is below `min_be_share`, `min_be_share x token budget` tokens and one seat are held back
+from RT, and after RT's phase BE gets them ignoring the time budget (BE order, prefill chunks
+allowed). Memory: while BE is owed, new RT requests are not admitted into the blocks the first
+BE request needs, and owed BE may push RT requests not in the batch to host, as RT growth
+does to BE. So overload can slow batch work to that share but never starve it, and at loads where BE
+already gets more the setting changes nothing. Default 0.1: a tenth of the tokens is what a
+demanding batch user would call "still progressing" while it costs RT at most a tenth of a
+step's budget; 0 turns it off (the paper's behaviour).
+
 Memory (the KV manager's `TwoEndedBlocks` component, which this policy attaches): RT
 requests take free blocks or steal BE blocks' empty ends (lazy checkpointing);
 when even that fails, whole requests not in the batch are swapped to host (BE first, then
@@ -43,7 +56,7 @@ from engine.scheduling.policy import (
     SchedulingPolicy,
 )
 from engine.scheduling.request import SLO, Request, RequestClass, RequestStatus
-from engine.scheduling.slack import deadline, merge_by_deadline, target
+from engine.scheduling.slack import TokenGroups, deadline, merge_by_deadline, target
 
 
 @dataclass
@@ -61,6 +74,8 @@ class Decision:
     cap: int = 0
     early_exit: bool = False  # the RT cost check failed (cap resets)
     forced: bool = False  # the head RT request ran past the budget (late fallback)
+    be_owed: list[Request] = field(default_factory=list)  # BE packed first for the minimum share
+    be_waiting: bool = False  # some BE request was left out (the share counts only such steps)
 
 
 class _Outcome(enum.Enum):
@@ -79,15 +94,30 @@ class BROSPolicy(SchedulingPolicy):
         base_cap: int = 128,
         min_chunk: int = 16,
         ema: float = 0.2,
+        min_be_share: float = 0.1,
+        share_window: int = 50,
+        token_group: int = 1,
     ) -> None:
+        """`min_be_share`: BE's guaranteed share of scheduled tokens while it waits (0..1, 0
+        = off); `share_window`: steps the share is averaged over (an EMA of that span);
+        `token_group`: RT tokens per deadline after the first (`slack.TokenGroups`; 1 = a
+        deadline per token, the paper's evaluated setting and the strictest)."""
         if default_slo.ttft_s is None or default_slo.tpot_s is None:
             raise ValueError("bros needs default TTFT and TPOT targets for RT requests")
+        if not 0.0 <= min_be_share < 1.0:
+            raise ValueError(f"min_be_share must be in [0, 1), got {min_be_share}")
+        if share_window < 1:
+            raise ValueError(f"share_window must be >= 1 step, got {share_window}")
         self.cost_model = cost_model
         self.default_slo = default_slo
         self.base_cap = base_cap
         self.min_chunk = min_chunk
         self.ema = ema  # weight of the newest step in T_avg
         self.t_avg: float | None = None
+        self.groups = TokenGroups(token_group)
+        self.min_be_share = min_be_share
+        self.share_alpha = 2.0 / (share_window + 1)
+        self.be_share: float | None = None  # EMA of BE's token share over steps where BE waited
         self.cap: AdaptiveCap | None = None
         self.last = Decision()
 
@@ -111,6 +141,23 @@ class BROSPolicy(SchedulingPolicy):
 
     def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         self.t_avg = elapsed_s if self.t_avg is None else (1 - self.ema) * self.t_avg + self.ema * elapsed_s
+        if self.groups.size > 1:
+            for it in batch.items:
+                if it.request.req_class is RequestClass.RT and it.request.last_token_time is not None:
+                    self.groups.observe(it.request)
+        if self.last.be_waiting:
+            total = sum(it.num_new_tokens for it in batch.items)
+            be = sum(it.num_new_tokens for it in batch.items if it.request.req_class is RequestClass.BE)
+            share = be / total if total else 0.0
+            a = self.share_alpha
+            self.be_share = share if self.be_share is None else (1 - a) * self.be_share + a * share
+
+    def be_owed_tokens(self, token_budget: int) -> int:
+        """Tokens BE is owed this step: 0 until a step with BE waiting has been measured, and
+        while its share is at or above the minimum."""
+        if self.min_be_share <= 0 or self.be_share is None or self.be_share >= self.min_be_share:
+            return 0
+        return max(1, math.ceil(self.min_be_share * token_budget))
 
 
 class _Step:
@@ -128,20 +175,59 @@ class _Step:
         self.cached: dict[Request, int] = {}  # waiting requests given KV this step -> prefix-cache hit
         self.slack: dict[Request, float] = {}
         self.saveable: set[Request] = set()
+        self.be_candidates: list[Request] = []
+        self.owed_blocks = 0  # device blocks new RT admissions leave to owed BE this step
 
     def run(self) -> ScheduledBatch:
         self._order_rt()
+        self.be_candidates = self._be_order()
+        owed = self.policy.be_owed_tokens(self.pack.token_budget) if self.be_candidates else 0
+        self.owed_blocks = self._owed_blocks(owed)
+        reserve, seat = min(owed, self.pack.token_budget - 1), int(owed > 0 and self.decision.cap > 1)
+        self.pack.token_budget -= reserve  # RT packs around the tokens (and a seat) BE is owed
+        self.decision.cap -= seat
         self._pack_rt()
+        self.pack.token_budget += reserve
+        self.decision.cap += seat
+        self._pack_owed_be(owed)
         self._pack_be()
         return self._finish()
+
+    # -- the minimum BE share ------------------------------------------------------------
+
+    def _owed_blocks(self, owed: int) -> int:
+        """Device blocks the first BE request needs to take its owed tokens (0 when none are
+        owed): new RT requests are not admitted into those (`_pack_rt`)."""
+        if owed <= 0:
+            return 0
+        b = self.be_candidates[0]
+        on_host = self.kv.num_host_blocks(b) if self.kv.holds(b) else 0
+        return on_host + -(-owed // self.kv.block_size) + 1
+
+    def _pack_owed_be(self, owed: int) -> None:
+        """Pack BE past the time budget while its token share is below the minimum. After RT
+        (which packed around the reserved tokens), so no RT request in the batch takes the
+        free end of an owed BE request's block and checkpoints it out of residency."""
+        for b in self.be_candidates:
+            if owed <= 0 or len(self.pack) >= self.decision.cap:
+                break
+            left = min(owed, self.pack.tokens_left)
+            if self._try(b, be=True, force=True, limit=left, evict_rt=True) is _Outcome.OK:
+                self.decision.be_owed.append(b)
+                self.decision.be_scheduled.append(b)
+                owed -= self.pack.items[b][0]
 
     # -- phase 1 ------------------------------------------------------------------------
 
     def _order_rt(self) -> None:
         now = self.state.now
         is_rt = lambda r: r.req_class is RequestClass.RT  # noqa: E731
-        order = merge_by_deadline(filter(is_rt, self.state.waiting), filter(is_rt, self.state.running), self.slo)
-        self.slack = {r: deadline(r, self.slo) - now for r in order}
+        groups, t_avg = self.policy.groups, self.policy.t_avg
+        slack = lambda r: groups.slack(r, self.slo, now, t_avg)  # noqa: E731
+        order = merge_by_deadline(
+            filter(is_rt, self.state.waiting), filter(is_rt, self.state.running), self.slo, key=slack
+        )
+        self.slack = {r: slack(r) for r in order}
         saveable = [r for r in order if self.slack[r] >= self._alone_cost(r)]
         self.saveable = set(saveable)
         late = [r for r in order if r not in self.saveable]
@@ -162,7 +248,11 @@ class _Step:
             if parked and not self.kv.holds(r):
                 d.skipped.append(r)  # admission control: admitted RT requests on host are restored first
                 continue
-            outcome = self._try(r, be=False, force=not self.pack.items, evict_rt=self._is_growing(r))
+            if self.owed_blocks and not self.kv.holds(r) and self.kv.pool.num_free < self.owed_blocks + 1:
+                d.skipped.append(r)  # admission control: the blocks left are owed to BE
+                continue
+            # the first RT request always joins (BE packed for the minimum share does not count)
+            outcome = self._try(r, be=False, force=not d.rt_scheduled, evict_rt=self._is_growing(r))
             if outcome is _Outcome.COST:
                 d.early_exit = True
                 break
@@ -170,7 +260,7 @@ class _Step:
                 d.rt_scheduled.append(r)
             else:
                 d.skipped.append(r)  # first-fit: a resident request behind it may still run
-        if not self.pack.items and d.rt_order:  # nothing fit: the head runs, evicting whatever it must
+        if not d.rt_scheduled and d.rt_order:  # nothing fit: the head runs, evicting whatever it must
             if self._try(d.rt_order[0], be=False, force=True, evict_rt=True) is _Outcome.OK:
                 d.rt_scheduled.append(d.rt_order[0])
                 if d.rt_order[0] in d.skipped:
@@ -191,6 +281,8 @@ class _Step:
     def _pack_be(self) -> None:
         d = self.decision
         for b in self._be_order():
+            if b in self.pack.items:
+                continue  # packed first for the minimum share
             if self.pack.tokens_left <= 0:
                 break
             full = len(self.pack) >= d.cap
@@ -233,10 +325,15 @@ class _Step:
 
     # -- one candidate ------------------------------------------------------------------
 
-    def _try(self, r: Request, *, be: bool, force: bool, deferred=None, evict_rt: bool = False) -> _Outcome:
-        """Reserve KV for `r`, check the step time, keep or roll back."""
+    def _try(
+        self, r: Request, *, be: bool, force: bool, deferred=None, evict_rt: bool = False, limit: int | None = None
+    ) -> _Outcome:
+        """Reserve KV for `r`, check the step time, keep or roll back. `limit`: at most that
+        many tokens, and a forced chunk of up to that many (the minimum BE share)."""
         prefix, base = self._prefix(r)
         n_full = r.num_tokens - base
+        if limit is not None:
+            n_full = min(n_full, limit) if self._may_chunk(n_full) else n_full
         if not self.state.limits.enable_chunked_prefill and n_full > self.pack.tokens_left and self.pack.items:
             return _Outcome.COST
         n_full = min(n_full, max(self.pack.tokens_left, 1))
@@ -245,8 +342,9 @@ class _Step:
             return _Outcome.MEMORY
         n = self._fit(r, base, n_full, deferred)
         if n == 0 and force:
-            n = min(n_full, self.policy.min_chunk) if self._may_chunk(n_full) else n_full
-            self.decision.forced = True
+            chunk = limit if limit is not None else self.policy.min_chunk
+            n = min(n_full, chunk) if self._may_chunk(n_full) else n_full
+            self.decision.forced = limit is None
         if n == 0:
             self.kv.undo.rollback(mark)
             return _Outcome.COST
@@ -334,12 +432,10 @@ class _Step:
         keep = set(self.pack.items) | set(self.decision.replaced) | {r}
         held = [x for x in self.state.running if x not in keep and self.kv.device_blocks(x)]
         be_victims = sorted((x for x in held if x.req_class is RequestClass.BE), key=self._be_key, reverse=True)
-        if be:
-            return [x for x in be_victims if self._be_key(x) > self._be_key(r)] if force else []
-        if not evict_rt:
-            return be_victims
-        rt_victims = [x for x in held if x.req_class is RequestClass.RT]
+        rt_victims = [x for x in held if x.req_class is RequestClass.RT] if evict_rt else []
         rt_victims.sort(key=lambda x: deadline(x, self.slo), reverse=True)
+        if be:  # BE owed its minimum share may also push RT to host (`evict_rt`), or it could never run
+            return ([x for x in be_victims if self._be_key(x) > self._be_key(r)] if force else []) + rt_victims
         return be_victims + rt_victims
 
     def _evict(self, victim: Request) -> None:
@@ -359,6 +455,7 @@ class _Step:
         for r, (n, _) in self.pack.items.items():
             self.batch.add(r, n)
         self.decision.estimate_s = self.pack.cost(self.kv.pending_swap_bytes)
+        self.decision.be_waiting = any(b not in self.pack.items for b in self.be_candidates)
         self.batch.copies = self.kv.take_copies()
         return self.batch
 

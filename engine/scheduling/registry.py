@@ -15,11 +15,23 @@ from engine.scheduling.bros import BROSPolicy
 from engine.scheduling.ellm import ELLMPolicy
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import SchedulingPolicy
+from engine.scheduling.prefill_first import PrefillFirstFCFSPolicy
 from engine.scheduling.rr import RoundRobinPolicy
 from engine.scheduling.swap import SwapPolicy
 
 POLICIES: Mapping[str, type[SchedulingPolicy]] = MappingProxyType(
-    {cls.name: cls for cls in (FCFSPolicy, RoundRobinPolicy, BROSPolicy, AptServePolicy, ELLMPolicy, SwapPolicy)}
+    {
+        cls.name: cls
+        for cls in (
+            FCFSPolicy,
+            PrefillFirstFCFSPolicy,
+            RoundRobinPolicy,
+            BROSPolicy,
+            AptServePolicy,
+            ELLMPolicy,
+            SwapPolicy,
+        )
+    }
 )
 
 

@@ -41,7 +41,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_run_args(p, workload_default="sharegpt-ellm", duration_default=120.0)
     p.add_argument("--policies", default="fcfs,swap,ellm", help="comma-separated; the first is the baseline")
-    p.add_argument("--seeds", default="1,2,3", help="comma-separated workload seeds")
     p.add_argument("--rates", default="2,4", help="comma-separated request rates (req/s)")
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results document here")
     p.set_defaults(
@@ -53,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         length_scale=1.0,
         slo_scale="1",
         max_num_seqs=256,
+        seed=1,  # with the shared --seeds (a count): workload seeds 1, 2, 3
+        seeds=3,
     )
 
 
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from loadgen.provenance import stamp
 
     policies = _policies(args.policies)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = list(range(args.seed, args.seed + args.seeds))
     doc = {"bench": "ellm-sim", "config": {k: v for k, v in vars(args).items() if k != "func"}, "rates": {}}
     for rate in (float(r) for r in args.rates.split(",")):
         runs = {p: [run_policy(args, p, rate, seed) for seed in seeds] for p in policies}

@@ -11,6 +11,15 @@ Modes, compared in one run:
 - `sticky`: session ids, no hints: each turn goes to the worker holding the session's KV.
 - `hints`: session ids plus typing hints: the advisory service places the coming turn by load
   and the target prefetches (or pulls) the KV while the user types.
+- `load-aware` (issue 20): session ids, no hints, the default (advisory) routing: a turn goes
+  to its holder while the holder has room, else least-loaded with the KV pulled or
+  recomputed there. Against `hints` it isolates the hint's effect; against `sticky`, the
+  load-aware routing's.
+- `recompute-cached` (issue 20): as `recompute` but with the prefix cache on (what today's
+  vLLM does behind a load balancer: a turn reuses its history only where it happens to land).
+
+`--plan issue20` is the measurement plan of issue 20 (users 2, 4, 8, 16; all five modes;
+5 minutes per cell); `--dry-run` prints a plan's cells and their time without running them.
 
 Reported per mode and user count: the load generator's summary, next-turn (turn >= 1) TTFT
 p50/p99 and TPOT, prompt tokens recomputed vs reused (from the OpenAI `usage` the gateway
@@ -42,6 +51,18 @@ MODES = {
     "recompute": Mode("recompute", False, False, {"TANDEM_ENABLE_PREFIX_CACHING": "false"}),
     "sticky": Mode("sticky", True, False, {"TANDEM_SESSION_ROUTING": "sticky"}),
     "hints": Mode("hints", True, True, {}),
+    "load-aware": Mode("load-aware", True, False, {"TANDEM_SESSION_ROUTING": "advisory"}),
+    "recompute-cached": Mode("recompute-cached", False, False, {}),
+}
+
+# named measurement plans: option overrides (issue 20: p99s need more than 7-25 samples, and
+# the hint's effect must be separated from load-aware routing's)
+PLANS = {
+    "issue20": {
+        "users": "2,4,8,16",
+        "modes": "recompute,recompute-cached,sticky,load-aware,hints",
+        "duration": 300.0,
+    }
 }
 
 
@@ -61,10 +82,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep each stack's log here")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--plan", default=None, choices=sorted(PLANS), help="a named measurement plan (overrides options)")
+    p.add_argument("--dry-run", action="store_true", help="print the cells and their time, run nothing")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        for key, value in PLANS[args.plan].items():
+            setattr(args, key, value)
+    if args.dry_run:
+        print(plan_text(args))
+        return 0
     import uvloop
 
     modes = [_mode(m) for m in args.modes.split(",") if m]
@@ -76,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
     print(format_result(result))
     write_json(result, args.json)
     return 0
+
+
+def plan_text(args: argparse.Namespace) -> str:
+    """The (mode, users) cells a run would measure, and the time they take (plus stack starts)."""
+    modes = [_mode(m).name for m in args.modes.split(",") if m]
+    levels = sorted({int(u) for u in args.users.split(",") if u})
+    cells = [f"  {m:17s} users {u:3d}  {args.duration:.0f} s" for m in modes for u in levels]
+    total = len(cells) * args.duration / 60
+    return "\n".join([f"{len(cells)} cells, {total:.0f} minutes of load (one stack per mode):", *cells])
 
 
 def _mode(name: str) -> Mode:

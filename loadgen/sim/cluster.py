@@ -16,6 +16,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from engine.cost_model import CostModel
 from loadgen.sim.worker import SimWorker
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
 from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
@@ -32,11 +33,16 @@ class ClusterSpec:
 class SimTarget(StepTarget):
     name = "sim"
 
-    def __init__(self, workers: list[SimWorker], spec: ClusterSpec = ClusterSpec()) -> None:
+    def __init__(
+        self, workers: list[SimWorker], spec: ClusterSpec = ClusterSpec(), planning_cost: CostModel | None = None
+    ) -> None:
+        """`planning_cost`: the cost model the workers' policies plan with (`sim/planning.py`);
+        each worker's own `cost` is the truth that sets its step times."""
         if not workers:
             raise ValueError("the simulator needs at least one worker")
         self.workers = {w.worker_id: w for w in workers}
         self.spec = spec
+        self.planning_cost = planning_cost
         name = spec.placement or ("least-loaded" if len(workers) > 1 else None)
         self.placement = make_placement(name) if name else None
         self.clock = 0.0
@@ -113,6 +119,9 @@ class SimTarget(StepTarget):
             "kv_transfers": self.transfers,
             "kv_transferred_tokens": self.transferred_tokens,
             "cost_model": dict(ws[0].cost.meta),
+            "planning_cost_model": None if self.planning_cost is None else self.planning_cost.to_dict(),
+            "step_noise": ws[0].noise.describe() if ws[0].noise is not None else None,
+            "host_blocks": ws[0].kv.host.num_blocks,
         }
 
     # -- internals -----------------------------------------------------------------------

@@ -7,13 +7,23 @@ model is right on average. `StepJitter` keeps the ratios actual/predicted of a c
 run's steps, in run order, and multiplies each simulated step by the next ratio of a randomly
 placed run of `block` consecutive ratios (a moving-block bootstrap: slow stretches stay
 stretches, which i.i.d. draws would average away within a request). Deterministic per seed.
+
+Sources of ratios: a calibration run's steps (`from_steps`, what `tandem sim validate` does),
+a saved file (`load`, format `tandem-step-jitter/1`), or `lognormal(cv)` for a machine we
+cannot measure (a GPU profile): i.i.d. mean-1 draws with that coefficient of variation.
+`parse` reads the command line's `--step-noise` (docs/simulator.md, "Fairness").
 """
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "tandem-step-jitter/1"
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,40 @@ class StepJitter:
     @classmethod
     def from_steps(cls, actual: Sequence[float], predicted: Sequence[float], block: int = 20) -> StepJitter:
         return cls(tuple(round(a / max(p, 1e-9), 4) for a, p in zip(actual, predicted, strict=True)), block)
+
+    @classmethod
+    def lognormal(cls, cv: float, n: int = 4096, seed: int = 0, block: int = 20) -> StepJitter:
+        """`n` mean-1 ratios with coefficient of variation `cv` (a log-normal, so never <= 0)."""
+        if cv < 0:
+            raise ValueError(f"step noise cv must be >= 0, got {cv}")
+        sigma = math.sqrt(math.log1p(cv * cv))
+        rng = random.Random(seed)
+        return cls(tuple(round(rng.lognormvariate(-sigma * sigma / 2, sigma), 4) for _ in range(n)), block)
+
+    @classmethod
+    def parse(cls, text: str | None, seed: int = 0) -> StepJitter | None:
+        """`none`/empty: noise-free; `lognormal:CV`; or a path to a saved jitter file."""
+        if not text or text == "none":
+            return None
+        if text.startswith("lognormal:"):
+            return cls.lognormal(float(text.split(":", 1)[1]), seed=seed)
+        return cls.load(text)
+
+    def save(self, path: str | Path) -> None:
+        doc = {"format": FORMAT, "block": self.block, "ratios": list(self.ratios)}
+        Path(path).write_text(json.dumps(doc) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepJitter:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file")
+        return cls(tuple(float(r) for r in doc["ratios"]), int(doc.get("block", 20)))
+
+    def describe(self) -> dict:
+        mean = sum(self.ratios) / len(self.ratios)
+        var = sum((r - mean) ** 2 for r in self.ratios) / len(self.ratios)
+        return {"ratios": len(self.ratios), "block": self.block, "mean": mean, "cv": math.sqrt(var) / mean}
 
     def sampler(self, seed: int) -> Callable[[], float]:
         """A draw function: successive calls walk a block, then jump to a new random block."""

@@ -31,7 +31,7 @@ class GPU:
     name: str
     peak_flops: float  # dense fp16/bf16 tensor FLOP/s
     hbm_bytes_per_s: float
-    memory_bytes: float
+    memory_bytes: float  # device memory in bytes: a "40 GB" part has 40 GiB (40 * 2**30)
     host_link_bytes_per_s: float  # effective PCIe bandwidth for swaps
 
 
@@ -56,14 +56,19 @@ class Model:
         return self.params * self.dtype_bytes
 
 
+GIB = 2**30
+
+# Memory sizes are binary: an "A100 40GB" has 40 GiB of HBM (vLLM sizes KV from
+# torch.cuda.mem_get_info, in bytes), so 40e9 would undercount its KV space by 7%, and by
+# 24% once the 25.7 GB of OPT-13B weights are taken off. Bandwidths and FLOP/s are decimal.
 GPUS = {
     # A100-SXM4-40GB: 312 TFLOP/s fp16 dense, 1,555 GB/s HBM2; PCIe 4.0 x16 ~25 GB/s effective
-    "a100-40gb": GPU("A100-SXM4-40GB", 312e12, 1.555e12, 40e9, 25e9),
+    "a100-40gb": GPU("A100-SXM4-40GB", 312e12, 1.555e12, 40 * GIB, 25e9),
     # H100-SXM5-80GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3; PCIe 5.0 x16 ~50 GB/s effective
-    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80e9, 50e9),
+    "h100": GPU("H100-SXM5-80GB", 989e12, 3.35e12, 80 * GIB, 50e9),
     # A100-PCIE-80GB (eLLM's testbed, PCIe 4.0 x16, no NVLink): 312 TFLOP/s fp16 dense,
     # 1,935 GB/s HBM2e (NVIDIA's datasheet); ~25 GB/s effective host link
-    "a100-80gb": GPU("A100-PCIE-80GB", 312e12, 1.935e12, 80e9, 25e9),
+    "a100-80gb": GPU("A100-PCIE-80GB", 312e12, 1.935e12, 80 * GIB, 25e9),
 }
 MODELS = {
     "opt-13b": Model("facebook/opt-13b", 12.85e9, 40, 5120, 40, 40, 128, 2048),
@@ -79,7 +84,7 @@ class Efficiency:
     mbu: float = 0.8
     overhead_s: float = 0.003
     gpu_memory_utilization: float = 0.9  # vLLM's default share of memory for weights + KV
-    activation_reserve_bytes: float = 2e9
+    activation_reserve_bytes: float = 2 * GIB
 
 
 def step_time(m: Model, g: GPU, e: Efficiency, rows: list[tuple[int, int]], decode: bool) -> float:

@@ -46,6 +46,9 @@ class WorkerSpec:
     max_model_len: int = 2048
     vocab_size: int = 49152
     kv_bytes_per_token: int = 0  # prices swaps and transfers
+    # host swap space in blocks, the same for every policy (None: the manager's default, 4x the
+    # device pool); sized from `--swap-space-gib` so FCFS-with-swap and BROS get equal room
+    host_blocks: int | None = None
 
 
 class SimWorker:
@@ -60,12 +63,14 @@ class SimWorker:
         seed: int = 0,
     ) -> None:
         self.worker_id, self.spec, self.cost = worker_id, spec, cost
-        # measured noise on step times (validation against a real machine); None = noise-free
+        # noise on step times (measured on a real machine, or parametric); None = noise-free
+        self.noise = jitter
         self._jitter = None if jitter is None else jitter.sampler(seed ^ zlib.crc32(worker_id.encode()))
         self.kv = KVCacheManager(
             BlockPool(spec.num_blocks, spec.enable_prefix_caching),
             spec.block_size,
             bytes_per_token=spec.kv_bytes_per_token,
+            host_blocks=spec.host_blocks,
         )
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
         self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))

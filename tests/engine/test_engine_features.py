@@ -105,17 +105,20 @@ def test_async_stream_matches_offline_and_abort_frees_kv(llm):
                 if len(d.token_ids) and pool.num_free < pool.capacity:
                     break  # client goes away mid-stream
             await agen.aclose()
+            held = pool.capacity - pool.num_free  # s2's blocks when the client left
             for _ in range(100):
                 if not engine.engine.has_unfinished():
                     break
                 await asyncio.sleep(0.05)
+            freed = pool.num_free == pool.capacity  # every block back (cached ones count as free)
             with pytest.raises(ValueError):
                 async for _ in engine.generate("bad", [], sp):
                     pass
-            return text, engine.engine.has_unfinished()
+            return text, engine.engine.has_unfinished(), held, freed
         finally:
             await engine.shutdown()
 
-    text, unfinished = asyncio.run(main())
+    text, unfinished, held, freed = asyncio.run(main())
     assert text == expected
     assert not unfinished
+    assert held > 0 and freed

@@ -57,3 +57,25 @@ def test_stats_delta_sums_counter_growth_over_workers():
     before = {"workers": {"w0": {"bytes_pulled": 10, "tier": "x"}}}
     after = {"workers": {"w0": {"bytes_pulled": 30, "tier": "x"}, "w1": {"bytes_pulled": 5}}}
     assert stats_delta(before, after) == {"bytes_pulled": 25}
+
+
+def test_issue20_plan_sweeps_five_modes_at_four_user_counts(capsys):
+    from services.cli import main
+
+    assert main(["bench", "sessions", "--plan", "issue20", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("20 cells, 100 minutes")
+    for mode in ("recompute ", "recompute-cached", "sticky", "load-aware", "hints"):
+        assert f"  {mode}" in out
+    assert "users  16  300 s" in out
+
+
+def test_new_modes_separate_hints_from_routing_and_cache_from_sessions():
+    from loadgen.bench.sessions import MODES
+
+    aware, hints = MODES["load-aware"], MODES["hints"]
+    assert aware.session_ids and not aware.hints and hints.hints  # differs from hints only by the hint
+    assert aware.env.get("TANDEM_SESSION_ROUTING", "advisory") == hints.env.get("TANDEM_SESSION_ROUTING", "advisory")
+    cached = MODES["recompute-cached"]
+    assert not cached.session_ids and "TANDEM_ENABLE_PREFIX_CACHING" not in cached.env  # prefix cache on
+    assert MODES["recompute"].env["TANDEM_ENABLE_PREFIX_CACHING"] == "false"

@@ -37,9 +37,19 @@ def test_same_run_calibration_with_jitter(tiny_model_dir, tmp_path, capsys):
     assert doc["cost_model"] is None and run["jitter"] is True
     assert run["engine"]["completed"] == run["sim"]["completed"] == run["engine"]["requests"] > 3
     assert run["engine_steps"] > 5 and run["sim_steps"] > 5
+    # Bounds from what this shared machine gives (runs: errors with jitter TTFT p50 +13%/+47%/-77%,
+    # TPOT p50 +5%/+6%/+83% (the last with seven test suites on two cores), throughput
+    # −0.2%/−2.4%/+16% (a 6 s run ends in its drain)): throughput within 30%, TPOT within a
+    # factor of 2, loose enough for a loaded machine, tight enough that a broken step model or
+    # queue (an order of magnitude off) fails them.
     for key in ("relative_error", "relative_error_without_jitter"):
-        assert set(run[key]) == set(METRICS)
-        assert run[key]["throughput_rps"] == pytest.approx(0, abs=0.5)
+        err = run[key]
+        assert set(err) == set(METRICS)
+        assert err["throughput_rps"] == pytest.approx(0, abs=0.3)
+        assert -0.5 <= err["tpot_p50_s"] <= 1.0
+    # TTFT and the tails are not bounded: over 6 s the TTFT p50 error swung from -77% to +47%
+    # and TBT p99's (with jitter) from -74% to +4% between runs here (a few requests, each one
+    # queueing delay on a preempted core); the 240 s validation (docs/simulator.md) covers them
     assert run["cost_model"]["meta"]["fit_rate"] == 2.0
     printed = capsys.readouterr().out
     assert "sim, no jitter" in printed and "ttft_p50_s" in printed

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -156,12 +157,21 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
     # Both workers idle (the previous test's requests may still be leaving them): 2 x 6 BE slots.
     idle = asyncio.run(asyncio.wait_for(_wait_capacity(stack, lambda r: r.slots == 2 * 6), 120))
     assert idle.by_model == {"tiny": 12}
-    batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
-    wait_until(client, batch.id, 1, stack)
-    for i in range(4):  # interactive requests are served while the batch holds the BE slots
+
+    def rt_seconds(i: int) -> float:
+        start = time.perf_counter()
         r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"rt {i}", 16, ignore_eos=True), timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        return time.perf_counter() - start
+
+    alone = sorted(rt_seconds(i) for i in range(3))[1]  # the same requests on idle workers
+    batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
+    wait_until(client, batch.id, 1, stack)
+    during = [rt_seconds(10 + i) for i in range(4)]  # served while the batch holds the BE slots
     assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
+    # RT keeps priority: not queued behind 30 x 150 batch tokens (which would take many times
+    # longer), only slowed by sharing steps. A ratio of medians, so a busy machine slows both.
+    assert sorted(during)[len(during) // 2] <= 4 * alone, (during, alone)
     assert wait_final(client, batch.id, stack).request_counts.completed == 30
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.schemas.requests import GenerateRequest
+from shared.schemas.telemetry import Telemetry
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, worker_heartbeat
@@ -88,6 +89,20 @@ def test_fifty_concurrent_streams_across_two_workers(stack):
     assert [r["text"] for r in results[:10]] == reference
 
 
+async def _worker_telemetry(stack, worker_id: str, match) -> Telemetry:
+    """The next telemetry report of a worker that `match`es, read straight from the broker."""
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-telemetry-probe")
+    consumer = await kafka.consumer(group=None)
+    try:
+        await kafka.assign_all(consumer, Topics(stack.prefix).telemetry.name, from_end=True)
+        while True:
+            t = Telemetry.decode((await consumer.getone()).value)
+            if t.worker_id == worker_id and match(t):
+                return t
+    finally:
+        await kafka.stop()
+
+
 def test_client_disconnect_cancels_and_frees_kv(stack):
     body = chat_body("never ending", max_tokens=450, stream=True, ignore_eos=True)
 
@@ -101,21 +116,23 @@ def test_client_disconnect_cancels_and_frees_kv(stack):
                     n += line.startswith("data: ")
                     if n >= 5:
                         break  # leave: the connection closes mid-stream
-        during = None
         for _ in range(100):  # the worker drops it within a few heartbeats
             hb = await worker_heartbeat(stack, worker)
-            during = during or hb
             if not any(k.startswith(rid) for k in hb.running_ids):
-                return rid, hb
+                # the pool's own count: every block back (nothing else runs on this worker now)
+                empty = await asyncio.wait_for(_worker_telemetry(stack, worker, lambda t: t.kv_usage == 0.0), 60)
+                return rid, hb, empty
         raise AssertionError(f"request {rid} still running on {worker}: {hb.running_ids}")
 
-    rid, hb = asyncio.run(run())
+    rid, hb, empty = asyncio.run(run())
     assert any(k.startswith(rid) for k in hb.finished_ids)
     metrics = httpx.get(f"{stack.url}/metrics").text
     assert 'status="cancelled"' in metrics
-    # The KV went back: a request needing nearly the whole (small) cache still runs.
-    r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body("after", 4), timeout=60)
-    assert r.status_code == 200
+    # The KV went back: the worker's telemetry (its pool's count) reports an empty pool
+    assert empty.kv_usage == 0.0
+    # and a request that needs the blocks runs to its full length
+    r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body("after", 200, ignore_eos=True), timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
 
 
 def test_worker_killed_mid_stream_resumes_on_the_other_with_identical_text(stack):

@@ -13,7 +13,7 @@ from engine.scheduling import POLICIES, SchedulingPolicy, make_policy, policy_cl
 
 
 def test_table_lists_the_built_in_policies_under_their_names():
-    assert sorted(POLICIES) == ["aptserve", "bros", "ellm", "fcfs", "rr", "swap"]
+    assert sorted(POLICIES) == ["aptserve", "bros", "ellm", "fcfs", "fcfs-prefill-first", "rr", "swap"]
     for name, cls in POLICIES.items():
         assert issubclass(cls, SchedulingPolicy) and cls.name == name and policy_class(name) is cls
     with pytest.raises(TypeError):
@@ -23,7 +23,8 @@ def test_table_lists_the_built_in_policies_under_their_names():
 def test_unknown_policy_names_the_available_ones():
     with pytest.raises(
         ValueError,
-        match=r"unknown scheduling policy 'lifo'; available: \['aptserve', 'bros', 'ellm', 'fcfs', 'rr', 'swap'\]",
+        match=r"unknown scheduling policy 'lifo'; available: \['aptserve', 'bros', 'ellm', 'fcfs', "
+        r"'fcfs-prefill-first', 'rr', 'swap'\]",
     ):
         make_policy("lifo")
 

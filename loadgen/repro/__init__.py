@@ -1,0 +1,1 @@
+"""`tandem repro PAPER`: regenerate one paper's comparison into docs/results/<paper>/."""

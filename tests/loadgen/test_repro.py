@@ -1,0 +1,60 @@
+"""`tandem repro`: the golden simulator cell, the pipeline on a tiny cell, and the seams."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from loadgen.repro.base import Cell
+from loadgen.repro.golden import PATH, golden_doc
+from loadgen.repro.registry import REPROS
+from loadgen.repro.run import run_repro
+
+
+def _same(a, b, path="") -> list[str]:
+    """Differences between two JSON trees (floats to 1e-9 relative: the sim is deterministic)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: only in one" for k in set(a) ^ set(b)]
+        return out + [d for k in set(a) & set(b) for d in _same(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, (int, float)):
+        return [] if math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) else [f"{path}: {a} != {b}"]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+@pytest.mark.timeout(300)
+def test_golden_cell_matches_its_committed_json():
+    want = json.loads(PATH.read_text())
+    diffs = _same(golden_doc(), want)
+    assert not diffs, "regenerate with `python -m loadgen.repro.golden` if meant:\n" + "\n".join(diffs[:20])
+    # and the pinned cell says what the repro claims: BROS cuts RT latency vs the papers' vLLM
+    assert want["ratios"]["bros"]["rt"]["normalized_latency_s"] < 0.7  # 0.62 when pinned: -38%
+
+
+@pytest.mark.timeout(300)
+def test_repro_writes_cells_and_readme(tmp_path, monkeypatch):
+    tiny = Cell(
+        "sim-sharegpt-r2",
+        ("--workload", "rt-be", "--rate", "2", "--duration", "10", "--be-batch", "8"),
+        ("fcfs-prefill-first", "rr", "bros"),
+    )
+    repro = REPROS["bros"]
+    monkeypatch.setattr(repro, "cells", lambda quick, engine: [tiny])
+    outcome = run_repro(repro, tmp_path, quick=True, engine=False)
+    doc = json.loads((tmp_path / "sim-sharegpt-r2.json").read_text())
+    assert doc["command"].startswith("tandem sim --workload rt-be") and "provenance" in doc
+    assert "requests" not in doc and set(doc["targets"]) == {"fcfs-prefill-first", "rr", "bros"}
+    readme = (tmp_path / "README.md").read_text()
+    assert "| sharegpt: RT normalised latency vs vLLM | -74.20% |" in readme
+    assert "## Not implemented" in readme and outcome.docs
+
+
+def test_pending_papers_say_so(tmp_path):
+    for name in ("aptserve", "ellm"):
+        outcome = run_repro(REPROS[name], tmp_path / name, quick=True, engine=False)
+        assert not outcome.docs and any("pending" in line for line in outcome.readme)
+    assert set(REPROS) == {"bros", "symphony", "aptserve", "ellm"}
+    assert REPROS["symphony"].cells(quick=True, engine=False)  # symphony has simulator cells
