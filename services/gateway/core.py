@@ -13,7 +13,7 @@ from services.gateway.streams import StreamRegistry
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
-from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import ResultBatch
 from shared.schemas.telemetry import Heartbeat
@@ -47,9 +47,12 @@ class GatewayCore:
         await self.kafka.assign_all(results, self.topics.results.name, from_end=True, partitions=[self.reply_partition])
         heartbeats = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(heartbeats, self.topics.heartbeats.name, from_end=True)
+        control = await self.kafka.consumer(group=None)  # fences: a lost worker is not live
+        await self.kafka.assign_all(control, self.topics.control.name, from_end=True)
         self._tasks = [
             asyncio.create_task(self._results_loop(results)),
             asyncio.create_task(self._heartbeat_loop(heartbeats)),
+            asyncio.create_task(self._fence_loop(control)),
         ]
         self.ready = True
         log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
@@ -92,3 +95,9 @@ class GatewayCore:
         while True:
             for hb in await fetch_decoded(consumer, Heartbeat):
                 self.workers.on_heartbeat(hb)
+
+    async def _fence_loop(self, consumer) -> None:
+        while True:
+            for envelope in await fetch_decoded(consumer, ControlEnvelope):
+                if isinstance(envelope.message, Fence):
+                    self.workers.on_fence(envelope.message.worker_id, envelope.message.epoch)

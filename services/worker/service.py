@@ -1,12 +1,17 @@
 """The worker service: one engine per process, fed by its dispatch topic.
 
-Tasks: read dispatch (one stream task per request), read control (cancel, drain), publish
+Tasks: read dispatch (one stream task per request), read control (cancel, drain, fence), publish
 heartbeats and telemetry. Token deltas leave through `ResultOutbox`, one message per gateway
 partition per engine step. A request is keyed "request_id:attempt" so a re-delivered dispatch
 (consumer restart) is applied once and a resumed attempt never collides with a stale one.
 
 The engine is reached only through `AsyncLLM` (its methods, `info` and `snapshot()`): it runs on
 its own thread, which also owns the tokenizer, so prompts travel to it as text or chats.
+
+Epochs: the worker heartbeats an epoch (its start time in ms). If the scheduler declared it lost
+(a long pause, a starved machine) it sends a `Fence` for that epoch: the worker cancels what it
+runs (the scheduler re-placed all of it; the owners drop the old attempts' results), drops
+dispatches stamped with a fenced epoch, and rejoins at the next epoch.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from services.worker.telemetry import TelemetryWindow, request_timing
 from shared.kafka import KafkaClient
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
-from shared.schemas.control import Cancel, ControlEnvelope, Drain, Prefetch
+from shared.schemas.control import Cancel, ControlEnvelope, Drain, Fence, Prefetch
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.telemetry import Heartbeat
@@ -69,6 +74,8 @@ class WorkerService:
         self.telemetry = TelemetryWindow()
         self.draining = False
         self.started_at = time.time()
+        self.epoch = int(self.started_at * 1000)  # raised past each fence (re-admission)
+        self.fenced_epoch = -1  # the highest epoch of ours the scheduler declared lost
         self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()
@@ -135,6 +142,9 @@ class WorkerService:
             return  # malformed: logged and skipped
         key = f"{req.request_id}:{req.attempt}"
         log.debug("dispatch received", extra={"request_id": req.request_id})
+        if req.worker_epoch is not None and req.worker_epoch <= self.fenced_epoch:
+            log.info("dropped: dispatched to fenced epoch %d", req.worker_epoch, extra={"request_id": req.request_id})
+            return  # the scheduler re-placed it when it fenced that epoch
         if key in self._seen:
             return
         self._remember(key)
@@ -248,9 +258,25 @@ class WorkerService:
                     log.info("cancelled", extra={"request_id": cmd.request_id})
             elif isinstance(cmd, Prefetch) and cmd.worker_id == self.worker_id:
                 self.sessions.on_prefetch(cmd)
+            elif isinstance(cmd, Fence) and cmd.worker_id == self.worker_id and cmd.epoch >= self.epoch:
+                await self._rejoin(cmd.epoch)
             elif isinstance(cmd, Drain) and cmd.worker_id == self.worker_id:
                 self.draining = True
                 await self._send_heartbeat()
+
+    async def _rejoin(self, fenced: int) -> None:
+        """Declared lost at epoch `fenced`: drop that epoch's work and come back at the next."""
+        stale = list(self._tasks.values())
+        log.warning(
+            "declared lost at epoch %d: dropping %d requests (re-placed elsewhere), rejoining at epoch %d",
+            fenced,
+            len(stale),
+            fenced + 1,
+        )
+        self.fenced_epoch, self.epoch = fenced, fenced + 1
+        for task in stale:
+            task.cancel()  # leaving the engine stream aborts the request and frees its KV
+        await self._send_heartbeat()
 
     # -- heartbeats and telemetry ----------------------------------------------------------
 
@@ -274,6 +300,7 @@ class WorkerService:
             dispatch_topic=self.topics.dispatch(self.worker_id).name,
             started_at=self.started_at,
             sent_at=time.time(),
+            epoch=self.epoch,
             draining=self.draining,
             running_ids=running,
             finished_ids=[k for _, k in self._finished],

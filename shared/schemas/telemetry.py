@@ -21,6 +21,10 @@ class Heartbeat(WireModel):
     device: str | None = None
     started_at: float
     sent_at: float
+    # The worker process's epoch: its start time in milliseconds, raised past a `Fence` when it
+    # rejoins after being declared lost. Requests dispatched to a fenced epoch are not served.
+    # Optional in schema 1 (0: a worker older than epochs, fenced like any other).
+    epoch: int = 0
     draining: bool = False
     kv_url: str | None = None  # base URL of its KV server (peers pull sessions' KV from it)
     session_stats: dict[str, float] = Field(default_factory=dict)  # kept-KV counters (docs/sessions.md)
