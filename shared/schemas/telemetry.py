@@ -32,6 +32,15 @@ class Heartbeat(WireModel):
     finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
 
 
+class OwnerHeartbeat(WireModel):
+    """`owners`: a gateway replica (the owner of the requests it publishes) is alive. Workers
+    cancel the requests of an owner they heard and then did not hear for `worker_timeout_s`."""
+
+    owner_id: str  # the `gateway_id` its requests carry
+    started_at: float
+    sent_at: float
+
+
 class RequestTiming(BaseModel):
     """One finished request as the worker saw it."""
 
