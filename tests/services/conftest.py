@@ -24,6 +24,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services import lifeline
 from services.broker import free_port
 from services.scheduler.registry import LOST_BUT_ALIVE
 from shared.kafka import KafkaClient
@@ -76,7 +77,8 @@ class Stack:
             [sys.executable, "-m", "services.cli", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**self.env, **{k: str(v) for k, v in env.items()}},
+            # tied to the test process: a killed test session leaves no stack running (lifeline.py)
+            env=lifeline.tied_env({**self.env, **{k: str(v) for k, v in env.items()}}),
         )
         self.procs[name] = proc
         self.roles[name] = argv[0]
