@@ -125,7 +125,8 @@ class WorkerService:
     async def stop(self) -> None:
         """Drain: stop taking work, let running requests finish (bounded), flush, close."""
         self.draining = True
-        await self._send_heartbeat()
+        if self._background:  # it served (a stop during start has no engine info to announce)
+            await self._send_heartbeat()
         if self._tasks:
             await asyncio.wait(list(self._tasks.values()), timeout=self.settings.drain_timeout_s)
         for t in [*self._tasks.values(), *self._background]:
