@@ -48,10 +48,20 @@ def wait_listening(host: str, port: int, timeout_s: float = 15.0) -> None:
     raise RuntimeError(f"broker did not listen on {host}:{port} within {timeout_s}s")
 
 
-def start_broker(host: str = "127.0.0.1", port: int | None = None, **popen_kwargs) -> tuple[subprocess.Popen, str]:
-    """Start tansu; returns the process and its bootstrap address once it accepts connections."""
+def start_broker(
+    host: str = "127.0.0.1", port: int | None = None, *, tied: bool = False, **popen_kwargs
+) -> tuple[subprocess.Popen, str]:
+    """Start tansu; returns the process and its bootstrap address once it accepts connections.
+
+    `tied`: the broker stops when this process dies, however it dies (`services.lifeline`)."""
+    from services import lifeline
+
     port = port or free_port(host)
-    proc = subprocess.Popen(broker_command(host, port), **popen_kwargs)
+    argv = broker_command(host, port)
+    if tied:
+        argv = lifeline.tied_argv(argv)
+        popen_kwargs["env"] = lifeline.tied_env(dict(popen_kwargs.get("env") or os.environ))
+    proc = subprocess.Popen(argv, **popen_kwargs)
     try:
         wait_listening(host, port)
     except RuntimeError:

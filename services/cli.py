@@ -51,12 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.lifeline import Terminated, interrupt_on_termination
+
     args = build_parser().parse_args(argv)  # no subcommand imports torch while parsing
+    # SIGTERM/SIGHUP unwind a one-shot command (a benchmark stopping its stack) like Ctrl-C;
+    # services and `up` install their own handlers over this.
+    interrupt_on_termination()
     if args.command != "up":  # `up` chooses its children's settings itself (see services/up.py)
         for key, value in _CPU_RUNTIME_DEFAULTS.items():
             os.environ.setdefault(key, value)
     try:
         rc = args.func(args)
+    except Terminated as exc:
+        return 128 + exc.signum
     except KeyboardInterrupt:
         return 130
     except ValueError as exc:  # bad input or an unusable model: a clear message, no traceback

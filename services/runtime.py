@@ -7,6 +7,9 @@ garbage collection, which in a worker that ran its engine took 10-25 s of CPU (f
 showed the main thread in "Garbage-collecting" throughout). Every stop waited for it: a
 deploy, `tandem up` on Ctrl-C, each test stack's teardown. A service whose `start()` or `stop()`
 raises exits the ordinary way, traceback included.
+
+SIGHUP stops a service like SIGTERM (its terminal or its supervisor went away). A service started
+by `tandem up` or a benchmark stops when that parent dies (`services.lifeline`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import sys
 from typing import NoReturn, Protocol
 
+from services import lifeline
 from shared.logs import configure_logging
 from shared.settings import ServiceSettings
 
@@ -31,6 +35,7 @@ class Service(Protocol):
 
 def run_service(name: str, settings: ServiceSettings, service: Service) -> NoReturn:
     configure_logging(name, settings.log_level, settings.log_json)
+    lifeline.adopt_parent()  # its death arrives as SIGTERM, handled below
     import uvloop
 
     code = uvloop.run(_main(name, service))
@@ -43,11 +48,26 @@ def run_service(name: str, settings: ServiceSettings, service: Service) -> NoRet
 async def _main(name: str, service: Service) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    await service.start()
-    log.info("%s ready", name)
-    await stop.wait()
-    log.info("%s stopping", name)
-    await service.stop()
+    # A stop during start (a worker loading its model, a client waiting for a broker that died
+    # with the same parent) cancels the start: waiting for it could take forever.
+    starting = asyncio.create_task(service.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    started = starting.done()
+    if started:
+        starting.result()  # a failed start raises here, traceback included
+        log.info("%s ready", name)
+        await stopping
+    else:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+    log.info("%s stopping%s", name, "" if started else " before it was ready")
+    try:
+        await service.stop()
+    except Exception:
+        if started:
+            raise
+        log.warning("%s: stop after an interrupted start failed", name, exc_info=True)
     return 0

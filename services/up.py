@@ -3,8 +3,10 @@
 Starts the embedded broker (unless KAFKA_BOOTSTRAP points at one), the scheduler, the advisory
 service (typing hints -> session placement), the workers, the batch queue service and the
 gateway as child processes, prefixes each child's log lines with its name, waits until
-the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM) stops the children in reverse
-order, each with SIGTERM first. Nothing is restarted silently: if a child exits, `up` says which
+the gateway reports ready and prints the URL. Ctrl-C (or SIGTERM, SIGHUP) stops the children in
+reverse order, each with SIGTERM first. Nothing outlives `up`: each child is tied to it
+(`services.lifeline`), so even a SIGKILLed `up` takes its stack with it, and an `up` started by a
+benchmark stops with that benchmark. Nothing is restarted silently: if a child exits, `up` says which
 one and with what code, stops the rest and exits non-zero.
 """
 
@@ -18,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from services import lifeline
 from services.broker import broker_command, free_port, wait_listening
 
 
@@ -57,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
+    lifeline.adopt_parent()  # a benchmark's `up`: its death arrives as SIGTERM; before _Up copies the env
     return uvloop.run(_Up(args).main())
 
 
@@ -102,7 +106,7 @@ class _Up:
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self.shutdown.set)
         try:
             await self._start_broker()
@@ -119,7 +123,7 @@ class _Up:
             _say(f"using Kafka at {self.env['KAFKA_BOOTSTRAP']}")
             return
         port = free_port()
-        child = Child("broker", broker_command("127.0.0.1", port))
+        child = Child("broker", lifeline.tied_argv(broker_command("127.0.0.1", port)))
         self.children.append(child)
         await self._spawn(child)
         await asyncio.get_running_loop().run_in_executor(None, wait_listening, "127.0.0.1", port)
@@ -129,7 +133,7 @@ class _Up:
     async def _spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
-            env=self.env,
+            env=lifeline.tied_env(self.env),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order

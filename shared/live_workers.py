@@ -3,9 +3,11 @@
 The gateway (models, health, session stats), the queue service (which models a batch may name)
 and the advisory service (load of each candidate target) all keep this view. The scheduler
 keeps its own `WorkerRegistry` on purpose: it also tracks what each worker runs and finished,
-and remembers lost workers so their late heartbeats do not bring them back.
+and declares workers lost (its fences reach this view through `on_fence`).
 
-A worker is live when heard from within `timeout_s` and not draining.
+A worker is live when heard from within `timeout_s`, not draining, and not at an epoch the
+scheduler fenced (`on_fence`, fed from the `control` topic by the gateway: a worker declared
+lost that resumed; the queue and advisory views do not read fences yet).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class LiveWorkers:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._workers: dict[str, WorkerState] = {}
+        self._fenced: dict[str, int] = {}  # worker id -> highest epoch the scheduler declared lost
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         state = self._workers.get(hb.worker_id)
@@ -34,6 +37,9 @@ class LiveWorkers:
             self._workers[hb.worker_id] = WorkerState(hb, time.monotonic())
         else:
             state.heartbeat, state.last_seen = hb, time.monotonic()
+
+    def on_fence(self, worker_id: str, epoch: int) -> None:
+        self._fenced[worker_id] = max(epoch, self._fenced.get(worker_id, epoch))
 
     def on_telemetry(self, t: Telemetry) -> None:
         state = self._workers.get(t.worker_id)
@@ -43,7 +49,11 @@ class LiveWorkers:
     def live(self) -> dict[str, WorkerState]:
         """Worker id -> state, for the live workers."""
         cutoff = time.monotonic() - self.timeout_s
-        return {wid: s for wid, s in self._workers.items() if s.last_seen >= cutoff and not s.heartbeat.draining}
+        return {
+            wid: s
+            for wid, s in self._workers.items()
+            if s.last_seen >= cutoff and not s.heartbeat.draining and s.heartbeat.epoch > self._fenced.get(wid, -1)
+        }
 
     def heartbeats(self) -> list[Heartbeat]:
         """The live workers' latest heartbeats."""

@@ -9,6 +9,7 @@
 | `<p>.control`              |          1 | see below    | gateway, queue, advisory → workers, scheduler       |
 | `<p>.telemetry`            |          1 | worker id    | workers → scheduler, advisory                       |
 | `<p>.heartbeats`           |          1 | worker id    | workers → scheduler, gateways, queue, advisory      |
+| `<p>.owners`               |          1 | gateway id   | gateways → workers (a dead gateway's requests end)  |
 | `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
 | `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
@@ -78,6 +79,10 @@ class Topics:
         return self._t("heartbeats", 1, "worker id")
 
     @property
+    def owners(self) -> TopicSpec:
+        return self._t("owners", 1, "gateway id")
+
+    @property
     def scheduler_state(self) -> TopicSpec:
         return self._t("scheduler.state", 1, "request id", compacted=True)
 
@@ -106,6 +111,7 @@ class Topics:
             self.control,
             self.telemetry,
             self.heartbeats,
+            self.owners,
             self.scheduler_state,
             self.be_capacity,
             self.advisory,

@@ -175,7 +175,8 @@ def kafka_bootstrap():
 
     from services.broker import start_broker
 
-    proc, bootstrap = start_broker(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # tied: a test session that is killed (a CI timeout, Ctrl-C twice) leaves no broker behind
+    proc, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield bootstrap
     proc.kill()
     proc.wait()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from loadgen.baselines import llamacpp_build  # noqa: E402
 from loadgen.bench.common import TreeRssSampler, format_table, summarize, write_json  # noqa: E402
 from loadgen.provenance import physical_cores  # noqa: E402
+from services import lifeline  # noqa: E402
 
 CTX_ROUND = 256
 F16_BYTES = 2
@@ -180,7 +182,13 @@ class Server:
 
     def __enter__(self) -> Server:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        # Tied to this process (services.lifeline): a killed benchmark leaves no server behind.
+        self.proc = subprocess.Popen(
+            lifeline.tied_argv(self.cmd),
+            env=lifeline.tied_env(dict(os.environ)),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
@@ -335,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    lifeline.interrupt_on_termination()  # SIGTERM unwinds through `Server.__exit__`
     res = bench(args)
     write_json(res, args.json_path)
     if not args.quiet:

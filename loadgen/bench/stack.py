@@ -1,4 +1,8 @@
-"""Starts `tandem up` as a child process for benchmarks that need the whole stack."""
+"""Starts `tandem up` as a child process for benchmarks that need the whole stack.
+
+The stack is tied to the benchmark (`services.lifeline`): SIGTERM/SIGHUP unwind the benchmark
+like Ctrl-C (the `finally` below stops the stack), and a benchmark that dies outright (SIGKILL)
+takes the stack with it, because `up` watches its parent."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import sys
 from contextlib import asynccontextmanager
 
 import httpx
+
+from services import lifeline
 
 
 @asynccontextmanager
@@ -48,7 +54,7 @@ async def running_stack(
             "--workers",
             str(workers),
         ],
-        env=env,
+        env=lifeline.tied_env(env),
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,

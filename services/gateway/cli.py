@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k in GatewaySettings.model_fields and v is not None}
     settings = GatewaySettings(**overrides)
     configure_logging("gateway", settings.log_level, settings.log_json)
+    from services import lifeline
+
+    lifeline.adopt_parent()  # started by `up`: its death arrives as SIGTERM (uvicorn's graceful stop)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,

@@ -1,4 +1,5 @@
-"""The gateway's Kafka side: publishes requests and cancels, routes results to streams, tracks workers."""
+"""The gateway's Kafka side: publishes requests and cancels, routes results to streams, tracks
+workers, and heartbeats on `owners` so that, if it dies, the workers cancel its requests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import zlib
 
 from services.gateway.settings import GatewaySettings
@@ -13,10 +15,10 @@ from services.gateway.streams import StreamRegistry
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
-from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import ResultBatch
-from shared.schemas.telemetry import Heartbeat
+from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,13 @@ class GatewayCore:
         await self.kafka.assign_all(results, self.topics.results.name, from_end=True, partitions=[self.reply_partition])
         heartbeats = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(heartbeats, self.topics.heartbeats.name, from_end=True)
+        control = await self.kafka.consumer(group=None)  # fences: a lost worker is not live
+        await self.kafka.assign_all(control, self.topics.control.name, from_end=True)
         self._tasks = [
             asyncio.create_task(self._results_loop(results)),
             asyncio.create_task(self._heartbeat_loop(heartbeats)),
+            asyncio.create_task(self._fence_loop(control)),
+            asyncio.create_task(self._owner_heartbeat_loop()),
         ]
         self.ready = True
         log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
@@ -92,3 +98,19 @@ class GatewayCore:
         while True:
             for hb in await fetch_decoded(consumer, Heartbeat):
                 self.workers.on_heartbeat(hb)
+
+    async def _owner_heartbeat_loop(self) -> None:
+        started_at = time.time()
+        while True:
+            hb = OwnerHeartbeat(owner_id=self.gateway_id, started_at=started_at, sent_at=time.time())
+            try:
+                await self.kafka.send(self.topics.owners.name, hb, key=self.gateway_id)
+            except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
+                log.warning("owner heartbeat not sent", exc_info=True)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    async def _fence_loop(self, consumer) -> None:
+        while True:
+            for envelope in await fetch_decoded(consumer, ControlEnvelope):
+                if isinstance(envelope.message, Fence):
+                    self.workers.on_fence(envelope.message.worker_id, envelope.message.epoch)

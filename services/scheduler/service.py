@@ -6,7 +6,9 @@ once placed (`OffsetTracker`), so nothing is lost if the scheduler dies; the ass
 go to (no worker yet, or BE without RT headroom) wait in memory, RT first. When a worker stops
 heartbeating, or a request it was given is neither running nor finished there after a grace
 period, the owning gateway is told (`Rerouted`) and re-submits it with the tokens its client has
-already received: the stream resumes on another worker.
+already received: the stream resumes on another worker. A lost worker's epoch is fenced
+(`Fence` on `control`, again whenever a heartbeat of that epoch arrives): the worker drops that
+epoch's work and rejoins with a higher epoch, which re-admits it (registry.py).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from aiokafka import TopicPartition
 from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_affinity
 from services.scheduler.assignments import AssignmentTable
 from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
-from services.scheduler.registry import WorkerInfo, WorkerRegistry
+from services.scheduler.registry import Admission, WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
 from shared.schemas.capacity import BECapacity
-from shared.schemas.control import Cancel, ControlEnvelope
+from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Rerouted, ResultBatch
 from shared.schemas.scheduler import Assignment
@@ -63,6 +65,7 @@ class SchedulerService:
         )
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()
+        self._fence_sent: dict[str, float] = {}  # worker id -> when its fence was last published
         self.started = time.monotonic()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -163,11 +166,14 @@ class SchedulerService:
             hb = decode_record(Heartbeat, await self._hb.getone())
             if hb is None:
                 continue
-            if self.registry.on_heartbeat(hb):
-                log.info("worker %s joined (model %s)", hb.worker_id, hb.model)
-            info = self.registry.workers.get(hb.worker_id)  # None: a lost worker's beat, ignored
-            if info is not None:
-                self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
+            admission = self.registry.on_heartbeat(hb)
+            if admission is Admission.STALE:  # a lost epoch is alive: tell it again to rejoin
+                await self._fence(hb.worker_id, resend=True)
+                continue
+            if admission is Admission.NEW:
+                log.info("worker %s joined (model %s, epoch %d)", hb.worker_id, hb.model, hb.epoch)
+            info = self.registry.workers[hb.worker_id]
+            self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
             try:
                 await self._retire_finished(info)
             except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
@@ -244,8 +250,9 @@ class SchedulerService:
     async def _dispatch(self, p: Pending, worker_id: str, live: set[str]) -> None:
         req = p.request
         kv_source = self.affinity.kv_source(req.session_id, worker_id, live)
-        if kv_source is not None or req.kv_source is not None:
-            req = req.model_copy(update={"kv_source": kv_source})  # where this worker can pull the KV
+        # kv_source: where this worker can pull the KV; worker_epoch: a fenced worker drops it
+        epoch = self.registry.workers[worker_id].heartbeat.epoch
+        req = req.model_copy(update={"kv_source": kv_source, "worker_epoch": epoch})
         a = Assignment(
             request_id=req.request_id,
             attempt=req.attempt,
@@ -332,9 +339,23 @@ class SchedulerService:
                 self.m_worker_up.remove(wid)
                 for a in self.assignments.on_worker(wid):
                     await self._reroute(a, f"worker {wid} lost")
+                await self._fence(wid)
             await self._reroute_unaccounted()
             self.m_workers.set(len(self.registry.workers))
             self._wake.set()
+
+    async def _fence(self, worker_id: str, resend: bool = False) -> None:
+        """Publish the fence of a lost worker's epoch (re-sent at most once per heartbeat interval:
+        a stale worker heartbeats that often until it has rejoined)."""
+        now = time.monotonic()
+        if resend and now - self._fence_sent.get(worker_id, 0.0) < self.settings.heartbeat_interval_s:
+            return
+        self._fence_sent[worker_id] = now
+        fence = Fence(worker_id=worker_id, epoch=self.registry.fenced[worker_id])
+        try:
+            await self.kafka.send(self.topics.control.name, ControlEnvelope(message=fence), key=worker_id)
+        except Exception:  # noqa: BLE001 (the broker is briefly away: its next stale heartbeat re-sends it)
+            log.warning("fence of worker %s not published", worker_id, exc_info=True)
 
     async def _retire_finished(self, info: WorkerInfo | None) -> None:
         if info is None:

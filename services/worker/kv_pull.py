@@ -8,11 +8,14 @@ refused here and the partial file deleted.
 from __future__ import annotations
 
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from services.worker.kv_auth import sign
 
 CHUNK_BYTES = 1 << 20
 
@@ -29,9 +32,10 @@ class PulledFile:
 
 
 class KVPuller:
-    def __init__(self, incoming_dir: Path, timeout_s: float, max_bytes: int) -> None:
+    def __init__(self, incoming_dir: Path, timeout_s: float, max_bytes: int, secret: str = "") -> None:
         self.incoming_dir = incoming_dir
         self.max_bytes = max_bytes
+        self._secret = secret  # the cluster secret: each request is signed with it (kv_auth.py)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)))
 
     async def fetch(self, url: str) -> PulledFile:
@@ -48,7 +52,8 @@ class KVPuller:
         return PulledFile(tmp, nbytes, time.perf_counter() - t0)
 
     async def _download(self, url: str, dest: Path) -> int:
-        async with self._client.stream("GET", url) as r:
+        headers = sign(self._secret, "GET", urllib.parse.urlsplit(url).path) if self._secret else {}
+        async with self._client.stream("GET", url, headers=headers) as r:
             if r.status_code != 200:
                 raise PullError(f"{url}: HTTP {r.status_code}")
             expected = int(r.headers.get("content-length", "-1"))

@@ -3,7 +3,8 @@
 The body is the engine's disk file as is (`engine/sessions/kvfile.py`: header with the model and
 layout, then per-layer chunks with their own CRC32), `application/octet-stream` with a
 Content-Length, so the puller detects truncation and corruption and refuses the transfer.
-404 for a session this worker does not hold on disk.
+404 for a session this worker does not hold on disk. With a cluster secret, a request not signed
+with it (kv_auth.py: HMAC, timestamp, one-time nonce) is refused with 401 before anything is read.
 
 A plain asyncio server rather than a second uvicorn: it serves one kind of GET, and uvicorn's
 `serve()` would take over the process's signal handlers from the worker's own shutdown.
@@ -19,20 +20,30 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from services.worker.kv_auth import PeerVerifier
 from shared.schemas.sessions import KV_PATH
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
 _MAX_HEADER_BYTES = 16 * 1024
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+}
 
 ExportPath = Callable[[str], Awaitable[Path | None]]
 
 
 class KVServer:
-    def __init__(self, host: str, port: int, export_path: ExportPath) -> None:
+    def __init__(self, host: str, port: int, export_path: ExportPath, verifier: PeerVerifier | None = None) -> None:
         self.host, self.port = host, port
         self._export_path = export_path
+        self._verifier = verifier  # None: no cluster secret, every peer is served
+        self.refused = 0
         self._server: asyncio.Server | None = None
         self.bytes_served = 0
         self.sessions_served = 0
@@ -60,13 +71,21 @@ class KVServer:
         head = await reader.readuntil(b"\r\n\r\n")
         if len(head) > _MAX_HEADER_BYTES:
             return await _error(writer, 400, "request header too large")
-        parts = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+        request_line, *header_lines = head.decode("latin-1").split("\r\n")
+        parts = request_line.split(" ")
         if len(parts) != 3:
             return await _error(writer, 400, "malformed request line")
         method, target, _ = parts
         if method != "GET":
             return await _error(writer, 405, "only GET is served")
         path = urllib.parse.urlsplit(target).path
+        if self._verifier is not None:
+            why = self._verifier.check(method, path, _headers(header_lines))
+            if why is not None:
+                self.refused += 1
+                peer = writer.get_extra_info("peername")
+                log.warning("KV request from %s refused: %s", peer[0] if peer else "?", why)
+                return await _error(writer, 401, f"peer not authenticated: {why}")
         if not path.startswith(KV_PATH) or len(path) == len(KV_PATH):
             return await _error(writer, 404, f"no such resource {path!r}")
         session_id = urllib.parse.unquote(path[len(KV_PATH) :])
@@ -89,6 +108,16 @@ class KVServer:
                 await writer.drain()
                 self.bytes_served += len(chunk)
         self.sessions_served += 1
+
+
+def _headers(lines: list[str]) -> dict[str, str]:
+    """Header lines as a dict with lower-case names (the last of a repeated name wins)."""
+    out = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if sep:
+            out[name.strip().lower()] = value.strip()
+    return out
 
 
 def _head(status: int, content_type: str, length: int) -> bytes:

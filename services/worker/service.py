@@ -1,12 +1,18 @@
 """The worker service: one engine per process, fed by its dispatch topic.
 
-Tasks: read dispatch (one stream task per request), read control (cancel, drain), publish
+Tasks: read dispatch (one stream task per request), read control (cancel, drain, fence), read
+the owners' (gateways') heartbeats and cancel a dead owner's requests (owners.py), publish
 heartbeats and telemetry. Token deltas leave through `ResultOutbox`, one message per gateway
 partition per engine step. A request is keyed "request_id:attempt" so a re-delivered dispatch
 (consumer restart) is applied once and a resumed attempt never collides with a stale one.
 
 The engine is reached only through `AsyncLLM` (its methods, `info` and `snapshot()`): it runs on
 its own thread, which also owns the tokenizer, so prompts travel to it as text or chats.
+
+Epochs: the worker heartbeats an epoch (its start time in ms). If the scheduler declared it lost
+(a long pause, a starved machine) it sends a `Fence` for that epoch: the worker cancels what it
+runs (the scheduler re-placed all of it; the owners drop the old attempts' results), drops
+dispatches stamped with a fenced epoch, and rejoins at the next epoch.
 """
 
 from __future__ import annotations
@@ -26,16 +32,17 @@ from aiokafka import AIOKafkaConsumer
 from engine.async_llm import AsyncLLM, RequestStream
 from services.worker.adapter import EngineRequest, to_engine_request
 from services.worker.outbox import ResultOutbox
+from services.worker.owners import OwnerWatch
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
-from shared.kafka import KafkaClient
+from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
-from shared.schemas.control import Cancel, ControlEnvelope, Drain, Prefetch
+from shared.schemas.control import Cancel, ControlEnvelope, Drain, Fence, Prefetch
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
-from shared.schemas.telemetry import Heartbeat
+from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -69,7 +76,11 @@ class WorkerService:
         self.telemetry = TelemetryWindow()
         self.draining = False
         self.started_at = time.time()
+        self.epoch = int(self.started_at * 1000)  # raised past each fence (re-admission)
+        self.fenced_epoch = -1  # the highest epoch of ours the scheduler declared lost
         self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
+        self._requests: dict[str, GenerateRequest] = {}  # request_id -> the attempt that task serves
+        self.owners = OwnerWatch(settings.worker_timeout_s)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()
         self._background: list[asyncio.Task] = []
@@ -97,7 +108,15 @@ class WorkerService:
         self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True)
         self._control = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
-        loops = (self._dispatch_loop(), self._control_loop(), self._heartbeat_loop(), self._telemetry_loop())
+        self._owners_in = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(self._owners_in, self.topics.owners.name, from_end=True)
+        loops = (
+            self._dispatch_loop(),
+            self._control_loop(),
+            self._owners_loop(),
+            self._heartbeat_loop(),
+            self._telemetry_loop(),
+        )
         self._background = [asyncio.create_task(c) for c in loops]
         await self._send_heartbeat()
         self.metrics.serve(self.settings.metrics_port)
@@ -106,7 +125,8 @@ class WorkerService:
     async def stop(self) -> None:
         """Drain: stop taking work, let running requests finish (bounded), flush, close."""
         self.draining = True
-        await self._send_heartbeat()
+        if self._background:  # it served (a stop during start has no engine info to announce)
+            await self._send_heartbeat()
         if self._tasks:
             await asyncio.wait(list(self._tasks.values()), timeout=self.settings.drain_timeout_s)
         for t in [*self._tasks.values(), *self._background]:
@@ -135,6 +155,13 @@ class WorkerService:
             return  # malformed: logged and skipped
         key = f"{req.request_id}:{req.attempt}"
         log.debug("dispatch received", extra={"request_id": req.request_id})
+        if req.worker_epoch is not None and req.worker_epoch <= self.fenced_epoch:
+            log.info("dropped: dispatched to fenced epoch %d", req.worker_epoch, extra={"request_id": req.request_id})
+            return  # the scheduler re-placed it when it fenced that epoch
+        if self.owners.is_dead(req.gateway_id):
+            log.info("dropped: its gateway %s is gone", req.gateway_id, extra={"request_id": req.request_id})
+            self._finished.append((time.monotonic(), key))  # done, as far as the scheduler is concerned
+            return
         if key in self._seen:
             return
         self._remember(key)
@@ -142,6 +169,7 @@ class WorkerService:
         if old is not None:
             old.cancel()  # an older attempt of the same request still here: the new one wins
         self._tasks[req.request_id] = asyncio.create_task(self._serve(req), name=key)
+        self._requests[req.request_id] = req
 
     def _remember(self, key: str) -> None:
         self._seen[key] = None
@@ -231,6 +259,7 @@ class WorkerService:
     def _forget(self, req: GenerateRequest) -> None:
         if self._tasks.get(req.request_id) is asyncio.current_task():
             del self._tasks[req.request_id]
+            del self._requests[req.request_id]
         self._finished.append((time.monotonic(), f"{req.request_id}:{req.attempt}"))
 
     # -- control -------------------------------------------------------------------------
@@ -248,15 +277,59 @@ class WorkerService:
                     log.info("cancelled", extra={"request_id": cmd.request_id})
             elif isinstance(cmd, Prefetch) and cmd.worker_id == self.worker_id:
                 self.sessions.on_prefetch(cmd)
+            elif isinstance(cmd, Fence) and cmd.worker_id == self.worker_id and cmd.epoch >= self.epoch:
+                await self._rejoin(cmd.epoch)
             elif isinstance(cmd, Drain) and cmd.worker_id == self.worker_id:
                 self.draining = True
                 await self._send_heartbeat()
+
+    # -- owners (gateways) ------------------------------------------------------------------
+
+    async def _owners_loop(self) -> None:
+        while True:
+            for hb in await fetch_decoded(self._owners_in, OwnerHeartbeat):
+                self.owners.on_heartbeat(hb)
+
+    def _cancel_orphaned(self) -> None:
+        """Cancel the requests of owners that fell silent: nobody reads their results. Each also
+        gets a `Failed` (503), so that a gateway that was only starved tells its client instead
+        of waiting for a stream that ended."""
+        for owner in self.owners.expire():
+            orphans = [r for r in self._requests.values() if r.gateway_id == owner]
+            log.warning(
+                "gateway %s silent for over %.1f s: cancelling its %d requests",
+                owner,
+                self.settings.worker_timeout_s,
+                len(orphans),
+            )
+            for req in orphans:
+                message = f"gateway {owner} was declared lost; the request was cancelled"
+                failed = Failed(
+                    request_id=req.request_id, attempt=req.attempt, status=503, code="owner_lost", message=message
+                )
+                self.outbox.put(req.reply_partition, failed)
+                self._tasks[req.request_id].cancel()  # leaving the engine stream frees its KV
+
+    async def _rejoin(self, fenced: int) -> None:
+        """Declared lost at epoch `fenced`: drop that epoch's work and come back at the next."""
+        stale = list(self._tasks.values())
+        log.warning(
+            "declared lost at epoch %d: dropping %d requests (re-placed elsewhere), rejoining at epoch %d",
+            fenced,
+            len(stale),
+            fenced + 1,
+        )
+        self.fenced_epoch, self.epoch = fenced, fenced + 1
+        for task in stale:
+            task.cancel()  # leaving the engine stream aborts the request and frees its KV
+        await self._send_heartbeat()
 
     # -- heartbeats and telemetry ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            self._cancel_orphaned()
             await self._send_heartbeat()
 
     async def _send_heartbeat(self) -> None:
@@ -274,6 +347,7 @@ class WorkerService:
             dispatch_topic=self.topics.dispatch(self.worker_id).name,
             started_at=self.started_at,
             sent_at=time.time(),
+            epoch=self.epoch,
             draining=self.draining,
             running_ids=running,
             finished_ids=[k for _, k in self._finished],

@@ -28,6 +28,7 @@ from pathlib import Path
 from engine.async_llm import AsyncLLM
 from engine.sessions import KVFormatError, SessionInfo
 from engine.snapshot import EngineSnapshot
+from services.worker.kv_auth import PeerVerifier
 from services.worker.kv_pull import KVPuller, PullError
 from services.worker.kv_server import KVServer
 from services.worker.settings import WorkerSettings
@@ -36,6 +37,7 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.sessions import Prefetch, SessionLocation
 
 log = logging.getLogger(__name__)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a KV server bound here needs no secret
 _GIB = 1 << 30
 _MIN_BANDWIDTH_SAMPLE = 1 << 20
 
@@ -52,9 +54,11 @@ class WorkerSessions:
     ) -> None:
         self.llm, self.kafka, self.topic, self.worker_id = llm, kafka, directory_topic, worker_id
         self.settings = settings
-        self.server = KVServer(settings.kv_host, settings.kv_port, llm.sessions.export_path)
+        secret = settings.cluster_secret.get_secret_value()
+        verifier = PeerVerifier(secret) if secret else None
+        self.server = KVServer(settings.kv_host, settings.kv_port, llm.sessions.export_path, verifier)
         self.puller = KVPuller(
-            session_dir / ".incoming", settings.kv_pull_timeout_s, int(settings.session_disk_gib * _GIB)
+            session_dir / ".incoming", settings.kv_pull_timeout_s, int(settings.session_disk_gib * _GIB), secret
         )
         self.counters: Counter[str] = Counter()
         self._pulls: dict[str, asyncio.Task] = {}  # session id -> its pull under way
@@ -66,6 +70,12 @@ class WorkerSessions:
 
     async def start(self) -> None:
         await self.server.start()
+        if not self.settings.cluster_secret.get_secret_value() and self.settings.kv_host not in _LOOPBACK:
+            log.warning(
+                "the KV server listens on %s without TANDEM_CLUSTER_SECRET: anyone who reaches it can "
+                "read session KV caches",
+                self.settings.kv_host,
+            )
         host = self.settings.kv_host if self.settings.kv_host not in ("0.0.0.0", "::") else socket.gethostname()
         self.kv_url = self.settings.kv_advertise_url or f"http://{host}:{self.server.port}"
         kept = await self.llm.sessions.subscribe(self._mark)  # re-indexed from disk too: tell the directory

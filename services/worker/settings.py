@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Literal
 
-from pydantic import create_model
+from pydantic import SecretStr, create_model
 
 from engine.config import EngineConfig
 from shared.settings import ServiceSettings
@@ -52,6 +52,9 @@ class WorkerSettings(_EngineSettings):
     kv_host: str = "127.0.0.1"  # the KV server's bind address
     kv_port: int = 0  # 0: any free port
     kv_advertise_url: str = ""  # how peers reach the KV server (default http://<kv_host>:<port>)
+    # Shared by every worker of a deployment: KV servers serve only requests signed with it
+    # (services/worker/kv_auth.py). Empty: open, for one machine on loopback.
+    cluster_secret: SecretStr = SecretStr("")
     kv_pull_timeout_s: float = 30.0  # a pull (or a turn waiting for one) gives up after this
     # A turn that lands without its KV (and no prefetch brought it): pull it from the holder when the
     # engine's cost model says that beats recomputing ("cost"), or always / never (ablations, tests).

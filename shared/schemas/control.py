@@ -24,7 +24,17 @@ class Drain(WireModel):
     worker_id: str
 
 
-ControlMessage = Annotated[Cancel | Drain | Prefetch, Field(discriminator="type")]
+class Fence(WireModel):
+    """The scheduler declared `worker_id` lost at `epoch` and re-placed its requests: that epoch's
+    work is stale. The worker drops it and rejoins with a higher epoch; until then its heartbeats
+    of a fenced epoch count for nothing (not placed on, not live in `/health`)."""
+
+    type: Literal["fence"] = "fence"
+    worker_id: str
+    epoch: int
+
+
+ControlMessage = Annotated[Cancel | Drain | Prefetch | Fence, Field(discriminator="type")]
 
 
 class ControlEnvelope(WireModel):

@@ -79,6 +79,9 @@ class GenerateRequest(WireModel):
     # open stack), the shared cache. Added in schema 1 as an optional field (base.py's rule): a
     # worker older than it ignores it and serves the request unsalted, so upgrade workers first.
     cache_salt: str | None = None
+    # The epoch of the worker the scheduler dispatched this to (`Heartbeat.epoch`): a worker that
+    # was fenced at that epoch drops it (the scheduler has re-placed it). None: not dispatched yet.
+    worker_epoch: int | None = None
 
     def resumed(self, token_ids: list[int]) -> GenerateRequest:
         return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

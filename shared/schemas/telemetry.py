@@ -21,11 +21,24 @@ class Heartbeat(WireModel):
     device: str | None = None
     started_at: float
     sent_at: float
+    # The worker process's epoch: its start time in milliseconds, raised past a `Fence` when it
+    # rejoins after being declared lost. Requests dispatched to a fenced epoch are not served.
+    # Optional in schema 1 (0: a worker older than epochs, fenced like any other).
+    epoch: int = 0
     draining: bool = False
     kv_url: str | None = None  # base URL of its KV server (peers pull sessions' KV from it)
     session_stats: dict[str, float] = Field(default_factory=dict)  # kept-KV counters (docs/sessions.md)
     running_ids: list[str] = Field(default_factory=list)  # "request_id:attempt" held by the engine
     finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
+
+
+class OwnerHeartbeat(WireModel):
+    """`owners`: a gateway replica (the owner of the requests it publishes) is alive. Workers
+    cancel the requests of an owner they heard and then did not hear for `worker_timeout_s`."""
+
+    owner_id: str  # the `gateway_id` its requests carry
+    started_at: float
+    sent_at: float
 
 
 class RequestTiming(BaseModel):

@@ -151,3 +151,36 @@ def test_up_passes_only_given_worker_flags_so_the_environment_counts(monkeypatch
     plan._plan()
     argv = next(c.argv for c in plan.children if c.name == "worker-0")
     assert argv[argv.index("--dtype") + 1] == "float32" and argv[argv.index("--policy") + 1] == "bros"
+
+
+def _gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Waits until every process in `procs` has exited (a zombie counts: it runs nothing); returns
+    the ones still running at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_a_killed_up_takes_its_whole_stack_with_it(tiny_model_dir):
+    """SIGKILL gives `up` no chance to stop anything: each child notices its parent died (the
+    kernel's parent-death signal, or the parent-pid watch) and stops itself, the broker too."""
+    port = free_port()
+    proc, _ = _start(tiny_model_dir("llama"), port)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    names = " ".join(" ".join(c.cmdline()) for c in children)
+    assert "tansu" in names and "worker" in names and "gateway" in names, names
+    proc.kill()
+    proc.wait(timeout=10)
+    # The children's clean stops (a worker saving its sessions) take seconds; 120 s only turns
+    # a child that never notices into a failure.
+    left = _gone(children, 120)
+    assert not left, [" ".join(p.cmdline()) for p in left]

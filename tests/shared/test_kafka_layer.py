@@ -72,6 +72,7 @@ def test_topic_catalogue_is_complete():
         "p.control",
         "p.telemetry",
         "p.heartbeats",
+        "p.owners",
         "p.scheduler.state",
         "p.be.capacity",
         "p.advisory",
