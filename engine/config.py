@@ -79,7 +79,9 @@ class EngineConfig:
     rt_ttft_s: float = 0.4
     rt_tpot_s: float = 0.2
     bros_base_cap: int = 128  # adaptive batch cap starts (and resets) here, doubling up to max_num_seqs
-    cost_model_path: str | None = None  # bros: load this profile instead of profiling at start
+    cost_model_path: str | None = (
+        None  # a step-time profile: bros/ellm use it instead of profiling; any policy publishes it
+    )
     swap_space_gib: float = 1.0  # host space for checkpointed / swapped-out KV
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0

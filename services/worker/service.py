@@ -288,7 +288,13 @@ class WorkerService:
     async def _telemetry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.telemetry_interval_s)
-            msg = self.telemetry.report(self.worker_id, self.llm.info, self.llm.snapshot(), self.settings.max_num_seqs)
+            msg = self.telemetry.report(
+                self.worker_id,
+                self.llm.info,
+                self.llm.snapshot(),
+                self.settings.max_num_seqs,
+                self.settings.max_num_batched_tokens,
+            )
             self._update_metrics(msg)
             try:
                 await self.kafka.send(self.topics.telemetry.name, msg, key=self.worker_id)
