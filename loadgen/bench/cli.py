@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
     from loadgen.baselines import hf_bench
-    from loadgen.bench import batch, compare, engine, gateway, policies, sessions
+    from loadgen.bench import batch, compare, engine, gateway, placement, policies, sessions
 
     engine.add_parser(bsub)
     compare.add_parser(bsub)
@@ -22,4 +22,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gateway.add_parser(bsub)
     batch.add_parser(bsub)
     sessions.add_parser(bsub)
+    placement.add_parser(bsub)
     hf_bench.add_parser(bsub)
