@@ -31,6 +31,7 @@ from services.scheduler.placement_inputs import (
 )
 from services.scheduler.registry import WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
+from shared.consumer_lag import consumer_lag
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
@@ -82,6 +83,7 @@ class SchedulerService:
             "placements by outcome: meets_slo, over_slo_admitted, rejected, unpredicted (no SLO prediction)",
             ("req_class", "outcome"),
         )
+        self.m_lag = m.gauge("scheduler_consumer_lag", "request records not yet read by the scheduler", ("topic",))
         self.m_predicted = m.histogram(
             "scheduler_predicted_ttft_seconds", "TTFT the SLO placement predicted on the chosen worker"
         )
@@ -371,6 +373,8 @@ class SchedulerService:
                     await self._reroute(a, f"worker {wid} lost")
             await self._reroute_unaccounted()
             self.m_workers.set(len(self.registry.workers))
+            for topic, lag in (await consumer_lag(self._req)).items():
+                self.m_lag.labels(topic).set(lag)
             self._wake.set()
 
     async def _retire_finished(self, info: WorkerInfo | None) -> None:

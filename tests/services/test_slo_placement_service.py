@@ -12,6 +12,7 @@ import asyncio
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.cost_model import CostModel, PhaseFit
 from tests.services.conftest import chat_body, worker_heartbeat
@@ -35,8 +36,6 @@ def stack(make_stack, tmp_path_factory):
 
 
 def _decisions(stack) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = httpx.get(f"{stack.scheduler_url}/metrics", timeout=5).text
     return {
         s.labels["outcome"]: s.value
@@ -88,3 +87,19 @@ def test_unattainable_slo_is_answered_429_with_retry_after_and_nothing_else_is_l
     assert _decisions(stack).get("rejected", 0) >= 1
     ok = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body("fine", max_tokens=4), timeout=120)
     assert ok.status_code == 200, ok.text
+
+
+def test_scheduler_exports_its_request_consumer_lag(stack):
+    """The Grafana dashboard's consumer-lag panel reads this gauge (tests/test_grafana.py)."""
+
+    def lag_topics() -> set[str]:
+        text = httpx.get(f"{stack.scheduler_url}/metrics", timeout=5).text
+        return {
+            s.labels["topic"]
+            for f in text_string_to_metric_families(text)
+            if f.name == "tandem_scheduler_consumer_lag"
+            for s in f.samples
+            if s.value >= 0
+        }
+
+    stack.wait_until("the scheduler's consumer lag gauge", lambda: f"{stack.prefix}.requests.rt" in lag_topics())
