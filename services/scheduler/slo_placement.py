@@ -8,8 +8,8 @@ profile and then:
 2. else, among the workers predicted to meet the SLO, the one with the lowest ratio
    (max of predicted/target over TTFT and TPOT): the most slack, so a burst behind it still fits.
    "Best" is most slack rather than tightest fit: a tight fit packs work onto few workers and
-   leaves none of them room for the next long prompt, which is what hurt attainment in the
-   simulator (docs/services.md, "Placement by SLO");
+   leaves none of them room for the next long prompt, while spare room on an RT worker costs RT
+   nothing (docs/services.md, "Placement by SLO"; tightest fit was not measured);
 3. else no worker meets it: the decision names the best worker anyway with `meets_slo=False`,
    a reason, and `retry_after_s` (how much later the best worker is predicted to have room).
    The scheduler admits it there or answers 429 (`TANDEM_SLO_OVERLOAD`), its choice, not ours.
