@@ -16,8 +16,10 @@ profile and then:
 
 While the last RT decision found no worker meeting its SLO, BE is held back (no BE placed, no
 BE slots offered to the queue service): RT is over its targets and BE would only add to the
-batch. The first RT request that fits again releases it. BE otherwise goes where least-loaded
-would put it (RT headroom, BE cap per worker).
+batch. The first RT request that fits again releases it, and so does a probe: each BE decision
+asks whether a typical RT request (the predictor's default sizes, the default SLO) would now
+fit on some worker, so BE does not stay held after a burst when no RT request follows. BE
+otherwise goes where least-loaded would put it (RT headroom, BE cap per worker).
 
 Workers without a profile cannot be predicted: when none has one, RT falls back to
 least-loaded (decision reason `no profiles`); otherwise they are only used when no profiled
@@ -66,12 +68,12 @@ class SLOPlacement(PlacementPolicy):
         return self._decide_rt(request, live)
 
     def be_slots(self, workers: Sequence[WorkerLoad]) -> int:
-        return 0 if self.rt_over_slo else self.by_load.be_slots(workers)
+        return 0 if self._rt_still_over(workers) else self.by_load.be_slots(workers)
 
     # -- internals -----------------------------------------------------------------------
 
     def _decide_be(self, request: PlacementRequest, live: Sequence[WorkerLoad]) -> PlacementDecision:
-        if self.rt_over_slo:
+        if self._rt_still_over(live):
             return PlacementDecision(None, "BE held: RT is over its SLO")
         wid = self.by_load.place(request, live)
         return PlacementDecision(wid, "BE where RT has headroom" if wid else "BE held: no RT headroom")
@@ -120,6 +122,15 @@ class SLOPlacement(PlacementPolicy):
             predicted_tpot_s=best.tpot_s,
             retry_after_s=max(1.0, math.ceil(best.ttft_s - slo.ttft_s)),
         )
+
+    def _rt_still_over(self, workers: Sequence[WorkerLoad]) -> bool:
+        """Whether RT is still over its SLO: clears once a typical RT request would fit somewhere."""
+        if self.rt_over_slo:
+            probe = PlacementRequest("rt-probe", "rt")
+            live = [w for w in workers if not w.draining]
+            preds = (self.predictor.predict(probe, w, None) for w in live)
+            self.rt_over_slo = not any(p is not None and p.meets(self.default_slo) for p in preds)
+        return self.rt_over_slo
 
     def target(self, request: PlacementRequest) -> SLOTarget:
         return SLOTarget(

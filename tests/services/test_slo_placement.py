@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.cost_model import CostModel, PhaseFit
-from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
+from services.scheduler.placement import LeastLoaded, PlacementRequest, WorkerLoad, make_placement
 from services.scheduler.slo_placement import SLOPlacement
 from services.scheduler.slo_predict import PredictorSettings, SessionKV, SLOPredictor, SLOTarget
 
@@ -90,12 +90,12 @@ def test_policy_honours_affinity_only_while_it_meets_the_slo():
 
 def test_no_worker_meets_slo_names_best_with_reason_and_holds_be():
     policy = SLOPlacement()
-    workers = [_w("a", waiting_rt=20), _w("b", waiting_rt=30)]
+    workers = [_w("a", waiting_rt=1000), _w("b", waiting_rt=1500)]
     d = policy.decide(_rt(100, slo_ttft_s=0.1, slo_tpot_s=1.0), workers)
     assert d.worker_id == "a" and d.meets_slo is False
     assert "no worker meets the SLO" in d.reason and d.retry_after_s >= 1.0
-    assert policy.decide(PlacementRequest("b", "be"), [_w("c")]).worker_id is None  # BE held back
-    assert policy.be_slots([_w("c")]) == 0
+    assert policy.decide(PlacementRequest("b", "be"), workers).worker_id is None  # BE held back
+    assert policy.be_slots(workers) == 0
     ok = policy.decide(_rt(100, slo_ttft_s=1.0, slo_tpot_s=1.0), [_w("c")])
     assert ok.meets_slo is True
     assert policy.decide(PlacementRequest("b", "be"), [_w("c")]).worker_id == "c"  # released
@@ -105,3 +105,16 @@ def test_policy_falls_back_to_least_loaded_without_profiles():
     workers = [WorkerLoad("a", running_rt=5), WorkerLoad("b", running_rt=1)]
     d = SLOPlacement().decide(_rt(), workers)
     assert d.worker_id == "b" and d.reason == "no profiles" and d.meets_slo is None
+
+
+def test_be_held_while_rt_is_over_slo_and_released_by_the_probe_without_another_rt_request():
+    crawl = CostModel(PhaseFit(1e-3, 0.0, 5.0), PhaseFit(1e-3, 0.0, 5.0), 1e9)  # 5 s per step: no SLO holds
+    slow = [_w("s", cost=crawl)]
+    assert LeastLoaded().place(PlacementRequest("b", "be"), slow) == "s"  # least-loaded would add BE
+    policy = SLOPlacement()
+    assert policy.decide(_rt(100), slow).meets_slo is False
+    assert policy.decide(PlacementRequest("b", "be"), slow).worker_id is None  # held back
+    assert policy.be_slots(slow) == 0
+    fast = [*slow, _w("f")]  # a worker where a typical RT request fits joins; no RT request comes
+    assert policy.be_slots(fast) > 0
+    assert policy.decide(PlacementRequest("b", "be"), fast).worker_id in {"s", "f"}
