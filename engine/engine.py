@@ -85,8 +85,10 @@ class LLMEngine:
             fallback=config.attention == "auto",
             compile_layers=config.layers_compiled,
         )
-        self.cost_model = None
-        if config.policy in ("bros", "ellm"):
+        # A given profile is loaded for every policy (the scheduler's SLO placement reads it from
+        # the worker's telemetry); only the policies that need one profile at start without it.
+        self.cost_model = CostModel.load(config.cost_model_path) if config.cost_model_path else None
+        if config.policy in ("bros", "ellm") and self.cost_model is None:
             self.cost_model = self._cost_model(config, source)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
         self.sessions = SessionStore(
@@ -116,6 +118,7 @@ class LLMEngine:
             kv_blocks=self.kv.pool.num_blocks,
             max_num_seqs=config.max_num_seqs,
             policy=config.policy,
+            cost_model=self.cost_model,
         )
         self.snapshot: EngineSnapshot = self._take_snapshot(0)
         log.info(

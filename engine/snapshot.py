@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from engine.cost_model import CostModel
 from engine.scheduling import Request, RequestClass
 
 
@@ -57,6 +58,7 @@ class EngineInfo:
     kv_blocks: int  # the device pool's blocks, the null block included
     max_num_seqs: int
     policy: str
+    cost_model: CostModel | None = None  # the step-time profile, when one was given or profiled (frozen)
 
 
 @dataclass(frozen=True)

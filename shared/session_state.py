@@ -49,6 +49,10 @@ class SessionDirectory:
         """The newest copy, among workers in `live` when given."""
         return next((c for c in self.copies(session_id) if live is None or c.worker_id in live), None)
 
+    def session_ids(self) -> list[str]:
+        """Sessions with at least one copy, least recently active first."""
+        return list(self._copies)
+
     def __len__(self) -> int:
         return len(self._copies)
 

@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
     from loadgen.baselines import hf_bench
-    from loadgen.bench import batch, compare, ellm_decision, ellm_sim, engine, gateway, policies, sessions
+    from loadgen.bench import batch, compare, ellm_decision, ellm_sim, engine, gateway, placement, policies, sessions
 
     engine.add_parser(bsub)
     compare.add_parser(bsub)
@@ -24,4 +24,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sessions.add_parser(bsub)
     ellm_decision.add_parser(bsub)
     ellm_sim.add_parser(bsub)
+    placement.add_parser(bsub)
     hf_bench.add_parser(bsub)

@@ -1,5 +1,12 @@
 """The simulator as a load-generator target: one or many `SimWorker`s on a virtual clock.
 
+Placement sees what the scheduler service sees from telemetry (load, KV, each worker's own cost
+model) plus what only the simulator knows exactly (prefill tokens queued, running context), and
+for a session turn where its history is cached (the worker that served its last turn, and any
+worker's prefix cache); `decisions` counts the policy's outcomes (`meets_slo`, ...). An RT
+request no worker is predicted to serve in time is admitted on the best one (the scheduler's
+`slo_overload=admit`).
+
 Events are worker step completions and delayed arrivals (a session's KV travelling from the
 worker that served its last turn). Requests are placed by the scheduler service's own
 placement policy (`services.scheduler.placement`); a request the policy holds (no worker with
@@ -14,12 +21,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from engine.cost_model import CostModel
 from loadgen.sim.worker import SimWorker
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
-from services.scheduler.placement import PlacementRequest, WorkerLoad, make_placement
+from services.scheduler.placement import PlacementPolicy, PlacementRequest, WorkerLoad, make_placement
+from services.scheduler.slo_predict import PredictorSettings, SessionKV
 
 
 @dataclass(frozen=True)
@@ -44,7 +53,8 @@ class SimTarget(StepTarget):
         self.spec = spec
         self.planning_cost = planning_cost
         name = spec.placement or ("least-loaded" if len(workers) > 1 else None)
-        self.placement = make_placement(name) if name else None
+        self.placement = _placement(name, spec) if name else None
+        self.decisions: Counter[str] = Counter()
         self.clock = 0.0
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -118,6 +128,7 @@ class SimTarget(StepTarget):
             "prompt_tokens_cached": sum(w.prompt_tokens_cached for w in ws),
             "kv_transfers": self.transfers,
             "kv_transferred_tokens": self.transferred_tokens,
+            "placement_decisions": dict(self.decisions),
             "cost_model": dict(ws[0].cost.meta),
             "planning_cost_model": None if self.planning_cost is None else self.planning_cost.to_dict(),
             "step_noise": ws[0].noise.describe() if ws[0].noise is not None else None,
@@ -137,11 +148,19 @@ class SimTarget(StepTarget):
             len(request.prompt_ids),
             request.session_id,
             self._session_worker.get(request.session_id or ""),
+            slo_ttft_s=request.slo_ttft_s,
+            slo_tpot_s=request.slo_tpot_s,
+            max_tokens=request.max_tokens,
+            session_kv=self._session_kv(request),
         )
         if self.placement is None:
             wid = next(iter(self.workers))
         else:
-            wid = self.placement.place(preq, [self._load_of(w) for w in self.workers.values()])
+            decision = self.placement.decide(preq, [self._load_of(w) for w in self.workers.values()])
+            wid = decision.worker_id
+            if wid is not None:
+                outcome = {True: "meets_slo", False: "over_slo_admitted", None: "unpredicted"}[decision.meets_slo]
+                self.decisions[f"{request.req_class}:{outcome}"] += 1
         if wid is None:
             return False
         delay = self._transfer_delay(request, wid)
@@ -194,5 +213,33 @@ class SimTarget(StepTarget):
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
 
+    def _session_kv(self, request: PreparedRequest) -> SessionKV | None:
+        """A session turn's history: where it was served last, and what each worker has cached
+        (only computed for a policy that predicts: a prefix walk per worker per turn)."""
+        prev = self._session_worker.get(request.session_id or "")
+        if prev is None or self.placement is None or self.placement.name != "slo":
+            return None
+        history = request.prompt_ids[: len(request.prompt_ids) - 1]
+        local = {wid: n for wid, w in self.workers.items() if (n := w.cached_prefix_tokens(history))}
+        spec = self.workers[prev].spec
+        return SessionKV(len(history), float(spec.kv_bytes_per_token), prev, local)
+
     def _load_of(self, w: SimWorker) -> WorkerLoad:
-        return WorkerLoad(w.worker_id, kv_usage=w.kv_usage(), max_num_seqs=w.spec.max_num_seqs, **w.counts())
+        return WorkerLoad(
+            w.worker_id,
+            kv_usage=w.kv_usage(),
+            max_num_seqs=w.spec.max_num_seqs,
+            cost=w.cost,
+            kv_blocks=w.spec.num_blocks,
+            block_size=w.spec.block_size,
+            max_num_batched_tokens=w.spec.max_num_batched_tokens,
+            mean_context_tokens=w.mean_context_tokens(),
+            queued_prefill_tokens=w.queued_prefill_tokens(),
+            **w.counts(),
+        )
+
+
+def _placement(name: str, spec: ClusterSpec) -> PlacementPolicy:
+    if name != "slo":
+        return make_placement(name)
+    return make_placement("slo", predictor=PredictorSettings(kv_transfer_bytes_per_s=spec.kv_transfer_bytes_per_s))

@@ -185,6 +185,23 @@ class SimWorker:
     def kv_usage(self) -> float:
         return self.kv.pool.usage()
 
+    def queued_prefill_tokens(self) -> int:
+        """Tokens the waiting requests still have to prefill (what a new arrival queues behind)."""
+        return sum(max(0, r.num_tokens - r.num_computed_tokens) for r in self.scheduler.waiting)
+
+    def mean_context_tokens(self) -> float | None:
+        running = self.scheduler.running
+        return sum(r.num_tokens for r in running) / len(running) if running else None
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` whose full blocks sit in this worker's prefix cache."""
+        bs, pool, parent = self.spec.block_size, self.kv.pool, None
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if pool.lookup(parent) is None:
+                return i * bs
+        return len(token_ids) // bs * bs
+
     def _validate(self, req: PreparedRequest) -> None:
         n = len(req.prompt_ids)
         if n >= self.spec.max_model_len:

@@ -15,7 +15,7 @@ from services.gateway.auth import Authenticator, Caller, caller_of, raise_refusa
 from services.gateway.batch_api import register_batch_api
 from services.gateway.core import GatewayCore
 from services.gateway.database import GatewayDatabase
-from services.gateway.errors import APIError, install_error_handlers, parse_json_body
+from services.gateway.errors import APIError, failed_error, install_error_handlers, parse_json_body
 from services.gateway.keys_api import register_keys_api
 from services.gateway.openapi import install_openapi
 from services.gateway.page import register_chat_page
@@ -241,7 +241,7 @@ class _Ctx:
         event = await self._next(first=True)
         if isinstance(event, Failed):
             self.close(completed=True, status=str(event.status))
-            raise APIError(event.status, event.message, code=event.code)
+            raise failed_error(event)
 
     async def _deltas(self):
         """Deltas until the finishing one; Accepted events of resumed attempts are skipped."""
@@ -250,7 +250,7 @@ class _Ctx:
             if isinstance(event, Accepted):
                 continue
             if isinstance(event, Failed):
-                raise APIError(event.status, event.message, code=event.code)
+                raise failed_error(event)
             self._observe(event)
             yield event
             if event.finish_reason is not None:

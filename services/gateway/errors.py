@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -53,6 +54,15 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def failed_error(event) -> APIError:
+    """A worker's or the scheduler's `Failed` event as the answer; a 429 carries `Retry-After`
+    (whole seconds, rounded up) when the event says when to retry."""
+    headers = {}
+    if event.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(event.retry_after_s)))
+    return APIError(event.status, event.message, code=event.code, headers=headers)
 
 
 def parse_json_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:

@@ -12,6 +12,13 @@ or for BE: no worker with RT headroom).
   placement only for the turns affinity leaves open.
 - BE goes only where RT has headroom: no RT waiting, KV below the high-water mark, and fewer BE
   requests in flight than the per-worker BE cap, and among those to the one with the fewest BE.
+
+`slo` (`slo_placement.py`): predicts each worker's TTFT/TPOT for the request from its own
+profile and places where the SLO holds best (docs/services.md, "Placement by SLO").
+
+Every policy answers `decide()` with a `PlacementDecision` (the worker, whether the SLO is
+predicted to hold, and why), so the scheduler can count, log and act on the reason; `place()`
+is its worker id.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from engine.cost_model import CostModel
 
 
 @dataclass(frozen=True)
@@ -28,7 +38,12 @@ class PlacementRequest:
     req_class: str  # "rt" | "be"
     num_prompt_tokens: int = 0  # 0 when unknown (the worker tokenizes)
     session_id: str | None = None
-    preferred_worker: str | None = None  # honoured while it has room (set by the simulator, not the scheduler)
+    preferred_worker: str | None = None  # honoured while it has room (least-loaded) or meets the SLO (slo)
+    # for the SLO policy: targets (None: the policy's defaults), expected output, the session's KV
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    max_tokens: int | None = None
+    session_kv: object | None = None  # slo_predict.SessionKV; None: no session or no copy known
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,13 @@ class WorkerLoad:
     kv_usage: float = 0.0  # fraction of KV blocks in use
     max_num_seqs: int = 128
     draining: bool = False
+    # what the SLO policy predicts from (telemetry); the defaults mean "not published"
+    cost: CostModel | None = None
+    kv_blocks: int = 0
+    block_size: int = 16
+    max_num_batched_tokens: int = 0
+    mean_context_tokens: float | None = None
+    queued_prefill_tokens: int | None = None
 
     @property
     def rt(self) -> int:
@@ -58,6 +80,20 @@ class PlacementLimits:
     rt_headroom: float = 0.75  # RT load (share of max_num_seqs) above which a worker takes no BE
 
 
+@dataclass(frozen=True)
+class PlacementDecision:
+    """One placement: the worker (None: hold the request), whether its SLO is predicted to hold
+    there (None: the policy does not predict), why, and for an RT request no worker can serve in
+    time, when to retry."""
+
+    worker_id: str | None
+    reason: str
+    meets_slo: bool | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    retry_after_s: float | None = None
+
+
 class PlacementPolicy(ABC):
     name: ClassVar[str]
 
@@ -67,6 +103,11 @@ class PlacementPolicy(ABC):
     @abstractmethod
     def place(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> str | None:
         """The worker id to run `request` on, or None to hold it."""
+
+    def decide(self, request: PlacementRequest, workers: Sequence[WorkerLoad]) -> PlacementDecision:
+        """`place` with its reason; policies that predict override it."""
+        wid = self.place(request, workers)
+        return PlacementDecision(wid, self.name if wid else "no worker with room")
 
     def be_slots(self, workers: Sequence[WorkerLoad]) -> int:
         """BE requests these workers can hold at once right now (the queue service's release budget)."""
@@ -112,11 +153,15 @@ class LeastLoaded(PlacementPolicy):
         )
 
 
-_PLACEMENTS: dict[str, Callable[[PlacementLimits], PlacementPolicy]] = {LeastLoaded.name: LeastLoaded}
+def _placements() -> dict[str, Callable[..., PlacementPolicy]]:
+    from services.scheduler.slo_placement import SLOPlacement  # it builds on this module
+
+    return {p.name: p for p in (LeastLoaded, SLOPlacement)}
 
 
-def make_placement(name: str, limits: PlacementLimits = PlacementLimits()) -> PlacementPolicy:
-    try:
-        return _PLACEMENTS[name](limits)
-    except KeyError:
-        raise ValueError(f"unknown placement policy {name!r}; available: {sorted(_PLACEMENTS)}") from None
+def make_placement(name: str, limits: PlacementLimits = PlacementLimits(), **options) -> PlacementPolicy:
+    """A policy by name; `options` go to policies that take them (the SLO policy's predictor)."""
+    policies = _placements()
+    if name not in policies:
+        raise ValueError(f"unknown placement policy {name!r}; available: {sorted(policies)}")
+    return policies[name](limits, **options) if options else policies[name](limits)

@@ -23,9 +23,17 @@ from aiokafka import TopicPartition
 
 from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_affinity
 from services.scheduler.assignments import AssignmentTable
-from services.scheduler.placement import PlacementLimits, PlacementRequest, WorkerLoad, make_placement
+from services.scheduler.placement import PlacementDecision, WorkerLoad
+from services.scheduler.placement_inputs import (
+    build_placement,
+    placement_request,
+    rejection,
+    session_kv,
+    worker_load,
+)
 from services.scheduler.registry import Admission, WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
+from shared.consumer_lag import consumer_lag
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
@@ -55,10 +63,7 @@ class SchedulerService:
         self.kafka = KafkaClient(settings, settings.scheduler_id)
         self.registry = WorkerRegistry(settings.worker_timeout_s)
         self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
-        self.placement = make_placement(
-            settings.placement,
-            PlacementLimits(kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker),
-        )
+        self.placement = build_placement(settings)
         self.affinity: SessionAffinity = make_affinity(
             settings.session_routing,
             AffinityLimits(holder_room=settings.holder_room, kv_high_water=settings.kv_high_water),
@@ -76,6 +81,15 @@ class SchedulerService:
         self.m_placed = m.counter("scheduler_placed_total", "requests placed", ("req_class",))
         self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
         self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
+        self.m_decisions = m.counter(
+            "scheduler_placement_decisions_total",
+            "placements by outcome: meets_slo, over_slo_admitted, rejected, unpredicted (no SLO prediction)",
+            ("req_class", "outcome"),
+        )
+        self.m_lag = m.gauge("scheduler_consumer_lag", "request records not yet read by the scheduler", ("topic",))
+        self.m_predicted = m.histogram(
+            "scheduler_predicted_ttft_seconds", "TTFT the SLO placement predicted on the chosen worker"
+        )
         self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
         # Per worker: 1 while the scheduler places on it, 0 while it drains; removed once it is
         # lost. Set as each heartbeat is applied, so it shows exactly when a worker can get work
@@ -226,26 +240,51 @@ class SchedulerService:
             while queue:
                 p = queue[0]
                 loads = self._loads(p.request.model)
-                worker = self._choose(p.request, loads)
-                if worker is None:
+                decision = self._choose(p.request, loads)
+                if decision.worker_id is None:
                     break  # FIFO within a class: nothing behind it fits either
                 queue.popleft()
-                await self._dispatch(p, worker, {w.worker_id for w in loads})
+                if decision.meets_slo is False and self.settings.slo_overload == "reject":
+                    await self._reject(p, decision)
+                    continue
+                self._count_decision(p.request, decision)
+                await self._dispatch(p, decision.worker_id, {w.worker_id for w in loads})
             self.m_pending.labels(cls).set(len(queue))
 
-    def _choose(self, req: GenerateRequest, loads: list[WorkerLoad]) -> str | None:
-        """A session's RT turn goes where its affinity says (placement or holder), else by load."""
-        if req.req_class == "rt":
-            routed = self.affinity.route(req.session_id, loads)
-            if routed is not None:
-                return routed
-        return self.placement.place(
-            PlacementRequest(request_id=req.request_id, req_class=req.req_class, session_id=req.session_id), loads
+    def _choose(self, req: GenerateRequest, loads: list[WorkerLoad]) -> PlacementDecision:
+        """A session's RT turn goes where its affinity says (placement or holder), else by load.
+        A policy that predicts SLOs (`slo`) gets the affinity's pick as a preference instead,
+        and takes it only when the SLO holds there."""
+        routed = self.affinity.route(req.session_id, loads) if req.req_class == "rt" else None
+        if routed is not None and self.settings.placement != "slo":
+            return PlacementDecision(routed, "session affinity")
+        live = {w.worker_id for w in loads}
+        session = session_kv(self.affinity.directory, req.session_id, live) if req.session_id else None
+        return self.placement.decide(placement_request(req, self.settings, session, routed), loads)
+
+    def _count_decision(self, req: GenerateRequest, d: PlacementDecision) -> None:
+        outcome = {True: "meets_slo", False: "over_slo_admitted", None: "unpredicted"}[d.meets_slo]
+        self.m_decisions.labels(req.req_class, outcome).inc()
+        if d.predicted_ttft_s is not None:
+            self.m_predicted.observe(d.predicted_ttft_s)
+        if d.meets_slo is False:
+            log.info("admitted over its SLO: %s", d.reason, extra={"request_id": req.request_id})
+
+    async def _reject(self, p: Pending, d: PlacementDecision) -> None:
+        """No worker can serve this RT request in time: its owner answers 429 with Retry-After."""
+        req = p.request
+        await self.kafka.send(
+            self.topics.results.name,
+            ResultBatch(source=self.settings.scheduler_id, events=[rejection(req, d)]),
+            partition=req.reply_partition,
         )
+        self.offsets.done(p.tp, p.offset)
+        self.m_decisions.labels(req.req_class, "rejected").inc()
+        log.info("rejected: %s", d.reason, extra={"request_id": req.request_id})
 
     def _loads(self, model: str) -> list[WorkerLoad]:
         counts = self.assignments.counts()
-        return [_worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
+        return [worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
 
     async def _dispatch(self, p: Pending, worker_id: str, live: set[str]) -> None:
         req = p.request
@@ -342,6 +381,8 @@ class SchedulerService:
                 await self._fence(wid)
             await self._reroute_unaccounted()
             self.m_workers.set(len(self.registry.workers))
+            for topic, lag in (await consumer_lag(self._req)).items():
+                self.m_lag.labels(topic).set(lag)
             self._wake.set()
 
     async def _fence(self, worker_id: str, resend: bool = False) -> None:
@@ -384,20 +425,3 @@ class SchedulerService:
         )
         self.m_rerouted.inc()
         log.info("rerouting: %s", reason, extra={"request_id": a.request_id})
-
-
-def _worker_load(w: WorkerInfo, counts: dict[tuple[str, str], int]) -> WorkerLoad:
-    wid = w.heartbeat.worker_id
-    t = w.telemetry
-    waiting_rt = t.rt.waiting if t else 0
-    waiting_be = t.be.waiting if t else 0
-    return WorkerLoad(
-        worker_id=wid,
-        running_rt=max(0, counts.get((wid, "rt"), 0) - waiting_rt),
-        waiting_rt=waiting_rt,
-        running_be=max(0, counts.get((wid, "be"), 0) - waiting_be),
-        waiting_be=waiting_be,
-        kv_usage=t.kv_usage if t else 0.0,
-        max_num_seqs=t.max_num_seqs if t and t.max_num_seqs else 128,
-        draining=w.heartbeat.draining,
-    )

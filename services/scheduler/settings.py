@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from shared.settings import ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):
     scheduler_id: str = "scheduler"
-    placement: str = "least-loaded"
+    placement: str = "least-loaded"  # least-loaded | slo (placement.py, slo_placement.py)
+    # slo placement (docs/services.md, "Placement by SLO"): targets for requests that name none,
+    # what to do with an RT request no worker is predicted to serve in time (admit it on the best
+    # worker with the reason logged and counted, or answer 429 with Retry-After), the KV link
+    # between workers (None: a moved session is priced as a recompute), and the prompt estimate
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.2
+    slo_overload: Literal["admit", "reject"] = "admit"
+    kv_transfer_bytes_per_s: float | None = None
+    chars_per_token: float = 4.0
     session_routing: str = "advisory"  # where session turns go: advisory | sticky | none (affinity.py)
     holder_room: float = 0.75  # a session's holder takes its turn below this share of its RT slots
     be_per_worker: int = 32  # BE requests in flight per worker, at most

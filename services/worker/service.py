@@ -93,6 +93,12 @@ class WorkerService:
         self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
         self.m_ttft = m.histogram("worker_ttft_seconds", "engine time to first token", ("req_class",))
         self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
+        self.m_class_tokens = m.counter("worker_generated_tokens_total", "tokens generated, by class", ("req_class",))
+        self.m_slo = m.counter(
+            "worker_slo_requests_total",
+            "finished requests that had an SLO, by whether it was met",
+            ("req_class", "met"),
+        )
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -362,7 +368,13 @@ class WorkerService:
     async def _telemetry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.telemetry_interval_s)
-            msg = self.telemetry.report(self.worker_id, self.llm.info, self.llm.snapshot(), self.settings.max_num_seqs)
+            msg = self.telemetry.report(
+                self.worker_id,
+                self.llm.info,
+                self.llm.snapshot(),
+                self.settings.max_num_seqs,
+                self.settings.max_num_batched_tokens,
+            )
             self._update_metrics(msg)
             try:
                 await self.kafka.send(self.topics.telemetry.name, msg, key=self.worker_id)
@@ -376,6 +388,9 @@ class WorkerService:
         self.m_kv.set(t.kv_usage)
         for r in t.finished:
             self.m_tokens.inc(r.output_tokens)
+            self.m_class_tokens.labels(r.req_class).inc(r.output_tokens)
+            if r.met_slo is not None:
+                self.m_slo.labels(r.req_class, "true" if r.met_slo else "false").inc()
             if r.ttft_s is not None:
                 self.m_ttft.labels(r.req_class).observe(r.ttft_s)
             if r.tpot_s is not None:

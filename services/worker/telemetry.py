@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from engine.cost_model import CostModel
 from engine.outputs import RequestMetrics
 from engine.scheduling import SLO, RequestClass
 from engine.snapshot import EngineInfo, EngineSnapshot
-from shared.schemas.telemetry import ClassLoad, RequestTiming, Telemetry
+from shared.schemas.telemetry import ClassLoad, RequestTiming, StepCost, Telemetry
 
 _WINDOW_S = 30.0  # percentiles cover requests finished in this window
 
@@ -54,7 +55,14 @@ class TelemetryWindow:
         self._recent.append((time.monotonic(), timing))
         self._since_report.append(timing)
 
-    def report(self, worker_id: str, info: EngineInfo, snapshot: EngineSnapshot, max_num_seqs: int) -> Telemetry:
+    def report(
+        self,
+        worker_id: str,
+        info: EngineInfo,
+        snapshot: EngineSnapshot,
+        max_num_seqs: int,
+        max_num_batched_tokens: int = 0,
+    ) -> Telemetry:
         now = time.monotonic()
         while self._recent and self._recent[0][0] < now - _WINDOW_S:
             self._recent.popleft()
@@ -78,9 +86,27 @@ class TelemetryWindow:
             tpot_p99_s=_pct(tpots, 0.99),
             slo_attainment=sum(slo) / len(slo) if slo else None,
             finished=self._since_report,
+            cost=step_cost(info.cost_model),
+            block_size=info.block_size,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         self._since_report, self._tokens, self._last_report = [], 0, now
         return msg
+
+
+def step_cost(cost: CostModel | None) -> StepCost | None:
+    """The engine's profile in wire form (None: the engine has none)."""
+    if cost is None:
+        return None
+    return StepCost(
+        prefill_alpha0=cost.prefill.alpha0,
+        prefill_alpha1=cost.prefill.alpha1,
+        prefill_beta=cost.prefill.beta,
+        decode_alpha0=cost.decode.alpha0,
+        decode_alpha1=cost.decode.alpha1,
+        decode_beta=cost.decode.beta,
+        swap_bytes_per_s=cost.swap_bytes_per_s,
+    )
 
 
 def _load(snapshot: EngineSnapshot, cls: RequestClass) -> ClassLoad:

@@ -52,6 +52,7 @@ class Failed(_Event):
     status: int = 400  # the HTTP status the synchronous endpoint answers with
     code: str = "invalid_request"
     message: str
+    retry_after_s: float | None = None  # a 429's Retry-After (e.g. no worker can meet the SLO now)
 
 
 class Rerouted(_Event):

@@ -61,6 +61,25 @@ class ClassLoad(BaseModel):
     waiting: int = 0
 
 
+class StepCost(BaseModel):
+    """A worker's step-time profile (`engine/cost_model.py`, BROS §4.1), as it travels.
+
+    Per phase: seconds per new token (`alpha0`), per (new token x context token) pair
+    (`alpha1`) and per forward pass (`beta`). The scheduler's SLO placement predicts TTFT and
+    TPOT on this worker from it (`services/scheduler/slo_predict.py`).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    prefill_alpha0: float
+    prefill_alpha1: float
+    prefill_beta: float
+    decode_alpha0: float
+    decode_alpha1: float
+    decode_beta: float
+    swap_bytes_per_s: float = 0.0
+
+
 class Telemetry(WireModel):
     worker_id: str
     sent_at: float
@@ -77,3 +96,8 @@ class Telemetry(WireModel):
     tpot_p99_s: float | None = None
     slo_attainment: float | None = None
     finished: list[RequestTiming] = Field(default_factory=list)  # since the last report
+    # Added in schema 1 as optional fields (base.py's rule), for the SLO placement: the worker's
+    # profile (None: it has none; the scheduler then ranks it by load) and its KV geometry.
+    cost: StepCost | None = None
+    block_size: int = 0
+    max_num_batched_tokens: int = 0
