@@ -91,17 +91,27 @@ class WorkerService:
         # default 5 ms for its turn (that wait showed up as +10 ms per token on the Kafka path).
         sys.setswitchinterval(self.settings.gil_switch_interval_s)
         await self.llm.start()
+        loaded = time.monotonic()
         dispatch = self.topics.dispatch(self.worker_id)
         await self.kafka.start([*self.topics.static(), dispatch])
         await self.sessions.start()
-        self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True)
+        # Assigned, not subscribed: no group join round before the first dispatch is read.
+        self._dispatch = await self.kafka.owned_consumer(
+            dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True
+        )
         self._control = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
         loops = (self._dispatch_loop(), self._control_loop(), self._heartbeat_loop(), self._telemetry_loop())
         self._background = [asyncio.create_task(c) for c in loops]
         await self._send_heartbeat()
         self.metrics.serve(self.settings.metrics_port)
-        log.info("worker %s serving %r (dispatch topic %s)", self.worker_id, self.model_name, dispatch.name)
+        log.info(
+            "worker %s serving %r (dispatch topic %s; consuming %.2fs after the model was loaded)",
+            self.worker_id,
+            self.model_name,
+            dispatch.name,
+            time.monotonic() - loaded,
+        )
 
     async def stop(self) -> None:
         """Drain: stop taking work, let running requests finish (bounded), flush, close."""
