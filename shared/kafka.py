@@ -30,6 +30,7 @@ from shared.records import decode_record
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
+from shared.tracing import KafkaHeaders
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -107,19 +108,34 @@ class KafkaClient:
             await admin.close()
 
     async def send(
-        self, topic: str, message: WireModel | None, *, key: str | None = None, partition: int | None = None
+        self,
+        topic: str,
+        message: WireModel | None,
+        *,
+        key: str | None = None,
+        partition: int | None = None,
+        headers: KafkaHeaders | None = None,
     ) -> None:
-        """Send and wait for the broker's ack (None = tombstone on a compacted topic)."""
+        """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
+        trace context and send time (`shared/tracing.py`)."""
         value = None if message is None else message.encode()
-        await self.producer.send_and_wait(topic, value, key=None if key is None else key.encode(), partition=partition)
+        await self.producer.send_and_wait(
+            topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
+        )
         self._ring(topic)
 
     async def send_nowait(
-        self, topic: str, message: WireModel, *, key: str | None = None, partition: int | None = None
+        self,
+        topic: str,
+        message: WireModel,
+        *,
+        key: str | None = None,
+        partition: int | None = None,
+        headers: KafkaHeaders | None = None,
     ) -> asyncio.Future:
         """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
         ack = await self.producer.send(
-            topic, message.encode(), key=None if key is None else key.encode(), partition=partition
+            topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
         )
         if self.doorbell is not None:
             ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic))

@@ -27,6 +27,9 @@ class ServiceSettings(BaseSettings):
     kafka_fetch_wait_ms: int = 2
     kafka_awake_ms: int = 50
     kafka_idle_poll_ms: int = 1000
+    # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces); empty = no export. Per-hop
+    # latency histograms are on /metrics either way (shared/tracing.py).
+    otlp_endpoint: str = ""
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
