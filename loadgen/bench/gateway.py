@@ -121,7 +121,10 @@ async def _through_stack(args, model: str) -> dict:
 
     with OtlpSink() as sink:
         async with running_stack(model, env={"TANDEM_OTLP_ENDPOINT": sink.url}) as (url, name):
-            async with httpx.AsyncClient(timeout=120) as client:
+            # One connection per client of the sustained phase (httpx's default pool holds 100,
+            # which would cap the concurrency the gateway sees).
+            limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
                 seq, trace_ids = await _sequential(client, url, name, args)
                 sustained = await _sustained(client, url, name, args)
         # The stack has stopped: every service flushed its spans on the way out.
