@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import psutil
 
@@ -36,8 +37,13 @@ def test_idle_bench_names_processes_by_their_role():
         [sys.executable, "-c", "import sys, time; time.sleep(60)", "services.cli", "worker", "--worker-id", "w7"]
     )
     try:
+        proc = psutil.Process(child.pid)
+        deadline = time.monotonic() + 30
+        while "services.cli" not in proc.cmdline():  # until the child has exec'd (empty before)
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.01)
         # argv as `tandem up` starts a worker: `python -m services.cli worker ... --worker-id ID`
-        assert process_label(psutil.Process(child.pid)) == "w7"
+        assert process_label(proc) == "w7"
     finally:
         child.kill()
         child.wait()
