@@ -5,6 +5,12 @@ Producers use `acks=all` and are not idempotent: the embedded tansu broker fails
 producers, so no service asks for them (`KafkaClient(idempotence=True)` would, on a broker
 that supports them). Every consumer is idempotent instead: messages carry ids and readers drop
 what they have already applied.
+
+Fetching depends on the broker (`TANDEM_KAFKA_LONG_POLL`): Apache Kafka holds a fetch until data
+arrives, so consumers are plain aiokafka ones with a long wait. The embedded tansu broker
+answers only at the fetch deadline, so there consumers are `QuietConsumer`s: short waits while
+records flow, no fetch at all when idle, woken by the doorbell every send here rings
+(`shared/doorbell.py`, docs/services.md "Fetch waits").
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
+from shared.doorbell import Doorbell, doorbell_directory
+from shared.quiet_consumer import QuietConsumer
 from shared.records import decode_record
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
+from shared.tracing import KafkaHeaders
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,6 +63,16 @@ class KafkaClient:
         self._idempotence = idempotence
         self.producer: AIOKafkaProducer | None = None
         self._consumers: list[AIOKafkaConsumer] = []
+        # Only for a broker that cannot long-poll; made on first use (it needs the event loop).
+        self._doorbell: Doorbell | None = None
+
+    @property
+    def doorbell(self) -> Doorbell | None:
+        if self.settings.kafka_long_poll:
+            return None
+        if self._doorbell is None:
+            self._doorbell = Doorbell(doorbell_directory(self.bootstrap))
+        return self._doorbell
 
     @property
     def bootstrap(self) -> str:
@@ -89,43 +108,108 @@ class KafkaClient:
             await admin.close()
 
     async def send(
-        self, topic: str, message: WireModel | None, *, key: str | None = None, partition: int | None = None
+        self,
+        topic: str,
+        message: WireModel | None,
+        *,
+        key: str | None = None,
+        partition: int | None = None,
+        headers: KafkaHeaders | None = None,
     ) -> None:
-        """Send and wait for the broker's ack (None = tombstone on a compacted topic)."""
+        """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
+        trace context and send time (`shared/tracing.py`)."""
         value = None if message is None else message.encode()
-        await self.producer.send_and_wait(topic, value, key=None if key is None else key.encode(), partition=partition)
+        await self.producer.send_and_wait(
+            topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
+        )
+        self._ring(topic)
 
     async def send_nowait(
-        self, topic: str, message: WireModel, *, key: str | None = None, partition: int | None = None
+        self,
+        topic: str,
+        message: WireModel,
+        *,
+        key: str | None = None,
+        partition: int | None = None,
+        headers: KafkaHeaders | None = None,
     ) -> asyncio.Future:
         """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
-        return await self.producer.send(
-            topic, message.encode(), key=None if key is None else key.encode(), partition=partition
+        ack = await self.producer.send(
+            topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
         )
+        if self.doorbell is not None:
+            ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic))
+        return ack
+
+    def _ring(self, topic: str) -> None:
+        """Wake the quiet consumers of `topic` now that the broker has the record."""
+        if self.doorbell is not None:
+            self.doorbell.ring(topic)
 
     async def consumer(
-        self, *topics: str, group: str | None, from_latest: bool = False, hot: bool = False, **kwargs
+        self,
+        *topics: str,
+        group: str | None,
+        from_latest: bool = False,
+        hot: bool = False,
+        subscribe: bool = True,
+        **kwargs,
     ) -> AIOKafkaConsumer:
         """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`.
 
-        `hot`: on the request/token path, so empty fetches return after `kafka_fetch_wait_ms`.
+        `hot`: on the request/token path. On a broker that cannot long-poll its fetches return
+        after `kafka_fetch_wait_ms` while it is awake (others after 100 ms); on Apache Kafka every
+        consumer long-polls (`kafka_long_poll_wait_ms`), which costs no latency there.
         """
-        c = AIOKafkaConsumer(
-            *topics if group else (),
+        s = self.settings
+        if s.kafka_long_poll:
+            cls, extra = AIOKafkaConsumer, {"fetch_max_wait_ms": s.kafka_long_poll_wait_ms}
+        else:
+            wait_ms = s.kafka_fetch_wait_ms if hot else 100
+            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000
+            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": s.kafka_idle_poll_ms / 1000}
+            cls = QuietConsumer
+        c = cls(
+            *topics if group and subscribe else (),
             bootstrap_servers=self.bootstrap,
             client_id=self.client_id,
             group_id=group,
             enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
-            fetch_max_wait_ms=self.settings.kafka_fetch_wait_ms if hot else 100,
             # Short group timers: a replaced member (restart after a crash) is evicted in seconds.
             session_timeout_ms=6000,
             heartbeat_interval_ms=1000,
             rebalance_timeout_ms=3000,
+            **extra,
             **kwargs,
         )
         await with_backoff("consumer start", c.start)
         self._consumers.append(c)
+        if group and subscribe:
+            for topic in topics:
+                self._listen(c, topic)
+        return c
+
+    def _listen(self, consumer: AIOKafkaConsumer, topic: str) -> None:
+        if isinstance(consumer, QuietConsumer) and self.doorbell is not None:
+            self.doorbell.listen(topic, consumer.wake)
+
+    async def owned_consumer(self, topic: str, *, group: str, hot: bool = False) -> AIOKafkaConsumer:
+        """All partitions of a topic only this process reads (a worker's `dispatch.<id>`), with
+        commits under `group` but no group membership: nothing to join, so no rebalance.
+
+        A subscribed consumer waits for the coordinator's join round (about 3 s on tansu, which
+        delays the first assignment) before its first fetch, all of which is start-up time for a
+        worker whose model is already loaded. Assigned directly it fetches at once, from the
+        group's committed offsets (what it had accepted before a restart), or from the start
+        of the topic. What membership would add, fencing off a second process with the same
+        worker id, it does not give anyway within its session timeout; a worker id must be
+        unique (the scheduler treats two as one worker).
+        """
+        c = await self.consumer(group=group, subscribe=False, hot=hot)
+        parts = await with_backoff(f"metadata {topic}", lambda: _partitions(c, topic))
+        c.assign([TopicPartition(topic, p) for p in parts])  # positions: committed, else earliest
+        self._listen(c, topic)
         return c
 
     async def assign_all(
@@ -138,6 +222,7 @@ class KafkaClient:
             parts = list(partitions)
         tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)
+        self._listen(consumer, topic)
         if from_end:
             await consumer.seek_to_end(*tps)
         else:
@@ -158,6 +243,9 @@ class KafkaClient:
             except Exception:  # noqa: BLE001
                 log.exception("producer stop")
             self.producer = None
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
 
 
 async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: int = 1000) -> list[M]:

@@ -17,10 +17,19 @@ class ServiceSettings(BaseSettings):
     topic_prefix: str = "tandem"  # lets several deployments share one Kafka cluster
     log_level: str = "INFO"
     log_json: bool = False  # one JSON object per line (for log shippers) instead of text
-    # How long the broker may hold a fetch that finds no data, for consumers on the token path.
-    # Apache Kafka answers a waiting fetch as soon as data arrives; the embedded tansu broker only
-    # at this deadline, so there it bounds each hop's latency (at the cost of more idle fetches).
+    # Apache Kafka answers a waiting fetch as soon as data arrives (set this true there: consumers
+    # long-poll for `kafka_long_poll_wait_ms`). The embedded tansu broker answers only at the
+    # fetch deadline (measured, docs/services.md "Fetch waits"): there consumers fetch with
+    # `kafka_fetch_wait_ms` (token path) while records flow, stop fetching after `kafka_awake_ms`
+    # without any, and wake on a producer's doorbell or every `kafka_idle_poll_ms`.
+    kafka_long_poll: bool = False
+    kafka_long_poll_wait_ms: int = 500
     kafka_fetch_wait_ms: int = 2
+    kafka_awake_ms: int = 50
+    kafka_idle_poll_ms: int = 1000
+    # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces); empty = no export. Per-hop
+    # latency histograms are on /metrics either way (shared/tracing.py).
+    otlp_endpoint: str = ""
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost

@@ -14,12 +14,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
     bsub.required = True
     from loadgen.baselines import hf_bench
-    from loadgen.bench import batch, compare, ellm_decision, ellm_sim, engine, gateway, placement, policies, sessions
+    from loadgen.bench import (
+        batch,
+        compare,
+        ellm_decision,
+        ellm_sim,
+        engine,
+        gateway,
+        idle,
+        kafka_path,
+        placement,
+        policies,
+        sessions,
+    )
 
     engine.add_parser(bsub)
     compare.add_parser(bsub)
     policies.add_parser(bsub)
     gateway.add_parser(bsub)
+    idle.add_parser(bsub)
+    kafka_path.add_parser(bsub)
     batch.add_parser(bsub)
     sessions.add_parser(bsub)
     ellm_decision.add_parser(bsub)

@@ -7,6 +7,12 @@ what gateway → Kafka → scheduler → worker → Kafka → gateway costs. The
 rate the stack sustains with a trivial model (closed loop, one-token completions).
 The model defaults to a tiny random-weight Llama (`--model tiny`) so model time is small and
 the transport's share is visible; pass a path or `default` to measure with a real model.
+
+Where the added time goes: the stack exports its traces to a receiver in this process
+(`loadgen/otlp_sink.py`), each measured request carries its own `traceparent`, and `hops`
+reports p50/p99 of every hop span (`shared/tracing.py`) of those requests, beside
+`added_by_kafka_path`. The export itself (a batching thread per service) is part of what is
+measured, as it is in a traced deployment.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import tempfile
 import time
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.otlp_sink import OtlpSink, ReceivedSpan
 from loadgen.provenance import stamp
 
 
@@ -80,6 +88,7 @@ async def _bench(args, model: str) -> dict:
         "inproc": inproc,
         "gateway": stack["sequential"],
         "added_by_kafka_path": added,
+        "hops": stack["hops"],
         "sustained": stack["sustained"],
     }
 
@@ -110,11 +119,46 @@ async def _through_stack(args, model: str) -> dict:
 
     from loadgen.bench.stack import running_stack
 
-    async with running_stack(model) as (url, name):
-        async with httpx.AsyncClient(timeout=120) as client:
-            seq = await _sequential(client, url, name, args)
-            sustained = await _sustained(client, url, name, args)
-    return {"sequential": seq, "sustained": sustained}
+    with OtlpSink() as sink:
+        async with running_stack(model, env={"TANDEM_OTLP_ENDPOINT": sink.url}) as (url, name):
+            # One connection per client of the sustained phase (httpx's default pool holds 100,
+            # which would cap the concurrency the gateway sees).
+            limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+                seq, trace_ids = await _sequential(client, url, name, args)
+                sustained = await _sustained(client, url, name, args)
+        # The stack has stopped: every service flushed its spans on the way out.
+        hops = hop_breakdown(sink.spans(), trace_ids)
+    return {"sequential": seq, "sustained": sustained, "hops": hops}
+
+
+def hop_breakdown(spans: list[ReceivedSpan], trace_ids: set[str]) -> dict:
+    """p50/p99 seconds of each hop over the given traces, and how many traces had that hop."""
+    by_hop: dict[str, list[float]] = {}
+    for s in spans:
+        if s.hop is not None and s.trace_id in trace_ids:
+            by_hop.setdefault(s.hop, []).append(s.seconds)
+    order = [h for h in HOP_ORDER if h in by_hop] + sorted(set(by_hop) - set(HOP_ORDER))
+    return {
+        h: {"p50_s": percentile(by_hop[h], 50), "p99_s": percentile(by_hop[h], 99), "count": len(by_hop[h])}
+        for h in order
+    }
+
+
+# A request's path in order (shared/tracing.py): the hops up to the first token.
+HOP_ORDER = (
+    "gateway.accept",
+    "gateway.produce",
+    "scheduler.consume",
+    "scheduler.place",
+    "scheduler.produce",
+    "worker.consume",
+    "worker.engine_queue",
+    "worker.first_token",
+    "worker.result_produce",
+    "gateway.consume",
+    "gateway.sse_write",
+)
 
 
 async def _sequential(client, url: str, model: str, args) -> dict:
@@ -126,20 +170,22 @@ async def _sequential(client, url: str, model: str, args) -> dict:
         "ignore_eos": True,
         "stream": True,
     }
-    ttfts, itls = [], []
+    ttfts, itls, trace_ids = [], [], set()
     for i in range(args.requests + 3):
-        times = await _stream_times(client, url, body)
+        trace_id = secrets.token_hex(16)
+        times = await _stream_times(client, url, body, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
         if i >= 3:
             ttfts.append(times[0])
             itls += [b - a for a, b in zip(times, times[1:])]
-    return _latency(ttfts, itls)
+            trace_ids.add(trace_id)
+    return _latency(ttfts, itls), trace_ids
 
 
-async def _stream_times(client, url: str, body: dict) -> list[float]:
+async def _stream_times(client, url: str, body: dict, headers: dict | None = None) -> list[float]:
     """Seconds from sending to each content chunk (one chunk per engine step here)."""
     t0 = time.perf_counter()
     out = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"content"' in line and '"content":""' not in line:
                 out.append(time.perf_counter() - t0)
@@ -185,6 +231,10 @@ def _print(r: dict) -> None:
     for name in ("inproc", "gateway", "added_by_kafka_path"):
         v = r[name]
         print(f"{name:14}{ms(v['ttft_p50_s'])}  {ms(v['ttft_p99_s'])}  {ms(v['itl_p50_s'])}  {ms(v['itl_p99_s'])}")
+    if r["hops"]:
+        print(f"{'hop (first token)':24}{'p50':>8}{'p99':>8}  (ms)")
+        for hop, v in r["hops"].items():
+            print(f"{hop:24}{ms(v['p50_s'])}{ms(v['p99_s'])}")
     s = r["sustained"]
     print(
         f"sustained: {s['requests_per_s']:.1f} req/s ({s['requests']} ok, {s['errors']} errors, "

@@ -28,6 +28,7 @@ from shared.openai_api.translate import ReplyTo, to_generate_request
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.sessions import check_session_id
+from shared.tracing import Tracing
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -166,6 +167,7 @@ class _Handlers:
         )
 
     async def _serve(self, request: Request, body: OpenAIRequest) -> Response:
+        accepted_ns = time.time_ns()
         caller = caller_of(request)
         req_class = self._admit(body, request, caller)
         try:
@@ -175,9 +177,10 @@ class _Handlers:
         if self._is_open(gen.request_id):
             raise APIError(400, f"request id {gen.request_id!r} is already in flight", code="duplicate_request_id")
         stream = self.core.streams.open(gen)
+        stream.trace = self.core.tracing.start_request(request.headers)
         ctx = _Ctx(self, stream, body, time.perf_counter(), caller)
         try:
-            await self.core.submit(gen)
+            await self.core.submit(gen, accepted_ns)
             await ctx.wait_accepted()
         except BaseException:
             ctx.close(completed=False)
@@ -190,6 +193,7 @@ class _Handlers:
                     "X-Request-Id": gen.request_id,
                     "X-Tandem-Worker": stream.worker_id or "",
                     "Cache-Control": "no-cache",
+                    **Tracing.http_headers(stream.trace),
                 },
             )
         return await ctx.collect(request)
@@ -264,6 +268,17 @@ class _Ctx:
         if d.cached_tokens is not None:
             self.cached_tokens = d.cached_tokens
 
+    def _trace_first_token(self) -> None:
+        """The gateway's result-side hops of the first token: its Kafka hop from the worker and
+        the SSE write (from reading its batch to the chunk sent)."""
+        if self.stream.first_batch_ns is None:
+            return
+        sent, read = self.stream.first_batch_ns
+        tracing = self.h.core.tracing
+        if sent is not None:
+            tracing.hop("gateway.consume", self.stream.trace, sent, read)
+        tracing.hop("gateway.sse_write", self.stream.trace, read)
+
     def _usage(self) -> dict:
         return usage(self.stream.prompt_tokens or 0, len(self.stream.token_ids), self.cached_tokens)
 
@@ -276,6 +291,8 @@ class _Ctx:
             try:
                 async for d in self._deltas():
                     yield sse(self.shaper.delta_chunk(d, d.token_texts))
+                    if d.index == 0 and d.token_ids:  # resumed here only once the server sent it
+                        self._trace_first_token()
             except APIError as exc:  # headers are sent: report in-band, as OpenAI does
                 yield sse(exc.body())
                 yield sse("[DONE]")
@@ -304,6 +321,7 @@ class _Ctx:
                 headers={
                     "X-Request-Id": self.stream.request.request_id,
                     "X-Tandem-Worker": self.stream.worker_id or "",
+                    **Tracing.http_headers(self.stream.trace),
                 },
             )
         except BaseException:
@@ -335,6 +353,9 @@ class _Ctx:
             used = (self.stream.prompt_tokens or 0) + len(self.stream.token_ids)
             self.h.auth.limiter.charge_tokens(self.caller.key, used)
         status = status or ("200" if completed else "cancelled")
+        if self.stream.trace is not None:
+            self.stream.trace.set_attribute("http.status", status)
+            self.stream.trace.end()
         self.h.m_requests.labels(self.endpoint, self.cls, status).inc()
         if status == "200":
             self.h.m_e2e.labels(self.cls).observe(time.perf_counter() - self.t0)

@@ -15,11 +15,13 @@ from services.gateway.streams import StreamRegistry
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
+from shared.records import decode_record
 from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import ResultBatch
 from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
+from shared.tracing import Tracing, sent_ns
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class GatewayCore:
         self.streams = StreamRegistry(self.submit)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self.metrics = ServiceMetrics("gateway")
+        self.tracing = Tracing("gateway", self.metrics, settings.otlp_endpoint)
         self._tasks: list[asyncio.Task] = []
         self._fire_and_forget: set[asyncio.Task] = set()
         self.ready = False
@@ -66,10 +69,19 @@ class GatewayCore:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._fire_and_forget, return_exceptions=True)
         await self.kafka.stop()
+        self.tracing.shutdown()
 
-    async def submit(self, request: GenerateRequest) -> None:
+    async def submit(self, request: GenerateRequest, accepted_ns: int | None = None) -> None:
+        """Publish a request (a first attempt, or a resumed one); `accepted_ns`: when the HTTP
+        handler took it, for the `gateway.accept` hop."""
         topic = self.topics.rt_requests if request.req_class == "rt" else self.topics.be_requests
-        await self.kafka.send(topic.name, request, key=request.request_id)
+        stream = self.streams.get(request.request_id)
+        trace = stream.trace if stream is not None else None
+        send_ns = time.time_ns()
+        if accepted_ns is not None:
+            self.tracing.hop("gateway.accept", trace, accepted_ns, send_ns)
+        await self.kafka.send(topic.name, request, key=request.request_id, headers=Tracing.kafka_headers(trace))
+        self.tracing.hop("gateway.produce", trace, send_ns)
         log.debug("submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
 
     def cancel_soon(self, request_id: str) -> None:
@@ -88,11 +100,16 @@ class GatewayCore:
 
     async def _results_loop(self, consumer) -> None:
         while True:
-            for batch in await fetch_decoded(consumer, ResultBatch):
-                if log.isEnabledFor(logging.DEBUG):
-                    for e in batch.events:
-                        log.debug("event %s", e.type, extra={"request_id": e.request_id})
-                await self.streams.on_batch(batch)
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                read_ns = time.time_ns()
+                for record in records:
+                    batch = decode_record(ResultBatch, record)
+                    if batch is None:
+                        continue  # malformed: logged and skipped
+                    if log.isEnabledFor(logging.DEBUG):
+                        for e in batch.events:
+                            log.debug("event %s", e.type, extra={"request_id": e.request_id})
+                    await self.streams.on_batch(batch, sent_ns(record.headers), read_ns)
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
+
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed, Rerouted, ResultBatch
 
@@ -29,6 +31,8 @@ class RequestStream:
     prompt_tokens: int | None = None
     worker_id: str | None = None
     finished: bool = False
+    trace: Span | None = None  # the request's root span (shared/tracing.py)
+    first_batch_ns: tuple[int | None, int] | None = None  # (sent, read) of the batch with the first token
 
     @property
     def attempt(self) -> int:
@@ -54,7 +58,12 @@ class StreamRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
-    async def on_batch(self, batch: ResultBatch) -> None:
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    async def on_batch(self, batch: ResultBatch, sent_ns: int | None = None, read_ns: int = 0) -> None:
+        """Route `batch`'s events; `sent_ns`/`read_ns` (its send and read times) time the first
+        token's Kafka hop."""
         for event in batch.events:
             stream = self._streams.get(event.request_id)
             if stream is None or stream.finished or event.attempt != stream.attempt:
@@ -62,6 +71,8 @@ class StreamRegistry:
             if isinstance(event, Rerouted):
                 await self._resume(stream, event)
             elif isinstance(event, Delta):
+                if stream.first_batch_ns is None and not stream.token_ids and event.token_ids:
+                    stream.first_batch_ns = (sent_ns, read_ns)
                 self._apply_delta(stream, event)
             else:
                 self._apply_other(stream, event)

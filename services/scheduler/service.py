@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from aiokafka import TopicPartition
+from opentelemetry.context import Context
 
 from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_affinity
 from services.scheduler.assignments import AssignmentTable
@@ -45,6 +46,7 @@ from shared.schemas.scheduler import Assignment
 from shared.schemas.sessions import SessionLocation, SessionPlacement
 from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.topics import Topics
+from shared.tracing import Tracing, context_of, sent_ns
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class Pending:
     request: GenerateRequest
     tp: TopicPartition
     offset: int
+    trace: Context | None = None  # the request's trace context, from its record's headers
+    read_ns: int = 0  # when this scheduler read it (wall clock, for the `scheduler.place` hop)
 
 
 class SchedulerService:
@@ -78,6 +82,7 @@ class SchedulerService:
 
     def _init_metrics(self) -> None:
         m = self.metrics = ServiceMetrics("scheduler")
+        self.tracing = Tracing("scheduler", self.metrics, self.settings.otlp_endpoint)
         self.m_placed = m.counter("scheduler_placed_total", "requests placed", ("req_class",))
         self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
         self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
@@ -149,6 +154,7 @@ class SchedulerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._commit()
         await self.kafka.stop()
+        self.tracing.shutdown()
 
     # -- input loops ---------------------------------------------------------------------
 
@@ -172,7 +178,11 @@ class SchedulerService:
         if placed is not None and placed.attempt >= req.attempt:
             self.offsets.done(tp, offset)  # redelivered after a restart: already placed
             return
-        self.pending[req.req_class].append(Pending(req, tp, offset))
+        read_ns, trace = time.time_ns(), context_of(m.headers)
+        sent = sent_ns(m.headers)
+        if sent is not None:
+            self.tracing.hop("scheduler.consume", trace, sent, read_ns)
+        self.pending[req.req_class].append(Pending(req, tp, offset, trace, read_ns))
         log.debug("received", extra={"request_id": req.request_id})
 
     async def _heartbeat_loop(self) -> None:
@@ -305,8 +315,14 @@ class SchedulerService:
         # offset is committed only after both are acknowledged, so a crash in between redelivers
         # it, and a restarted scheduler that finds the state record does not place it twice.
         state_ack = await self.assignments.add_nowait(a)
-        dispatch_ack = await self.kafka.send_nowait(self.topics.dispatch(worker_id).name, req, key=req.request_id)
+        send_ns = time.time_ns()
+        if p.read_ns:
+            self.tracing.hop("scheduler.place", p.trace, p.read_ns, send_ns)
+        dispatch_ack = await self.kafka.send_nowait(
+            self.topics.dispatch(worker_id).name, req, key=req.request_id, headers=Tracing.kafka_headers(p.trace)
+        )
         await asyncio.gather(state_ack, dispatch_ack)
+        self.tracing.hop("scheduler.produce", p.trace, send_ns)
         self.offsets.done(p.tp, p.offset)
         self._count_session_turn(req, worker_id, live)
         self.affinity.placed(req.session_id, worker_id)

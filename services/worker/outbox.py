@@ -20,10 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 from shared.kafka import KafkaClient
 from shared.schemas.base import WireModel
 from shared.schemas.results import ResultBatch, ResultEvent
+from shared.tracing import KafkaHeaders, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +39,12 @@ class PartitionOrderedSender:
         self._kafka = kafka
         self._turns: dict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
 
-    async def send(self, topic: str, message: WireModel, *, partition: int) -> None:
+    async def send(
+        self, topic: str, message: WireModel, *, partition: int, headers: KafkaHeaders | None = None
+    ) -> None:
         """Send and wait for the broker's ack (raises what the producer raises)."""
         async with self._turns[topic, partition]:
-            ack = await self._kafka.send_nowait(topic, message, partition=partition)
+            ack = await self._kafka.send_nowait(topic, message, partition=partition, headers=headers)
         await ack
 
 
@@ -50,11 +54,16 @@ class ResultOutbox:
         self._topic = topic
         self._source = source
         self._pending: dict[int, list[ResultEvent]] = defaultdict(list)
+        self._on_ack: dict[int, list[Callable[[], None]]] = defaultdict(list)
         self._flush_scheduled = False
         self._inflight: set[asyncio.Task] = set()
 
-    def put(self, partition: int, event: ResultEvent) -> None:
+    def put(self, partition: int, event: ResultEvent, on_ack: Callable[[], None] | None = None) -> None:
+        """Queue `event` for this step's batch to `partition`; `on_ack` runs once the broker has
+        the batch (the worker times its first token's `worker.result_produce` hop with it)."""
         self._pending[partition].append(event)
+        if on_ack is not None:
+            self._on_ack[partition].append(on_ack)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -62,16 +71,23 @@ class ResultOutbox:
     def _flush(self) -> None:
         self._flush_scheduled = False
         pending, self._pending = self._pending, defaultdict(list)
+        on_ack, self._on_ack = self._on_ack, defaultdict(list)
         for partition, events in pending.items():
-            task = asyncio.ensure_future(self._send(partition, events))
+            task = asyncio.ensure_future(self._send(partition, events, on_ack.get(partition, [])))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
-    async def _send(self, partition: int, events: list[ResultEvent]) -> None:
+    async def _send(self, partition: int, events: list[ResultEvent], on_ack: list[Callable[[], None]]) -> None:
+        batch = ResultBatch(source=self._source, events=events)
         try:
-            await self._kafka.send(self._topic, ResultBatch(source=self._source, events=events), partition=partition)
+            # One batch serves many requests: it carries only its send time, for the gateway's
+            # `gateway.consume` hop (shared/tracing.py).
+            await self._kafka.send(self._topic, batch, partition=partition, headers=Tracing.kafka_headers(None))
         except Exception:  # noqa: BLE001 (a lost batch must not kill the worker; the client times out)
             log.exception("failed to publish %d result events", len(events))
+            return
+        for cb in on_ack:
+            cb()
 
     async def drain(self) -> None:
         """Wait until everything put so far is acknowledged (shutdown)."""

@@ -25,9 +25,10 @@ import sys
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from aiokafka import AIOKafkaConsumer
+from opentelemetry.context import Context
 
 from engine.async_llm import AsyncLLM, RequestStream
 from services.worker.adapter import EngineRequest, to_engine_request
@@ -44,8 +45,20 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
+from shared.tracing import Tracing, context_of, sent_ns
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Trace:
+    """A dispatched request's trace context and the worker-side times its hop spans start from."""
+
+    context: Context | None
+    read_ns: int  # the worker read the dispatch record
+    queued_ns: int = 0  # the engine queued it
+
+
 _SEEN_LIMIT = 100_000  # dispatch keys remembered for de-duplication
 _FINISHED_WINDOW_S = 60.0
 
@@ -88,6 +101,7 @@ class WorkerService:
 
     def _init_metrics(self) -> None:
         m = self.metrics = ServiceMetrics("worker")
+        self.tracing = Tracing("worker", self.metrics, self.settings.otlp_endpoint)
         self.m_load = m.gauge("worker_requests", "requests in the engine", ("req_class", "state"))
         self.m_kv = m.gauge("worker_kv_usage", "fraction of KV blocks in use")
         self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
@@ -108,10 +122,14 @@ class WorkerService:
         # default 5 ms for its turn (that wait showed up as +10 ms per token on the Kafka path).
         sys.setswitchinterval(self.settings.gil_switch_interval_s)
         await self.llm.start()
+        loaded = time.monotonic()
         dispatch = self.topics.dispatch(self.worker_id)
         await self.kafka.start([*self.topics.static(), dispatch])
         await self.sessions.start()
-        self._dispatch = await self.kafka.consumer(dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True)
+        # Assigned, not subscribed: no group join round before the first dispatch is read.
+        self._dispatch = await self.kafka.owned_consumer(
+            dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True
+        )
         self._control = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
         self._owners_in = await self.kafka.consumer(group=None)
@@ -126,7 +144,13 @@ class WorkerService:
         self._background = [asyncio.create_task(c) for c in loops]
         await self._send_heartbeat()
         self.metrics.serve(self.settings.metrics_port)
-        log.info("worker %s serving %r (dispatch topic %s)", self.worker_id, self.model_name, dispatch.name)
+        log.info(
+            "worker %s serving %r (dispatch topic %s; consuming %.2fs after the model was loaded)",
+            self.worker_id,
+            self.model_name,
+            dispatch.name,
+            time.monotonic() - loaded,
+        )
 
     async def stop(self) -> None:
         """Drain: stop taking work, let running requests finish (bounded), flush, close."""
@@ -141,6 +165,7 @@ class WorkerService:
         await self.outbox.drain()
         await self.sessions.stop()
         await self.kafka.stop()
+        self.tracing.shutdown()
         await self.llm.shutdown()
 
     # -- dispatch ------------------------------------------------------------------------
@@ -156,9 +181,14 @@ class WorkerService:
                 await consumer.commit()  # accepted into the engine: a redelivery would be a duplicate
 
     def _accept(self, record) -> None:
+        read_ns = time.time_ns()
         req = decode_record(GenerateRequest, record)
         if req is None:
             return  # malformed: logged and skipped
+        hop = _Trace(context_of(record.headers), read_ns)
+        sent = sent_ns(record.headers)
+        if sent is not None:
+            self.tracing.hop("worker.consume", hop.context, sent, read_ns)
         key = f"{req.request_id}:{req.attempt}"
         log.debug("dispatch received", extra={"request_id": req.request_id})
         if req.worker_epoch is not None and req.worker_epoch <= self.fenced_epoch:
@@ -174,7 +204,7 @@ class WorkerService:
         old = self._tasks.get(req.request_id)
         if old is not None:
             old.cancel()  # an older attempt of the same request still here: the new one wins
-        self._tasks[req.request_id] = asyncio.create_task(self._serve(req), name=key)
+        self._tasks[req.request_id] = asyncio.create_task(self._serve(req, hop), name=key)
         self._requests[req.request_id] = req
 
     def _remember(self, key: str) -> None:
@@ -182,7 +212,8 @@ class WorkerService:
         while len(self._seen) > _SEEN_LIMIT:
             self._seen.popitem(last=False)
 
-    async def _serve(self, req: GenerateRequest) -> None:
+    async def _serve(self, req: GenerateRequest, hop: _Trace | None = None) -> None:
+        hop = hop or _Trace(None, time.time_ns())
         try:
             try:
                 er = to_engine_request(req, self.llm.info.max_model_len)
@@ -191,12 +222,14 @@ class WorkerService:
                 else:
                     stream = await self._enter(er, req)
                     self._accepted(req, stream.num_prompt_tokens)
+                hop.queued_ns = time.time_ns()
+                self.tracing.hop("worker.engine_queue", hop.context, hop.read_ns, hop.queued_ns)
             except ValueError as exc:
                 failed = Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc))
                 self.outbox.put(req.reply_partition, failed)
                 return
             try:
-                await self._stream(req, er, stream)
+                await self._stream(req, er, stream, hop)
             finally:
                 stream.close()  # before the last delta (cancelled): aborts the request, frees its KV
         finally:
@@ -236,11 +269,15 @@ class WorkerService:
             ),
         )
 
-    async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream) -> None:
+    async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream, hop: _Trace) -> None:
         index = len(er.resumed_output_ids)
         async for d in stream:
+            on_ack = None
             if index == len(er.resumed_output_ids):
                 log.debug("first delta", extra={"request_id": req.request_id})
+                first_ns = time.time_ns()
+                self.tracing.hop("worker.first_token", hop.context, hop.queued_ns, first_ns)
+                on_ack = lambda: self.tracing.hop("worker.result_produce", hop.context, first_ns)  # noqa: B023, E731
             self.telemetry.add_tokens(len(d.token_ids))
             final = d.metrics
             self.outbox.put(
@@ -257,6 +294,7 @@ class WorkerService:
                     prompt_tokens=stream.num_prompt_tokens if d.finished else None,
                     cached_tokens=final.num_cached_tokens if final else None,
                 ),
+                on_ack,
             )
             index += len(d.token_ids)
             if final is not None:

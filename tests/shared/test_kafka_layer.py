@@ -12,7 +12,7 @@ from shared.schemas.control import Cancel, ControlEnvelope, Drain
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Rerouted, ResultBatch
 from shared.settings import ServiceSettings
-from shared.topics import Topics
+from shared.topics import Topics, TopicSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,3 +111,36 @@ def test_send_consume_commit_and_redelivery(kafka_bootstrap):
 
     got, again = asyncio.run(run())
     assert got == ["r0", "r1", "r2"] and again == ["r1", "r2"]
+
+
+def test_owned_consumer_resumes_from_its_groups_commits_without_joining(kafka_bootstrap):
+    """A worker's dispatch consumer: assigned, not subscribed (no rebalance round), yet a restart
+    reads on from the offsets it committed."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix="ko")
+    topic = "ko.dispatch.w"
+
+    async def read(c, n: int) -> list[str]:
+        got: list[str] = []
+        while len(got) < n:
+            for msgs in (await c.getmany(timeout_ms=500)).values():
+                got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
+        return got
+
+    async def run():
+        kafka = KafkaClient(settings, "test")
+        await kafka.start([TopicSpec(topic, 1, "request id")])
+        for i in range(3):
+            await kafka.send(topic, ControlEnvelope(message=Cancel(request_id=f"r{i}")))
+        c = await kafka.owned_consumer(topic, group="ko-w", hot=True)
+        first = await read(c, 3)
+        await c.commit({TopicPartition(topic, 0): 2})
+        await kafka.stop()
+        again = KafkaClient(settings, "test")
+        await again.start()
+        c2 = await again.owned_consumer(topic, group="ko-w", hot=True)
+        rest = await read(c2, 1)
+        await again.stop()
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert first == ["r0", "r1", "r2"] and rest == ["r2"]

@@ -1,0 +1,155 @@
+"""A consumer that stops fetching when idle and wakes on a doorbell, for the embedded broker.
+
+tansu answers a fetch at its deadline only (docs/services.md, "Fetch waits"), so a consumer
+that keeps a fetch in flight pays one broker round trip per `fetch_max_wait_ms` forever: with
+the 2 ms the token path needs, ~500 fetches a second per consumer, idle or not. A
+`QuietConsumer` fetches like any aiokafka consumer while records flow; once it has seen neither
+a record nor a ring for `awake_s`, and a fetch has answered since (`_drained`), it pauses its
+partitions (no fetch is sent while paused) and sleeps until a producer rings its topic
+(`shared/doorbell.py`) or `idle_poll_s` passes (a safety net for a lost ring: a record is then
+late, never lost). A ring resumes the partitions at once,
+from the doorbell's callback, so the next fetch (one `fetch_max_wait_ms` later on tansu) carries
+the record: the same latency as a consumer that never slept.
+
+It subclasses `AIOKafkaConsumer` (rather than wrapping it) because it must see the service's own
+`pause`/`resume` (the scheduler pauses its BE partitions for flow control): a partition the
+service paused is never resumed by a wake-up, and `getmany`/`getone` mark activity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import IllegalStateError
+
+log = logging.getLogger(__name__)
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class QuietConsumer(AIOKafkaConsumer):
+    def __init__(self, *topics: str, awake_s: float, idle_poll_s: float, **kwargs) -> None:
+        super().__init__(*topics, **kwargs)
+        self._awake_s = awake_s
+        self._idle_poll_s = idle_poll_s
+        self._held: set[TopicPartition] = set()  # paused by the service: never resumed here
+        self._asleep: set[TopicPartition] = set()  # paused here, resumed by a wake-up
+        self._last_activity = time.monotonic()
+        self._activity_ms = _wall_ms()  # the same moment on the clock aiokafka stamps fetches with
+        self._rung = asyncio.Event()
+        self._watch_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await super().start()
+        self._watch_task = asyncio.create_task(self._watch(), name="quiet-consumer")
+
+    async def stop(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
+        await super().stop()
+
+    # The service's flow control ---------------------------------------------------------------
+    def pause(self, *partitions: TopicPartition) -> None:
+        self._held.update(partitions)
+        self._asleep.difference_update(partitions)
+        super().pause(*partitions)
+
+    def resume(self, *partitions: TopicPartition) -> None:
+        """Lift the service's pause; a partition asleep here stays asleep until a wake-up (the
+        scheduler resumes its BE partitions after every batch it reads, asleep or not)."""
+        self._held.difference_update(partitions)
+        awake = [tp for tp in partitions if tp not in self._asleep]
+        if awake:
+            super().resume(*awake)
+
+    # Activity -----------------------------------------------------------------------------------
+    async def getmany(self, *partitions: TopicPartition, timeout_ms: int = 0, max_records: int | None = None):
+        batches = await super().getmany(*partitions, timeout_ms=timeout_ms, max_records=max_records)
+        if batches:
+            self._mark_activity()
+        return batches
+
+    async def getone(self, *partitions: TopicPartition):
+        record = await super().getone(*partitions)
+        self._mark_activity()
+        return record
+
+    def wake(self) -> None:
+        """A producer rang: fetch again now (called from the doorbell on the event loop)."""
+        if self._watch_task is None:
+            return  # stopped (or not started): nothing to wake
+        self._mark_activity()
+        self._resume_slept()
+        self._rung.set()
+
+    def _mark_activity(self) -> None:
+        self._last_activity = time.monotonic()
+        self._activity_ms = _wall_ms()
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    # Sleep and wake -----------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            idle_for = time.monotonic() - self._last_activity
+            if idle_for < self._awake_s:
+                await asyncio.sleep(self._awake_s - idle_for)  # a timer, not a poll of the broker
+                continue
+            if not self._drained():
+                await asyncio.sleep(self._fetch_wait_s() + 0.001)  # a fetch is still on its way
+                continue
+            self._fall_asleep()
+            self._rung.clear()
+            try:
+                await asyncio.wait_for(self._rung.wait(), self._idle_poll_s)
+            except TimeoutError:
+                # Safety net: look once (a short awake window, and until a fetch has answered).
+                self._mark_activity()
+                self._last_activity = time.monotonic() - self._awake_s + self._probe_s()
+                self._resume_slept()
+
+    def _probe_s(self) -> float:
+        return min(self._awake_s, 2.5 * self._fetch_wait_s() + 0.002)
+
+    def _fetch_wait_s(self) -> float:
+        return self._fetcher._fetch_max_wait_ms / 1000  # noqa: SLF001 (set by us at construction)
+
+    def _drained(self) -> bool:
+        """Whether sleeping now loses nothing: every partition it would pause has had a fetch
+        answered since the last activity (a ring, a record), and no fetched records wait to be
+        read. aiokafka drops what a fetch brings for a partition that is paused by the time it
+        is read (it fetches it again on resume); under load a fetch can outlast `awake_s`, and
+        sleeping then would leave a rung record unread until the next ring."""
+        buffered = self._fetcher._records  # noqa: SLF001 (aiokafka has no public "pending records")
+        for tp in self.assignment() - self._held:
+            polled = self.last_poll_timestamp(tp)
+            if tp in buffered or polled is None or polled <= self._activity_ms:
+                return False
+        return True
+
+    def _fall_asleep(self) -> None:
+        tps = self.assignment() - self._held
+        if not tps:
+            return
+        super().pause(*tps)
+        self._asleep = set(tps)
+
+    def _resume_slept(self) -> None:
+        if not self._asleep:
+            return
+        tps = (self._asleep & self.assignment()) - self._held
+        self._asleep = set()
+        for tp in tps:
+            with contextlib.suppress(IllegalStateError):  # unassigned by a rebalance meanwhile
+                super().resume(tp)

@@ -1,0 +1,141 @@
+"""How the embedded broker answers fetches, and the consumer that sleeps when idle (real tansu)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from shared.kafka import KafkaClient
+from shared.quiet_consumer import QuietConsumer
+from shared.schemas.control import Cancel, ControlEnvelope
+from shared.settings import ServiceSettings
+from shared.topics import TopicSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _until(cond, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for `cond()` (a state of the consumer under test); the bound is only a safety net."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def _envelope(i: int) -> ControlEnvelope:
+    return ControlEnvelope(message=Cancel(request_id=f"r{i}"))
+
+
+async def _ids(consumer, n: int) -> list[str]:
+    got: list[str] = []
+    while len(got) < n:
+        for msgs in (await consumer.getmany(timeout_ms=1000)).values():
+            got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
+    return got
+
+
+def test_tansu_answers_a_fetch_at_its_deadline_not_when_data_arrives(kafka_bootstrap):
+    """The reason for `QuietConsumer`: with a 1 s fetch wait, a record sent while the fetch waits
+    is delivered only when a fetch ends (tansu sleeps half the wait, then answers), not at once
+    as Apache Kafka would. Slowness can only make the delay longer, never shorter."""
+
+    async def run() -> float:
+        topic = "qc-deadline"
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap), "qc")
+        await kafka.ensure_topics([TopicSpec(topic, 1, "none")])
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, fetch_max_wait_ms=1000, fetch_min_bytes=1)
+        await producer.start()
+        await consumer.start()
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_end(tp)
+        await consumer.getmany(timeout_ms=1200)  # a fetch cycle is in flight
+        t0 = time.perf_counter()
+        await producer.send_and_wait(topic, b"x")
+        while not await consumer.getmany(timeout_ms=3000):
+            pass
+        delay = time.perf_counter() - t0
+        await consumer.stop()
+        await producer.stop()
+        return delay
+
+    assert asyncio.run(run()) > 0.3
+
+
+def test_quiet_consumer_sleeps_wakes_on_a_ring_and_keeps_the_services_pause(kafka_bootstrap):
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_idle_poll_ms=60_000)
+
+    async def run() -> None:
+        topic = "qc-ring"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 1, "none")])
+        raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")  # rings no bell
+        await raw.start()
+        consumer = await kafka.consumer(group=None, hot=True)
+        assert isinstance(consumer, QuietConsumer)
+        (tp,) = await kafka.assign_all(consumer, topic, from_end=True)
+        await _until(lambda: consumer.sleeping, "the idle consumer to sleep")
+
+        # Asleep it sends no fetch: a record produced without a ring stays unread (an awake
+        # consumer would return it within one 2 ms fetch) ...
+        await raw.send_and_wait(topic, _envelope(0).encode())
+        consumer.resume(tp)  # the service lifting a pause it never made (the scheduler does) ...
+        assert await consumer.getmany(timeout_ms=300) == {}
+        # ... wakes nothing; a producer of this package ringing: both records come at once.
+        await kafka.send(topic, _envelope(1))
+        assert await _ids(consumer, 2) == ["r0", "r1"]
+        await _until(lambda: consumer.sleeping, "the consumer to sleep again")
+
+        # A partition the service paused (flow control) stays paused through a ring.
+        consumer.pause(tp)
+        await kafka.send(topic, _envelope(2))
+        assert consumer.paused() == {tp}
+        assert await consumer.getmany(timeout_ms=100) == {}
+        consumer.resume(tp)
+        assert await _ids(consumer, 1) == ["r2"]
+        await raw.stop()
+        await kafka.stop()
+
+    asyncio.run(run())
+
+
+def test_quiet_consumer_reads_unrung_records_at_its_idle_poll(kafka_bootstrap):
+    """A lost ring (or a producer outside this package) delays a record, never loses it."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_idle_poll_ms=200)
+
+    async def run() -> None:
+        topic = "qc-poll"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 1, "none")])
+        raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await raw.start()
+        consumer = await kafka.consumer(group=None, hot=True)
+        await kafka.assign_all(consumer, topic, from_end=True)
+        await _until(lambda: consumer.sleeping, "the idle consumer to sleep")
+        await raw.send_and_wait(topic, _envelope(7).encode())
+        assert await _ids(consumer, 1) == ["r7"]
+        await raw.stop()
+        await kafka.stop()
+
+    asyncio.run(run())
+
+
+def test_long_poll_brokers_get_plain_consumers_and_no_doorbell(kafka_bootstrap):
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_long_poll=True)
+
+    async def run() -> None:
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec("qc-long", 1, "none")])
+        consumer = await kafka.consumer(group=None, hot=True)
+        assert not isinstance(consumer, QuietConsumer) and kafka.doorbell is None
+        await kafka.assign_all(consumer, "qc-long", from_end=True)
+        await kafka.send("qc-long", _envelope(3))
+        assert await _ids(consumer, 1) == ["r3"]
+        await kafka.stop()
+
+    asyncio.run(run())
