@@ -106,6 +106,9 @@ def worker_spec(args: argparse.Namespace, meta: dict):
         max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         max_model_len=args.max_model_len or int(meta.get("max_model_len", 2048)),
         kv_bytes_per_token=int(meta.get("kv_bytes_per_token", 0)),
+        hidden_size=int(meta.get("hidden_size", 0)),
+        head_dim=int(meta.get("head_dim", 0)),
+        num_kv_heads=int(meta.get("num_kv_heads", 0)),
     )
 
 
