@@ -137,13 +137,22 @@ def profile(target: ProfileTarget) -> CostModel:
     return with_hidden(target, model) if target.calibrate_hidden else model
 
 
-def with_hidden(target: ProfileTarget, model: CostModel) -> CostModel:
-    """`model` with the hybrid cache's rebuild term measured (module docstring)."""
+@dataclass(frozen=True)
+class HiddenRebuild:
+    """The measured rebuild: seconds per HIDDEN context token per step, the fixed extra of a
+    step with HIDDEN rows, and the points fitted."""
+
+    per_token_s: float
+    overhead_s: float
+    points: tuple[tuple[int, float], ...]  # (HIDDEN context tokens, extra seconds over KV form)
+
+
+def measure_hidden(target: ProfileTarget) -> HiddenRebuild:
+    """Time the grid's decode batches in KV and in HIDDEN form; fit the extra (module docstring)."""
     import numpy as np
 
-    start = time.perf_counter()
     bench = _Bench(target)
-    points = []  # (HIDDEN context tokens rebuilt, extra seconds over the same batch in KV form)
+    points = []
     for b, c in _hidden_grid(target):
         rows = [(1, c - 1)] * b
         points.append((b * (c - 1), bench._time(rows, CacheForm.HIDDEN) - bench._time(rows)))
@@ -152,18 +161,25 @@ def with_hidden(target: ProfileTarget, model: CostModel) -> CostModel:
     x = np.array([[t, 1.0] for t, _ in points])
     y = np.array([e for _, e in points])
     per_token, overhead = nonneg_lstsq(x, y, np.ones_like(y))
+    return HiddenRebuild(per_token, overhead, tuple(points))
+
+
+def with_hidden(target: ProfileTarget, model: CostModel) -> CostModel:
+    """`model` with the hybrid cache's rebuild term measured (module docstring)."""
+    start = time.perf_counter()
+    rebuild = measure_hidden(target)
     meta = dict(model.meta)
     meta.update(
-        hidden_step_overhead_s=overhead,
-        hidden_points=[{"tokens": t, "extra_s": e} for t, e in points],
+        hidden_step_overhead_s=rebuild.overhead_s,
+        hidden_points=[{"tokens": t, "extra_s": e} for t, e in rebuild.points],
         hidden_profile_seconds=time.perf_counter() - start,
     )
     log.info(
         "hidden cache: %.3g s per HIDDEN context token per step (rho %.3g s/block)",
-        per_token,
-        per_token * target.config.block_size,
+        rebuild.per_token_s,
+        rebuild.per_token_s * target.config.block_size,
     )
-    return CostModel(model.prefill, model.decode, model.swap_bytes_per_s, meta, per_token)
+    return CostModel(model.prefill, model.decode, model.swap_bytes_per_s, meta, rebuild.per_token_s)
 
 
 def _hidden_grid(target: ProfileTarget) -> list[tuple[int, int]]:
