@@ -188,7 +188,8 @@ def _hidden_grid(target: ProfileTarget) -> list[tuple[int, int]]:
     capacity = target.kv.capacity_tokens() - bs * 8
     contexts = [c for c in (128, 512, 2048) if c < target.max_model_len]
     batches = [b for b in (1, 4, 16) if b <= target.config.max_num_seqs]
-    return [(b, c) for b in batches for c in contexts if b * (c + bs) <= capacity]
+    # at most 8k rebuilt tokens a point: the fit is linear, and a CPU spends seconds on more
+    return [(b, c) for b in batches for c in contexts if b * (c + bs) <= capacity and b * c <= 8192]
 
 
 def _pow2(lo: int, hi: int) -> list[int]:
