@@ -34,6 +34,7 @@ def _engine_config(args: argparse.Namespace, policy: str, rho: float | None):
         kv_heads_expand=True,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,  # also bounds the ρ grid's contexts (128, 512 below 1024)
         seed=0,
         **extra,
     )
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--length-scale", type=float, default=0.25)
