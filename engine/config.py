@@ -104,9 +104,10 @@ class EngineConfig:
     # the hybrid cache (docs/aptserve.md): "kv" or "hidden" forces that form for every request
     # (checking and debugging); "auto" lets the policy choose (KV for every policy but aptserve)
     cache_form: str = "auto"
-    # aptserve: seconds of K/V rebuild per block of HIDDEN context per step (the penalty's ρ;
-    # not calibrated yet, docs/aptserve.md) and a demoted request's value factor (0: ~zero)
-    aptserve_rho: float = 1e-4
+    # aptserve: seconds of K/V rebuild per block of HIDDEN context per step (the penalty's ρ);
+    # None: measured by the profiler on this model (docs/aptserve.md), a number overrides it.
+    # aptserve_decay: a demoted request's value factor (0: ~zero)
+    aptserve_rho: float | None = None
     aptserve_decay: float = 0.0
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only

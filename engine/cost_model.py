@@ -24,10 +24,18 @@ File format (JSON, stable; `CostModel.save` / `CostModel.load`):
      "prefill": {"alpha0": s_per_token, "alpha1": s_per_token_pair, "beta": s},
      "decode":  {"alpha0": ..., "alpha1": ..., "beta": ...},
      "swap_bytes_per_s": float,
+     "hidden_s_per_token": float,            (optional: absent where not measured)
      "meta": {"model": str, "device": str, "dtype": str, "swap_overlaps": bool,
               "prefill_mape": float, "decode_mape": float, "mixed_mape": float, ...}}
 
 Unknown keys in `meta` are kept; a missing `meta.swap_overlaps` means False.
+
+The hybrid cache (docs/aptserve.md). `hidden_s_per_token` is what a step pays, on top of the
+same batch in KV form, per token of HIDDEN context it rebuilds (the K/V projection of every
+stored row, per layer, plus moving the rebuilt K/V): Apt-Serve's ρ is this times the block
+size. It is a separate linear term, not folded into α0/α1, because it scales with the HIDDEN
+requests' *context* (not their new tokens) and exists only for those rows; `None` where it
+was not measured (a model that never picks HIDDEN, or a profile from before the term).
 """
 
 from __future__ import annotations
@@ -122,6 +130,20 @@ class CostModel:
     decode: PhaseFit
     swap_bytes_per_s: float
     meta: dict = field(default_factory=dict, compare=False)
+    hidden_s_per_token: float | None = None  # K/V rebuild per HIDDEN context token per step
+
+    def hidden_rho(self, block_size: int) -> float | None:
+        """Apt-Serve's ρ: seconds of rebuild per block of HIDDEN context per step."""
+        return None if self.hidden_s_per_token is None else self.hidden_s_per_token * block_size
+
+    def hidden_seconds(self, hidden_context_tokens: int) -> float:
+        """The rebuild a step pays for `hidden_context_tokens` tokens of HIDDEN context; an
+        error when some are scheduled but the term was never measured (never a silent 0)."""
+        if not hidden_context_tokens:
+            return 0.0
+        if self.hidden_s_per_token is None:
+            raise ValueError("this cost model has no hidden_s_per_token: it cannot price HIDDEN rows")
+        return hidden_context_tokens * self.hidden_s_per_token
 
     @property
     def swap_overlaps(self) -> bool:
@@ -164,13 +186,16 @@ class CostModel:
     # -- persistence ------------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "format": FORMAT,
             "prefill": self.prefill.to_dict(),
             "decode": self.decode.to_dict(),
             "swap_bytes_per_s": self.swap_bytes_per_s,
             "meta": dict(self.meta),
         }
+        if self.hidden_s_per_token is not None:
+            out["hidden_s_per_token"] = self.hidden_s_per_token
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -182,6 +207,7 @@ class CostModel:
                 PhaseFit(**data["decode"]),
                 float(data["swap_bytes_per_s"]),
                 dict(data.get("meta", {})),
+                None if data.get("hidden_s_per_token") is None else float(data["hidden_s_per_token"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed cost model: {exc}") from None

@@ -86,9 +86,10 @@ class LLMEngine:
             compile_layers=config.layers_compiled,
         )
         # A given profile is loaded for every policy (the scheduler's SLO placement reads it from
-        # the worker's telemetry); only the policies that need one profile at start without it.
+        # the worker's telemetry); the policies that need one profile at start without it.
         self.cost_model = CostModel.load(config.cost_model_path) if config.cost_model_path else None
-        if config.policy in ("bros", "ellm") and self.cost_model is None:
+        needs_profile = config.policy in ("bros", "ellm") or self._aptserve_needs_rho(config)
+        if needs_profile and self.cost_model is None:
             self.cost_model = self._cost_model(config, source)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
         self.sessions = SessionStore(
@@ -421,12 +422,24 @@ class LLMEngine:
         log.log(logging.WARNING if forced and not layout.saves_memory else logging.INFO, layout.describe())
         return self.kv.attach(HiddenBlocks.factory(layout))
 
+    def _aptserve_needs_rho(self, config: EngineConfig) -> bool:
+        """aptserve measures ρ (the profile) unless given one, and only where it may pick
+        HIDDEN: on a model where the hidden form saves nothing ρ is never used."""
+        hidden = self.hidden_blocks
+        return (
+            config.policy == "aptserve"
+            and config.aptserve_rho is None
+            and hidden is not None
+            and hidden.layout.saves_memory
+        )
+
     def _policy_options(self, config: EngineConfig) -> dict:
         if config.policy == "aptserve":
             if config.cache_form != "auto":
                 raise ValueError("the aptserve policy chooses each request's cache form: use cache_form='auto'")
             return {
                 "rho": config.aptserve_rho,
+                "cost_model": self.cost_model,
                 "decay": config.aptserve_decay,
                 "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
             }
@@ -464,6 +477,8 @@ class LLMEngine:
             model_name=self.model_config.name,
             decode_kernel=self.runner.decode_kernel,
             compiled_layers=self.runner.decode_graph is not None,
+            # ρ is worth measuring only where a policy may pick HIDDEN (it saves memory)
+            calibrate_hidden=self.hidden_blocks is not None and self.hidden_blocks.layout.saves_memory,
         )
 
     def _tokenizer_eos(self) -> frozenset[int]:

@@ -9,6 +9,17 @@ other processes only ever add time, so the minimum is the least disturbed estima
 prefill+decode batches are measured but not fitted, to report how well the sum of the two
 phase models predicts them.
 
+The hybrid cache's ρ (docs/aptserve.md) is measured the same way where the target asks for it
+(`calibrate_hidden`: a model whose hidden form saves memory, with the hybrid cache attached):
+decode batches timed twice, all rows KV and then all rows HIDDEN, at a few batch sizes and
+contexts; the extra seconds are fitted against the HIDDEN context tokens rebuilt
+(`extra = a·tokens + o`, non-negative), and `a` is the cost model's `hidden_s_per_token`. A
+difference of two timings of the same batch, rather than a fit of HIDDEN steps alone, keeps
+everything the two forms share (weights, sampling, attention over the context) out of ρ; `o`
+(steps with HIDDEN rows run op by op, outside the compiled decode layer) goes to the meta as
+`hidden_step_overhead_s`, since the knapsack's penalty is per block and has no fixed term.
+A cached profile without the term gets it added on first use and is saved again.
+
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
 dtype, thread count, block size, the grid limits and the decode attention kernel.
 
@@ -30,9 +41,10 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, Sample, fit, mape
+from engine.cost_model import CostModel, Sample, fit, mape, nonneg_lstsq
 from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
+from engine.kv.hidden import CacheForm
 from engine.loader.cache import default_cache_dir, file_cache_key
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
@@ -56,6 +68,7 @@ class ProfileTarget:
     model_name: str
     decode_kernel: str  # the attention kernel and the layer graph change decode step times
     compiled_layers: bool
+    calibrate_hidden: bool = False  # measure the hybrid cache's rebuild (ρ): its hidden form saves memory
 
 
 def profile_path(target: ProfileTarget, source, cache_dir: Path | None = None) -> Path:
@@ -66,9 +79,14 @@ def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None)
     path = profile_path(target, source, cache_dir)
     if path.exists():
         try:
-            return CostModel.load(path)
+            model = CostModel.load(path)
         except ValueError:
             log.warning("ignoring unreadable cost profile %s", path)
+        else:
+            if target.calibrate_hidden and model.hidden_s_per_token is None:
+                model = with_hidden(target, model)
+                model.save(path)
+            return model
     model = profile(target)
     model.save(path)
     log.info("cost model profiled in %.1f s, saved to %s", model.meta["profile_seconds"], path)
@@ -115,7 +133,63 @@ def profile(target: ProfileTarget) -> CostModel:
         "num_samples": len(prefill) + len(decode),
         "profile_seconds": time.perf_counter() - start,
     }
-    return CostModel(model.prefill, model.decode, swap_bps, meta)
+    model = CostModel(model.prefill, model.decode, swap_bps, meta)
+    return with_hidden(target, model) if target.calibrate_hidden else model
+
+
+@dataclass(frozen=True)
+class HiddenRebuild:
+    """The measured rebuild: seconds per HIDDEN context token per step, the fixed extra of a
+    step with HIDDEN rows, and the points fitted."""
+
+    per_token_s: float
+    overhead_s: float
+    points: tuple[tuple[int, float], ...]  # (HIDDEN context tokens, extra seconds over KV form)
+
+
+def measure_hidden(target: ProfileTarget) -> HiddenRebuild:
+    """Time the grid's decode batches in KV and in HIDDEN form; fit the extra (module docstring)."""
+    import numpy as np
+
+    bench = _Bench(target)
+    points = []
+    for b, c in _hidden_grid(target):
+        rows = [(1, c - 1)] * b
+        points.append((b * (c - 1), bench._time(rows, CacheForm.HIDDEN) - bench._time(rows)))
+    if len(points) < 2:
+        raise RuntimeError("the KV pool is too small to calibrate the hidden cache's rebuild")
+    x = np.array([[t, 1.0] for t, _ in points])
+    y = np.array([e for _, e in points])
+    per_token, overhead = nonneg_lstsq(x, y, np.ones_like(y))
+    return HiddenRebuild(per_token, overhead, tuple(points))
+
+
+def with_hidden(target: ProfileTarget, model: CostModel) -> CostModel:
+    """`model` with the hybrid cache's rebuild term measured (module docstring)."""
+    start = time.perf_counter()
+    rebuild = measure_hidden(target)
+    meta = dict(model.meta)
+    meta.update(
+        hidden_step_overhead_s=rebuild.overhead_s,
+        hidden_points=[{"tokens": t, "extra_s": e} for t, e in rebuild.points],
+        hidden_profile_seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "hidden cache: %.3g s per HIDDEN context token per step (rho %.3g s/block)",
+        rebuild.per_token_s,
+        rebuild.per_token_s * target.config.block_size,
+    )
+    return CostModel(model.prefill, model.decode, model.swap_bytes_per_s, meta, rebuild.per_token_s)
+
+
+def _hidden_grid(target: ProfileTarget) -> list[tuple[int, int]]:
+    """(batch, context) points for the rebuild: both forms of the batch must fit the pool."""
+    bs = target.config.block_size
+    capacity = target.kv.capacity_tokens() - bs * 8
+    contexts = [c for c in (128, 512, 2048) if c < target.max_model_len]
+    batches = [b for b in (1, 4, 16) if b <= target.config.max_num_seqs]
+    # at most 8k rebuilt tokens a point: the fit is linear, and a CPU spends seconds on more
+    return [(b, c) for b in batches for c in contexts if b * (c + bs) <= capacity and b * c <= 8192]
 
 
 def _pow2(lo: int, hi: int) -> list[int]:
@@ -189,11 +263,13 @@ class _Bench:
         secs = self._fastest(lambda: self.target.copy_blocks([copy]))
         return copy.nbytes / secs
 
-    def _time(self, rows: list[tuple[int, int]]) -> float:
-        """Fastest seconds of one forward pass over `(new tokens, cached tokens)` rows."""
+    def _time(self, rows: list[tuple[int, int]], form: CacheForm = CacheForm.KV) -> float:
+        """Fastest seconds of one forward pass over `(new tokens, cached tokens)` rows, every
+        request in cache `form`."""
         requests = [self._request(n + c) for n, c in rows]
         try:
             for r, (n, c) in zip(requests, rows):
+                r.cache_form = form
                 r.num_computed_tokens = 0
                 if not self.target.kv.allocate(r, n + c):
                     raise RuntimeError("profiling grid does not fit the KV pool")

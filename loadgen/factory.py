@@ -148,6 +148,9 @@ def worker_spec(args: argparse.Namespace, meta: dict):
         max_model_len=args.max_model_len or int(meta.get("max_model_len", 2048)),
         kv_bytes_per_token=bytes_per_token,
         host_blocks=host_blocks,
+        hidden_size=int(meta.get("hidden_size", 0)),
+        head_dim=int(meta.get("head_dim", 0)),
+        num_kv_heads=int(meta.get("num_kv_heads", 0)),
     )
 
 

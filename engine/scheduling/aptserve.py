@@ -14,28 +14,40 @@ requests of that iteration (and each one's cache form) chosen by the knapsack gr
 HIDDEN is offered only when the engine attached `HiddenBlocks` and the model's ratio makes
 it save memory (`HiddenLayout.saves_memory`, i.e. MHA); otherwise this is the same scheduler
 over KV only (the simulator today, which has no model). A request of one block is never
-offered HIDDEN (as the paper's code). ρ (seconds of rebuild per block of HIDDEN context per
-step) is a constructor argument, **not calibrated yet**: the default is a placeholder.
+offered HIDDEN (as the paper's code).
+
+ρ (seconds of rebuild per block of HIDDEN context per step) is the `rho` argument when given
+(an override), else the cost model's measured `hidden_s_per_token × block_size` (the engine's
+profiler, or the simulator's profile; docs/aptserve.md). Offering HIDDEN with neither is an
+error, never a guessed number.
 """
 
 from __future__ import annotations
 
+from engine.cost_model import CostModel
 from engine.kv.hidden import CacheForm, HiddenBlocks
 from engine.scheduling.apt_values import iteration_type, make_candidate, pending_time, request_value
-from engine.scheduling.knapsack import Candidate, solve
+from engine.scheduling.knapsack import Candidate, options, solve
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import SLO, Request
-
-DEFAULT_RHO = 1e-4  # s per block per step; placeholder until calibrated (docs/aptserve.md)
 
 
 class AptServePolicy(SchedulingPolicy):
     name = "aptserve"
 
-    def __init__(self, rho: float = DEFAULT_RHO, decay: float = 0.0, default_slo: SLO = SLO(1.0, 1.0)) -> None:
-        """`decay`: a demoted request's value factor (0: near zero, the paper; 0.4: its
-        "Scheduling*"); `default_slo`: for requests without their own (the paper's 1 s / 1 s)."""
-        self.rho, self.decay, self.default_slo = rho, decay, default_slo
+    def __init__(
+        self,
+        rho: float | None = None,
+        decay: float = 0.0,
+        default_slo: SLO = SLO(1.0, 1.0),
+        cost_model: CostModel | None = None,
+    ) -> None:
+        """`rho`: ρ override (else `cost_model`'s measured one); `decay`: a demoted request's
+        value factor (0: near zero, the paper; 0.4: its "Scheduling*"); `default_slo`: for
+        requests without their own (the paper's 1 s / 1 s)."""
+        self._rho_override, self.cost_model = rho, cost_model
+        self.decay, self.default_slo = decay, default_slo
+        self.rho = 0.0  # the ρ in use (set on the first step that offers HIDDEN)
         self.hidden_chosen = 0  # requests scheduled in HIDDEN form (a published count)
         self.kv_chosen = 0
 
@@ -45,16 +57,18 @@ class AptServePolicy(SchedulingPolicy):
         outstanding = len(state.waiting) + len(state.running)
         free = state.kv.pool.num_free
         waiting = [self._candidate(state, r, hidden, outstanding, extra=0) for r in state.waiting]
-        fits = any(min(self._sizes(c)) <= free for c in waiting)
+        # "fits" means an option the knapsack would take fits the free blocks: a HIDDEN form that
+        # fits but is worth less than its penalty does not count (else a prefill iteration
+        # would admit nothing and the step would idle)
+        fits = any(options(c, free) for c in waiting)
         kind = iteration_type(
             (pending_time(r, state.now) for r in state.waiting),
             (pending_time(r, state.now) for r in state.running),
             fits,
         )
-        if kind == "prefill" or not state.running:
-            if fits:
-                self._prefill(state, batch, waiting, free)
-        else:
+        if (kind == "prefill" or not state.running) and fits:
+            self._prefill(state, batch, waiting, free)
+        if not batch and state.running:  # a prefill iteration that admitted nothing decodes instead
             self._decode(state, batch, hidden, outstanding)
         return batch
 
@@ -115,7 +129,22 @@ class AptServePolicy(SchedulingPolicy):
             component = state.kv.component(HiddenBlocks)
         except LookupError:
             return None
-        return component if component.layout.saves_memory else None
+        if not component.layout.saves_memory:
+            return None
+        self.rho = self.rho_for(state.kv.block_size)
+        return component
+
+    def rho_for(self, block_size: int) -> float:
+        """ρ: the override, else the cost model's measured rebuild per block."""
+        if self._rho_override is not None:
+            return self._rho_override
+        rho = None if self.cost_model is None else self.cost_model.hidden_rho(block_size)
+        if rho is None:
+            raise ValueError(
+                "aptserve may pick HIDDEN here but has no ρ: give aptserve_rho, or a cost model with "
+                "hidden_s_per_token (the profiler measures it on a model whose hidden form saves memory)"
+            )
+        return rho
 
     def _candidate(self, state: SchedulerState, r: Request, hidden, outstanding: int, extra: int) -> Candidate:
         """Blocks for the request's known tokens (running: after this step's `extra` new ones)."""
@@ -125,10 +154,6 @@ class AptServePolicy(SchedulingPolicy):
         # a floor: a request that got its token at `now` still counts (value 0 would drop it)
         value = max(request_value(r, state.now, self.decay, self.default_slo), 1e-12)
         return make_candidate(value, kv_blocks, hidden_blocks, outstanding, self.rho)
-
-    @staticmethod
-    def _sizes(c: Candidate) -> tuple[int, ...]:
-        return (c.kv_blocks,) if c.hidden_blocks is None else (c.kv_blocks, c.hidden_blocks)
 
     def _count(self, hidden: bool) -> None:
         if hidden:

@@ -8,8 +8,9 @@ its hidden-form blocks, value `p - c` with the penalty `c = N·ρ·m̄`) or KV (
 multiple-choice knapsack; 0-1 knapsack when HIDDEN is never offered, hence NP-hard).
 
 The greedy: each request's options become increments (0 -> HIDDEN -> KV, or 0 -> KV),
-sorted by value per block (θ); increments are taken in that order until the first that does
-not fit; then the best single request alone is compared and the better of the two is kept.
+sorted by value per block (θ); increments are taken in that order (the paper stops at the
+first that does not fit; we go on, below); then the best single request alone is compared
+and the better of the two is kept.
 
 Decisions where the paper is silent or loose (notes §2.8, pitfall 9):
 - *Options that cannot fit alone are dropped first* (KV when `m̄ > M`, HIDDEN when `h > M`),
@@ -17,6 +18,12 @@ Decisions where the paper is silent or loose (notes §2.8, pitfall 9):
   for h = m̄/2, written for any ratio) and non-positive ones. What is left is concave per
   request (θ_hidden >= θ_upgrade), so the fractional greedy is the LP optimum and
   `ALG >= OPT/2` holds (tested against brute force).
+- *Past the critical increment the greedy goes on filling*: an increment that does not fit
+  is skipped (and so is the rest of that request's chain), later smaller ones are still
+  taken. The paper's Algorithm 1 stops there; in a serving loop that strands free blocks
+  and, in a decode iteration, preempts every request sorted after one large one (measured
+  in the simulator). The stopping prefix is a subset of what we take, so the value only
+  grows and `ALG >= OPT/2` still holds.
 - *Ties* put every first increment before any upgrade, so a request's upgrade never precedes
   its HIDDEN step.
 - *The fallback is the best single request* in its best feasible form (value >= the
@@ -77,11 +84,12 @@ def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
             prev_blocks, prev_value = blocks, value
     steps.sort(key=lambda s: (s[0], s[1], s[2]))
     chosen = [SKIP] * len(candidates)
+    taken = [0] * len(candidates)  # increments taken per request: a chain is taken in order
     used, total = 0, 0.0
-    for _, _, i, choice, dm, dv in steps:
-        if used + dm > capacity:
-            break  # the critical increment: stop here, as the paper does
-        used, total = used + dm, total + dv
+    for _, rank, i, choice, dm, dv in steps:
+        if taken[i] != rank or used + dm > capacity:
+            continue  # past the critical increment: skip, keep filling (module docstring)
+        used, total, taken[i] = used + dm, total + dv, rank + 1
         chosen[i] = choice
     best = _best_single(candidates, capacity)
     if best is not None and best[1] > total:

@@ -10,6 +10,15 @@ profiler measures (batch sizes x context lengths), then fit the profiler's model
   heads * head_dim`` per (query token, context token) pair, halved for a causal prefill.
 - bytes: the weights once per step, plus K and V of every context token of every decode row
   (``kv_bytes_per_token``), plus the new tokens' K/V writes.
+- the hybrid cache's rebuild (`hidden_s_per_token`, docs/aptserve.md): per HIDDEN context token
+  per step, the K/V projection ``2 * layers * hidden * 2*kv_heads*head_dim`` FLOPs, reading
+  its stored row (``hidden`` values) and writing the rebuilt K and V to scratch, as one
+  kernel's roofline ``max(FLOPs / (peak*mfu), bytes / (bandwidth*mbu))``. It is *added* to the
+  step (not folded into the step's own max): the paper's code runs it as separate kernels
+  (gather, one batched K/V GEMM, scatter to scratch) between the layer's projections and its
+  attention, so it does not hide under the weight streaming of a memory-bound decode. The
+  attention over the rebuilt K/V is a decode row's like any other (``alpha1``). For OPT-13B on
+  the A100 that is compute-bound, about 27 us per token (rho about 0.43 ms per 16-token block).
 - mfu/mbu: the fraction of peak compute / memory bandwidth achieved (0.5 and 0.8 by default,
   typical of vLLM-era kernels), and a fixed per-step overhead (scheduling, sampling, launch).
 
@@ -55,6 +64,11 @@ class Model:
     def weight_bytes(self) -> float:
         return self.params * self.dtype_bytes
 
+    @property
+    def kv_width(self) -> int:
+        """K+V values per token per layer."""
+        return 2 * self.kv_heads * self.head_dim
+
 
 GIB = 2**30
 
@@ -95,6 +109,13 @@ def step_time(m: Model, g: GPU, e: Efficiency, rows: list[tuple[int, int]], deco
         bytes_ += (a if decode else 0) * m.kv_bytes_per_token + n * m.kv_bytes_per_token
     bytes_ += m.weight_bytes
     return e.overhead_s + max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
+
+
+def hidden_s_per_token(m: Model, g: GPU, e: Efficiency) -> float:
+    """Seconds one HIDDEN context token's K/V rebuild adds to a step (module docstring)."""
+    flops = 2 * m.layers * m.hidden * m.kv_width
+    bytes_ = m.layers * m.dtype_bytes * (m.hidden + m.kv_width)
+    return max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
 
 
 def grid_samples(
@@ -143,8 +164,12 @@ def build_profile(model: str, gpu: str, e: Efficiency = Efficiency()) -> CostMod
         "kv_capacity_tokens": kv_capacity_tokens(m, g, e),
         "max_model_len": m.max_model_len,
         "block_size": 16,
+        # the model's shape, for the simulator's hybrid cache (HIDDEN rows and their memory)
+        "hidden_size": m.hidden,
+        "head_dim": m.head_dim,
+        "num_kv_heads": m.kv_heads,
     }
-    return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta)
+    return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta, hidden_s_per_token(m, g, e))
 
 
 SHIPPED = {

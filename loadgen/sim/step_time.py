@@ -6,6 +6,10 @@ prefill chunk; each row is `(num_new_tokens, context_tokens_after_the_step)`, th
 
 Partial residency (eLLM): given the KV manager, a request whose table rebuilds `u` tokens this
 step adds a prefill row `(u, u)`, the rows the runner appends (`engine/rebuilt_prefix.py`).
+
+The hybrid cache (Apt-Serve): a HIDDEN row is priced as the same row in KV form (its attention
+over the context is the same work) plus the rebuild of K/V from every stored context token,
+`CostModel.hidden_seconds` of the HIDDEN requests' context tokens (`hidden_context_tokens`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 
 from engine.cost_model import CostModel
 from engine.kv import KVCacheManager
+from engine.kv.hidden import CacheForm
 from engine.rebuilt_prefix import rebuilt_rows
 from engine.scheduling import ScheduledBatch, ScheduledItem
 
@@ -30,6 +35,12 @@ def batch_rows(
     return prefill, decode
 
 
+def hidden_context_tokens(items: Sequence[ScheduledItem]) -> int:
+    """Tokens whose K/V this step rebuilds from stored hidden rows: every HIDDEN request's
+    context before its new tokens (a first prefill chunk has none)."""
+    return sum(it.request.num_computed_tokens for it in items if it.request.cache_form is CacheForm.HIDDEN)
+
+
 def swap_bytes(batch: ScheduledBatch, bytes_per_token: int) -> int:
     """Bytes the batch moves across the host link (checkpoints, swaps); the manager may price
     them itself (`swap_bytes`) or leave it to us (`swap_slots` x bytes per token)."""
@@ -41,4 +52,5 @@ def step_seconds(
     cost: CostModel, batch: ScheduledBatch, bytes_per_token: int, kv: KVCacheManager | None = None
 ) -> float:
     prefill, decode = batch_rows(batch.items, kv)
-    return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token))
+    rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items))
+    return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token)) + rebuild

@@ -7,6 +7,12 @@ progress and commit its blocks, give each row that reached the end of its known 
 token and stop it when it must, then report the step's duration to the policy. Only the
 token differs: a deterministic stand-in (the simulator has no logits), with outputs forced to
 `max_tokens` (EOS ignored), as in the papers' setups.
+
+The hybrid cache (docs/aptserve.md): where the spec knows the model's shape (`hidden_size`,
+`head_dim`, `num_kv_heads`) and the cost model prices the rebuild (`hidden_s_per_token`), the
+worker attaches the engine's `HiddenBlocks`, as the engine does for every policy but `bros`:
+HIDDEN requests then hold blocks at the model's hidden ratio, and each step pays their rebuild
+(`step_time.py`). Otherwise the worker is KV only (and `aptserve` schedules KV only).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from engine.bookkeeping import EngineStats, StepBookkeeping, produces_token
 from engine.cost_model import CostModel
 from engine.kv import BlockPool, KVCacheManager, hash_block
+from engine.kv.hidden import HiddenBlocks, HiddenLayout
 from engine.sampling import SamplingParams
 from engine.scheduling import (
     SLO,
@@ -49,6 +56,16 @@ class WorkerSpec:
     # host swap space in blocks, the same for every policy (None: the manager's default, 4x the
     # device pool); sized from `--swap-space-gib` so FCFS-with-swap and BROS get equal room
     host_blocks: int | None = None
+    # the model's shape for the hybrid cache's HIDDEN form (0: unknown, KV only)
+    hidden_size: int = 0
+    head_dim: int = 0
+    num_kv_heads: int = 0
+
+    def hidden_layout(self) -> HiddenLayout | None:
+        """Where HIDDEN rows would lie, from the model's shape; None when it is unknown."""
+        if not (self.hidden_size and self.head_dim and self.num_kv_heads):
+            return None
+        return HiddenLayout(self.hidden_size, self.head_dim, 2 * self.num_kv_heads, self.block_size, self.num_blocks)
 
 
 class SimWorker:
@@ -72,6 +89,9 @@ class SimWorker:
             bytes_per_token=spec.kv_bytes_per_token,
             host_blocks=spec.host_blocks,
         )
+        layout = spec.hidden_layout()
+        if layout is not None and cost.hidden_s_per_token is not None and policy != "bros":
+            self.kv.attach(HiddenBlocks.factory(layout))  # first, as the engine does
         limits = BatchLimits(spec.max_num_seqs, spec.max_num_batched_tokens, spec.enable_chunked_prefill)
         self.scheduler = Scheduler(self.kv, limits, make_policy(policy, **(policy_options or {})))
         self.stats = EngineStats()  # the engine's counters, kept by the engine's bookkeeping

@@ -25,7 +25,11 @@ def _prompts(seed: int = 1, lengths=(5, 37, 18)) -> list[list[int]]:
 def _generate(path, prompts, forms=None, **config) -> tuple[dict, dict, LLMEngine]:
     """Greedy tokens and per-step logits of each prompt; `forms` sets each request's form."""
     config = dict(dtype="float32", num_blocks=64, block_size=16, max_num_batched_tokens=32) | config
-    engine = LLMEngine(EngineConfig(model=str(path), **config))
+    if path is not None:
+        config["model"] = str(path)
+    if "kv_cache_gib" in config:
+        config.pop("num_blocks")
+    engine = LLMEngine(EngineConfig(**config))
     for i, p in enumerate(prompts):
         request = engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
         if forms is not None:
@@ -193,3 +197,18 @@ def test_conversion_to_hidden_needs_the_component(tiny_model_dir):
     request = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(LookupError, match="HiddenBlocks"):
         engine.scheduler.convert(request, CacheForm.HIDDEN)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("expand", [False, True])
+def test_default_model_hidden_gives_the_kv_tokens(expand, smollm2_dir):
+    """The issue's real-model case: SmolLM2-135M (GQA, r = 1.5) and its MHA expansion (r = 1/2),
+    float32, a chunked prompt and a short one in one batch: HIDDEN's greedy tokens are KV's."""
+    prompts = _prompts(3, lengths=(9, 45))
+    base = dict(model="default", dtype="float32", kv_cache_gib=0.05, kv_heads_expand=expand)
+    kv = _generate(None, prompts, cache_form="kv", **base)
+    hidden = _generate(None, prompts, cache_form="hidden", **base)
+    assert hidden[0] == kv[0]
+    for rid in kv[1]:
+        for x, y in zip(kv[1][rid], hidden[1][rid], strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-3)

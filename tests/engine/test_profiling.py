@@ -76,3 +76,37 @@ def test_cli_profile_prints_json(tiny_model_dir, tmp_path, monkeypatch, capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed["format"] == "tandem-cost-model/1" and CostModel.load(out).to_dict() == printed
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+
+
+@pytest.mark.timeout(300)
+def test_hidden_rebuild_is_measured_on_mha_and_feeds_aptserve(tiny_model_dir, tmp_path, monkeypatch):
+    """ρ calibration (docs/aptserve.md): on an MHA model (tiny OPT) the profile carries a
+    positive `hidden_s_per_token` from timed HIDDEN decode batches, added to a cached profile
+    that lacks it; aptserve without an override takes ρ = that × block size."""
+    path = tiny_model_dir("opt")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    target = LLMEngine(_config(path)).profile_target()
+    assert target.calibrate_hidden
+    source = resolve_model(str(path))
+    file = profiling.profile_path(target, source, tmp_path)
+    without = profiling.profile(profiling.ProfileTarget(**{**target.__dict__, "calibrate_hidden": False}))
+    assert without.hidden_s_per_token is None
+    without.save(file)  # a cached profile from before the term: it gets it added, not redone
+    monkeypatch.setattr(profiling, "profile", lambda t: pytest.fail("re-profiled although cached"))
+    model = profiling.profile_cached(target, source, tmp_path)
+    assert model.hidden_s_per_token is not None and model.hidden_s_per_token > 0
+    points = model.meta["hidden_points"]
+    assert len(points) >= 2 and len({p["tokens"] for p in points}) >= 2
+    assert CostModel.load(file) == model and CostModel.load(file).hidden_s_per_token == model.hidden_s_per_token
+    engine = LLMEngine(_config(path, policy="aptserve"))  # no aptserve_rho: the cached profile's ρ
+    assert engine.scheduler.policy.rho_for(16) == pytest.approx(model.hidden_s_per_token * 16)
+    assert LLMEngine(_config(path, policy="aptserve", aptserve_rho=0.5)).scheduler.policy.rho_for(16) == 0.5
+
+
+def test_gqa_model_is_not_calibrated_and_aptserve_does_not_profile(tiny_model_dir, monkeypatch):
+    """Where the hidden form saves nothing (tiny GQA Llama) ρ is never used: no calibration,
+    and aptserve starts without profiling."""
+    path = tiny_model_dir("llama")
+    monkeypatch.setattr(profiling, "profile_cached", lambda *a, **k: pytest.fail("profiled"))
+    engine = LLMEngine(_config(path, policy="aptserve"))
+    assert not engine.profile_target().calibrate_hidden and engine.cost_model is None

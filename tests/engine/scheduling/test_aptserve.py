@@ -62,3 +62,34 @@ def test_aptserve_refuses_a_forced_form(tiny_model_dir):
                 model=str(tiny_model_dir("opt")), dtype="float32", num_blocks=12, policy="aptserve", cache_form="kv"
             )
         )
+
+
+def test_a_prefill_iteration_that_admits_nothing_decodes_instead():
+    """Regression (found in the simulator): a waiting request whose KV form does not fit the
+    free blocks and whose HIDDEN form fits but is worth less than its penalty made every
+    prefill iteration admit nothing, and the worker idled with requests running. Now only an
+    option the knapsack would take counts as fitting, and an empty prefill decodes instead."""
+    from engine.bookkeeping import EngineStats, StepBookkeeping
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.kv.hidden import HiddenBlocks, HiddenLayout
+    from engine.scheduling import BatchLimits, Request, Scheduler
+    from engine.scheduling.aptserve import AptServePolicy
+
+    kv = KVCacheManager(BlockPool(24), 16)
+    kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))  # MHA: ratio 1/2
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=10.0))
+    book = StepBookkeeping(scheduler, EngineStats())
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    running = Request("a", list(range(160)), params, arrival_time=0.0)
+    scheduler.add(running)
+    batch = scheduler.schedule(0.0)
+    assert [it.request for it in batch.items] == [running]
+    book.advance(batch.items)
+    book.append_token(running, 7, None, 4.99)
+    late = Request("b", list(range(1000, 1300)), params, arrival_time=0.5)  # 19 KV blocks, 10 HIDDEN
+    scheduler.add(late)
+    assert kv.pool.num_free < 19 <= kv.pool.capacity
+    batch = scheduler.schedule(5.0)  # b has waited 4.5 s, a 0.01 s: a prefill iteration by pending time
+    assert [(it.request, it.num_new_tokens) for it in batch.items] == [(running, 1)]
+    assert late in scheduler.waiting and not batch.preempted
+    kv.check_invariants()

@@ -94,3 +94,24 @@ def test_fallback_takes_the_big_single_request():
     """The classic counter-example to plain density greedy: a dense small item and one big one."""
     cands = [Candidate(2.0, 1), Candidate(10.0, 10)]
     assert solve(cands, 10) == [SKIP, Choice(True, False)]
+
+
+def test_greedy_goes_on_filling_past_the_critical_increment():
+    """The paper's Algorithm 1 stops at the first increment that does not fit; we skip it and
+    keep filling (knapsack.py): the small request sorted after a large one still gets in."""
+    first = Candidate(value=10.0, kv_blocks=6)  # θ 1.67: taken
+    large = Candidate(value=6.0, kv_blocks=5)  # θ 1.2: does not fit in the 4 left
+    small = Candidate(value=1.0, kv_blocks=3)  # θ 0.33: fits after the skip
+    choices = solve([first, large, small], capacity=10)
+    assert choices == [Choice(True, False), SKIP, Choice(True, False)]
+    assert objective([first, large, small], choices) == (11.0, 9)
+
+
+def test_a_skipped_hidden_step_skips_its_upgrade():
+    """A request's chain is taken in order: its KV upgrade (2 more blocks, which would fit)
+    never without its HIDDEN step (4 blocks, which does not): that would hold 6, not 2."""
+    filler = Candidate(value=9.0, kv_blocks=7)
+    chain = Candidate(value=4.0, kv_blocks=6, hidden_blocks=4, hidden_penalty=0.1)
+    choices = solve([filler, chain], capacity=10)
+    _, used = objective([filler, chain], choices)
+    assert used <= 10 and choices == [Choice(True, False), SKIP]
