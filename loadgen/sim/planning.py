@@ -44,6 +44,9 @@ def planning_model(
         for rows in _decode_rows(max_num_seqs, max_model_len, capacity_tokens, block_size)
     ]
     pfit, dfit = fit(prefill), fit(decode)
+    # The hybrid cache's rebuild price (aptserve's ρ): the profiler measures it too, so the
+    # planning model gets the truth's with one noise draw, like every other profiled point.
+    hidden = None if truth.hidden_s_per_token is None else truth.hidden_s_per_token * draw()
     meta = {
         **truth.meta,
         "source": "fitted to a simulated profile of the truth with step noise (loadgen/sim/planning.py)",
@@ -56,7 +59,7 @@ def planning_model(
         "prefill_vs_truth": _relative_gap(pfit, truth.prefill, prefill),
         "decode_vs_truth": _relative_gap(dfit, truth.decode, decode),
     }
-    return CostModel(pfit, dfit, truth.swap_bytes_per_s, meta)
+    return CostModel(pfit, dfit, truth.swap_bytes_per_s, meta, hidden_s_per_token=hidden)
 
 
 def _time(truth: CostModel, draw, rows: list[tuple[int, int]], *, prefill: bool) -> Sample:

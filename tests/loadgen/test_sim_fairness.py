@@ -67,6 +67,26 @@ def test_planning_model_is_a_noisy_fit_not_the_truth():
     assert noisy.meta["prefill_vs_truth"] != 0.0
 
 
+def test_planning_model_keeps_a_noisy_hidden_rebuild_price():
+    """aptserve plans with ρ: a truth that prices HIDDEN rows gives a planning model that does
+    too, measured with the profile's noise (and none where the truth has none)."""
+    from dataclasses import replace
+
+    assert _plan(None).hidden_s_per_token is None
+    truth = replace(COST, hidden_s_per_token=2.7e-5)
+    plan = planning_model(
+        truth,
+        StepJitter.lognormal(0.1, seed=0),
+        seed=0,
+        max_num_batched_tokens=2048,
+        max_num_seqs=128,
+        max_model_len=2048,
+        capacity_tokens=20000,
+    )
+    assert plan.hidden_s_per_token is not None and plan.hidden_s_per_token != 2.7e-5
+    assert abs(plan.hidden_s_per_token / 2.7e-5 - 1) < 0.5
+
+
 def test_policies_plan_with_the_fitted_model_and_share_host_space():
     args = _args("--workload", "rt-be", "--duration", "5")
     hosts = set()
