@@ -102,8 +102,9 @@ def test_the_parent_pid_watch_notices_a_dead_parent_without_the_kernel_signal(tm
         """
         import os
         from services.lifeline import watch_parent
+        parent = os.getppid()  # read before the pid is printed: the test kills the parent after that
         print(os.getpid(), flush=True)
-        watch_parent(os.getppid(), lambda: print("lost", flush=True))
+        watch_parent(parent, lambda: print("lost", flush=True))
         """
     )
     parent = textwrap.dedent(
