@@ -21,8 +21,8 @@ layers. The reference is plain PyTorch (`kernels/reference/hidden.py`, the oracl
 path); `kernels/triton/hidden.py` runs the attention and the merge as Triton kernels (the
 rebuild stays the model's projection in PyTorch).
 
-Dispatch follows the step's attention kernel (`HiddenBatch.kernel`, copied from
-`AttentionMetadata.decode_kernel`): "triton" (what `attention="auto"` resolves to on CUDA, or
+Dispatch follows the step's attention kernel (`AttentionMetadata.decode_kernel`, which the
+models pass along): "triton" (what `attention="auto"` resolves to on CUDA, or
 forced on CPU under the interpreter in tests) takes the Triton path, anything else the
 reference. Why the step's kernel and not the tensors' device: `attention="reference"` must
 stay the PyTorch oracle on CUDA too, for HIDDEN rows as for paged ones, and the interpreter
@@ -63,8 +63,6 @@ class HiddenBatch:
     # per-token arguments of the model's rebuild at `ctx_positions` (RoPE tables; OPT: none)
     position_args: tuple[torch.Tensor, ...] = ()
     scratch: dict = field(default_factory=dict, repr=False)  # the gather buffer, reused by every layer
-    # the step's attention kernel (set by AttentionMetadata from its decode_kernel): "triton" or another
-    kernel: str = "reference"
 
 
 def hidden_attention(
@@ -77,10 +75,12 @@ def hidden_attention(
     hidden: HiddenBatch,
     rebuild: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     scale: float,
+    kernel: str,
 ) -> None:
     """Store the HIDDEN rows' layer inputs `x` ([T, d]) and fill their rows of `out` ([T,
-    heads, D]) with attention over rebuilt context K/V plus their own `k`, `v`."""
-    if hidden.kernel == "triton":
+    heads, D]) with attention over rebuilt context K/V plus their own `k`, `v`. `kernel` is the
+    step's attention kernel (`AttentionMetadata.decode_kernel`)."""
+    if kernel == "triton":
         from kernels.triton import hidden as _triton  # Triton is a GPU (and test) dependency only
 
         _triton.hidden_attention(out, q, k, v, x, kv_cache, hidden, rebuild, scale)

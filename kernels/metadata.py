@@ -140,9 +140,3 @@ class AttentionMetadata:
     hidden: HiddenBatch | None = None
     # Partially resident sequences (eLLM) and the rows of their rebuilt prefixes; empty otherwise.
     transient: list[TransientSpan] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # HIDDEN rows are attended by the step's kernel too (kernels/hidden.py says why); the
-        # models pass only `hidden` to `hidden_attention`, so the choice travels with it.
-        if self.hidden is not None:
-            self.hidden.kernel = self.decode_kernel

@@ -45,7 +45,7 @@ class LlamaAttention(nn.Module):
         write_kv_cache(cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, cache, meta)
         if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
-            hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale)
+            hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale, meta.decode_kernel)
         return self.o_proj(out.view(x.shape[0], self.q_size))
 
     def rebuild_kv(self, x, cos, sin):

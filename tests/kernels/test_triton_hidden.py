@@ -87,8 +87,8 @@ def test_hidden_rows_match_the_reference(triton_kernels, kernel_device, dtype, g
 
 
 def test_dispatch_follows_the_steps_kernel(triton_kernels, kernel_device, monkeypatch):
-    """`hidden_attention` takes the Triton path when the step's kernel is "triton" (set on the
-    batch by the metadata), the reference otherwise."""
+    """`hidden_attention` takes the Triton path when the step's kernel is "triton" (the models
+    pass the metadata's), the reference otherwise."""
     from kernels.reference import hidden as ref_module
     from kernels.triton import hidden as triton_module
 
@@ -98,5 +98,5 @@ def test_dispatch_follows_the_steps_kernel(triton_kernels, kernel_device, monkey
     for kernel in ("triton", "cpp", "reference"):
         batch = _case(1, 64, torch.float32, 0)[5]
         meta = AttentionMetadata(torch.zeros(1, dtype=torch.long), [], [], 1.0, decode_kernel=kernel, hidden=batch)
-        hidden_attention(None, None, None, None, None, None, meta.hidden, None, 1.0)
+        hidden_attention(None, None, None, None, None, None, meta.hidden, None, 1.0, meta.decode_kernel)
     assert taken == ["triton", "reference", "reference"]
