@@ -22,6 +22,7 @@ from pathlib import Path
 
 from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json
 from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids
+from shared.engine_options import add_cache_form_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,24 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run decode-only steps op by op instead of through compiled layers",
     )
-    p.add_argument(
-        "--kv-heads-expand",
-        action="store_true",
-        default=None,
-        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
-    )
-    p.add_argument(
-        "--cache-form",
-        default=None,
-        choices=["auto", "kv", "hidden"],
-        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
-    )
-    p.add_argument(
-        "--uncached-ratio",
-        type=float,
-        default=None,
-        help="partial KV residency (eLLM) for every request: rebuild the oldest share R of each context per step",
-    )
+    add_cache_form_options(p)
     p.add_argument(
         "--dump-prompts",
         default=None,

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from shared.engine_options import add_cache_form_options
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -40,24 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="dummy: random weights in the model's architecture (or a built-in one: qwen3-0.6b, llama-3-8b, opt-13b)",
     )
     p.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: engine default)")
-    p.add_argument(
-        "--kv-heads-expand",
-        action="store_true",
-        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
-    )
-    p.add_argument(
-        "--cache-form",
-        default=None,
-        choices=["auto", "kv", "hidden"],
-        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
-    )
-    p.add_argument(
-        "--uncached-ratio",
-        type=float,
-        default=None,
-        help="partial KV residency (eLLM): keep only the newest (1 - R) of each request's tokens' K/V in the "
-        "pool and rebuild the oldest each step (0..0.95; checking and debugging, see docs/ellm.md)",
-    )
+    add_cache_form_options(p)
+    p.set_defaults(kv_heads_expand=False)  # its JSON config reports false, not null, when not given
     p.add_argument("--json", action="store_true", help="print a JSON object instead of the text")
     p.set_defaults(func=run)
 

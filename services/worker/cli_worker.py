@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from shared.engine_options import add_cache_form_options
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -23,9 +25,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--policy", help="scheduling policy (fcfs, ...)")
-    p.add_argument(
-        "--uncached-ratio", type=float, help="partial KV residency (eLLM): share of each request's KV rebuilt per step"
-    )
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--num-threads", type=int, help="torch threads (default: torch's choice)")
@@ -41,17 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="run decode-only steps op by op instead of through compiled decoder layers",
     )
-    p.add_argument(
-        "--kv-heads-expand",
-        action="store_true",
-        default=None,
-        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
-    )
-    p.add_argument(
-        "--cache-form",
-        choices=["auto", "kv", "hidden"],
-        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
-    )
+    add_cache_form_options(p)
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.set_defaults(func=run)
 

@@ -1,0 +1,37 @@
+"""Command-line options for the engine's cache forms, defined once for every command that
+builds an engine (`tandem worker`, `tandem generate`, `tandem bench engine`), so their names,
+choices and help cannot drift apart.
+
+Each option defaults to None, meaning "the engine's (or the environment's) default": callers
+pass on only what was given, which is what lets `tandem worker` flags override `TANDEM_*`
+settings without hiding them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CACHE_FORMS = ("auto", "kv", "hidden")  # EngineConfig.cache_form
+
+
+def add_cache_form_options(p: argparse.ArgumentParser) -> None:
+    """`--kv-heads-expand`, `--cache-form` and `--uncached-ratio` (EngineConfig fields of the same names)."""
+    p.add_argument(
+        "--kv-heads-expand",
+        action="store_true",
+        default=None,
+        help="repeat each KV head for its query heads: same outputs, MHA's KV memory shape",
+    )
+    p.add_argument(
+        "--cache-form",
+        default=None,
+        choices=CACHE_FORMS,
+        help="the hybrid cache: force KV or HIDDEN (layer inputs, K/V rebuilt each step) for every request",
+    )
+    p.add_argument(
+        "--uncached-ratio",
+        type=float,
+        default=None,
+        help="partial KV residency (eLLM): keep only the newest (1 - R) of each request's tokens' K/V in the "
+        "pool and rebuild the oldest each step (0..0.95; checking and debugging, see docs/ellm.md)",
+    )
