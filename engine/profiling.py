@@ -5,7 +5,14 @@ rows of 1 and 4 requests up to the token budget, decode batches up to `max_num_s
 most) at contexts up to the model length, as far as the KV pool holds them. Swap bandwidth
 comes from copying blocks between the KV pool and host space with the engine's own copy
 path. Each point is the *minimum* of a few timed runs after a warm-up: on a shared machine
-other processes only ever add time, so the minimum is the least disturbed estimate. A handful of mixed
+other processes only ever add time, so the minimum is the least disturbed estimate. The runs of
+one point are spread over the whole measurement (every point once per pass, three passes)
+rather than taken back to back: on an oversubscribed machine a multi-threaded pass stalls at
+every OpenMP barrier whose partner thread lost its core, and such a window lasts seconds, so
+back-to-back runs of the points inside it all came out 100-500x slow (measured at load ~8 on 2
+cores: a 1 ms tiny-model pass timed at 85-500 ms for several points in a row, and a fit whose
+fixed cost was 92 ms). After the fit, the points it misses by far more than the rest get three
+more passes and the phase is refitted once. A handful of mixed
 prefill+decode batches are measured but not fitted, to report how well the sum of the two
 phase models predicts them.
 
@@ -41,7 +48,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, Sample, fit, mape, nonneg_lstsq
+from engine.cost_model import CostModel, Sample, fit, mape, nonneg_lstsq, phase_sums
 from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.hidden import CacheForm
@@ -52,7 +59,7 @@ from engine.scheduling.request import Request
 
 log = logging.getLogger(__name__)
 PROFILE_VERSION = "1"
-_REPEATS = 3
+_PASSES = 3  # timed runs per point, one per pass over the grid
 
 
 @dataclass(frozen=True)
@@ -116,9 +123,16 @@ def profile_key(target: ProfileTarget, source) -> str:
 def profile(target: ProfileTarget) -> CostModel:
     start = time.perf_counter()
     bench = _Bench(target)
-    prefill = [bench.prefill(n, k) for n, k in _prefill_grid(target)]
-    decode = [bench.decode(b, c) for b, c in _decode_grid(target)]
-    mixed = [bench.mixed(n, b, c) for n, b, c in _mixed_grid(target)]
+    prefill_rows = [[(n // k, 0)] * k for n, k in _prefill_grid(target)]
+    decode_rows = [[(1, c - 1)] * b for b, c in _decode_grid(target)]
+    mixed_rows = [[(n, 0)] + [(1, c - 1)] * b for n, b, c in _mixed_grid(target)]
+    times = bench.fastest_each([*prefill_rows, *decode_rows, *mixed_rows])
+    prefill = [_sample(rows, t) for rows, t in zip(prefill_rows, times)]
+    decode = [_sample(rows, t) for rows, t in zip(decode_rows, times[len(prefill_rows) :])]
+    prefill = _retime_outliers(bench, prefill_rows, prefill)
+    decode = _retime_outliers(bench, decode_rows, decode)
+    mixed_times = times[len(prefill_rows) + len(decode_rows) :]
+    mixed = [(rows[:1], rows[1:], t) for rows, t in zip(mixed_rows, mixed_times)]
     swap_bps = bench.swap_bandwidth()
     model = CostModel(fit(prefill), fit(decode), swap_bps)
     meta = {
@@ -151,11 +165,11 @@ def measure_hidden(target: ProfileTarget) -> HiddenRebuild:
     """Time the grid's decode batches in KV and in HIDDEN form; fit the extra (module docstring)."""
     import numpy as np
 
-    bench = _Bench(target)
-    points = []
-    for b, c in _hidden_grid(target):
-        rows = [(1, c - 1)] * b
-        points.append((b * (c - 1), bench._time(rows, CacheForm.HIDDEN) - bench._time(rows)))
+    grid = _hidden_grid(target)
+    batches = [[(1, c - 1)] * b for b, c in grid for _ in range(2)]
+    forms = [form for _ in grid for form in (CacheForm.HIDDEN, CacheForm.KV)]
+    times = _Bench(target).fastest_each(batches, forms)
+    points = [(b * (c - 1), times[2 * i] - times[2 * i + 1]) for i, (b, c) in enumerate(grid)]
     if len(points) < 2:
         raise RuntimeError("the KV pool is too small to calibrate the hidden cache's rebuild")
     x = np.array([[t, 1.0] for t, _ in points])
@@ -225,8 +239,37 @@ def _mixed_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
     )
 
 
+def _sample(rows: list[tuple[int, int]], seconds: float) -> Sample:
+    """A single-phase sample from `(new tokens, cached tokens)` rows and their time."""
+    return Sample(*phase_sums(_after_step(rows)), seconds)
+
+
+def _after_step(rows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`(new tokens, cached tokens)` rows as the cost model's `(new, context after the step)`."""
+    return [(n, n + c) for n, c in rows]
+
+
+def _retime_outliers(bench: _Bench, rows: list[list[tuple[int, int]]], samples: list[Sample]) -> list[Sample]:
+    """Fit, give the points the fit misses by far more than the rest (relative error over three
+    times the median and over 20%) more passes, and return the samples to refit. One round: a
+    point still off after that is the model's shape, not noise."""
+    if len(samples) < 3:
+        return samples
+    phase = fit(samples)
+    errs = [abs(phase.predict_work(s.ln, s.work) - s.seconds) / s.seconds for s in samples]
+    bar = max(0.2, 3 * sorted(errs)[len(errs) // 2])
+    far = [i for i, e in enumerate(errs) if e > bar]
+    if not far:
+        return samples
+    again = bench.fastest_each([rows[i] for i in far])
+    out = list(samples)
+    for i, t in zip(far, again):
+        out[i] = _sample(rows[i], min(t, samples[i].seconds))
+    return out
+
+
 def _mixed_mape(model: CostModel, mixed: list[tuple[list, list, float]]) -> float:
-    errs = [abs(model.estimate(p, d) - secs) / secs for p, d, secs in mixed]
+    errs = [abs(model.estimate(_after_step(p), _after_step(d)) - secs) / secs for p, d, secs in mixed]
     return sum(errs) / len(errs) if errs else 0.0
 
 
@@ -238,18 +281,20 @@ class _Bench:
         self.vocab = target.vocab_size
         self._ids = 0
 
-    def prefill(self, n: int, k: int) -> Sample:
-        rows = [(n // k, 0)] * k
-        secs = self._time(rows)
-        return Sample(n // k * k, sum(m * m for m, _ in rows), secs)
-
-    def decode(self, batch: int, context: int) -> Sample:
-        secs = self._time([(1, context - 1)] * batch)
-        return Sample(batch, batch * context, secs)
-
-    def mixed(self, n: int, batch: int, context: int) -> tuple[list, list, float]:
-        secs = self._time([(n, 0)] + [(1, context - 1)] * batch)
-        return [(n, n)], [(1, context)] * batch, secs
+    def fastest_each(
+        self, batches: Sequence[list[tuple[int, int]]], forms: Sequence[CacheForm] | None = None
+    ) -> list[float]:
+        """The fastest of `_PASSES` timed runs of each batch of `(new tokens, cached tokens)`
+        rows (in cache form `forms[i]`, KV by default), one run per batch per pass, after one
+        warm-up run each (module docstring: why passes, not back-to-back runs)."""
+        forms = forms or [CacheForm.KV] * len(batches)
+        for rows, form in zip(batches, forms):
+            self._time_once(rows, form)  # warm-up: allocator, first-touch pages, kernel choice
+        best = [float("inf")] * len(batches)
+        for _ in range(_PASSES):
+            for i, (rows, form) in enumerate(zip(batches, forms)):
+                best[i] = min(best[i], self._time_once(rows, form))
+        return best
 
     def swap_bandwidth(self) -> float:
         """Bytes per second of the engine's own block copy path, device -> host."""
@@ -263,9 +308,9 @@ class _Bench:
         secs = self._fastest(lambda: self.target.copy_blocks([copy]))
         return copy.nbytes / secs
 
-    def _time(self, rows: list[tuple[int, int]], form: CacheForm = CacheForm.KV) -> float:
-        """Fastest seconds of one forward pass over `(new tokens, cached tokens)` rows, every
-        request in cache `form`."""
+    def _time_once(self, rows: list[tuple[int, int]], form: CacheForm) -> float:
+        """Seconds of one forward pass over `(new tokens, cached tokens)` rows, every request in
+        cache `form`; their KV is allocated before and freed after, outside the timing."""
         requests = [self._request(n + c) for n, c in rows]
         try:
             for r, (n, c) in zip(requests, rows):
@@ -275,7 +320,7 @@ class _Bench:
                     raise RuntimeError("profiling grid does not fit the KV pool")
                 r.num_computed_tokens = c
             items = [ScheduledItem(r, n) for r, (n, _) in zip(requests, rows)]
-            return self._fastest(lambda: self.target.execute(items))
+            return _timed(lambda: self.target.execute(items))
         finally:
             for r in requests:
                 self.target.kv.free(r)
@@ -287,12 +332,13 @@ class _Bench:
 
     @staticmethod
     def _fastest(fn: Callable[[], object]) -> float:
-        fn()  # warm-up: allocator, first-touch pages
-        times = []
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        fn()  # warm-up
+        return min(_timed(fn) for _ in range(_PASSES))
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

@@ -19,8 +19,22 @@ def _config(path, **kw) -> EngineConfig:
     return EngineConfig(**{**cfg, **kw})
 
 
+@pytest.fixture
+def one_thread():
+    """Profile single-threaded: on an oversubscribed machine a two-thread pass stalls at every
+    OpenMP barrier whose partner lost its core, so its times measure the neighbours (seen: a 1 ms
+    pass timed at 85-500 ms); one thread only loses time slices, which the minimum of the
+    profiler's interleaved passes filters. The fit's accuracy bound below assumes it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.timeout(300)
-def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch):
+def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch, one_thread):
     path = tiny_model_dir("llama")
     engine = LLMEngine(_config(path)).profile_target()
     model = profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path)
@@ -31,7 +45,10 @@ def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch):
         assert min(phase.alpha0, phase.alpha1, phase.beta) >= 0 and phase.predict(64, 64) > 0
     meta = model.meta
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["num_samples"] >= 10
-    assert all(0 <= meta[k] < 10 for k in ("prefill_mape", "decode_mape", "mixed_mape"))
+    # in-sample fit of ~1 ms passes on a shared machine: single-phase error under 60%, the
+    # unfitted mixed batches under 100% (measured at load ~12 on 2 cores: at most 32% and 47%;
+    # the back-to-back timing this replaced gave fits 25-92x off at load ~8)
+    assert meta["prefill_mape"] < 0.6 and meta["decode_mape"] < 0.6 and meta["mixed_mape"] < 1.0
     assert model.swap_bytes_per_s > 0 and meta["swap_overlaps"] is False
     monkeypatch.setattr(profiling, "profile", lambda e: pytest.fail("re-profiled although cached"))
     assert profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path) == model
