@@ -54,7 +54,13 @@ def _median_step_s(engine, steps: int, round_: int) -> float:
         if decode_only and len(engine.scheduler.running) == REF_BATCH:
             times.append(time.perf_counter() - t0)
     if not times:
-        raise ValueError("could not measure a decode step (is max_num_seqs below 16?)")
+        cfg = engine.config
+        raise ValueError(
+            f"could not measure a decode step of {REF_BATCH} rows at ~{REF_CONTEXT} tokens: it needs "
+            f"max_num_seqs >= {REF_BATCH} (it is {cfg.max_num_seqs}) and a KV pool holding "
+            f"{REF_BATCH} x {REF_CONTEXT + steps} tokens at once (it holds "
+            f"{engine.scheduler.kv.capacity_tokens()}); give a number to --slo-scale instead of 'auto'"
+        )
     return statistics.median(times)
 
 

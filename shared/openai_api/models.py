@@ -10,7 +10,7 @@ logprobs, so every service turns it into the same `GenerateRequest` (`translate.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -42,10 +42,13 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # OpenAI's own ranges, so /openapi.json states them; values we cannot honour inside them
+    # (n > 1, non-zero penalties) get the 400 of `unsupported`, naming the field
+    # maxItems in the schema only: the validator below gives one clear message for both forms
+    stop: str | Annotated[list[str], Field(json_schema_extra={"maxItems": 4})] | None = None
+    n: int = Field(1, ge=1, le=128)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     service_tier: str | None = None
     user: str | None = None
     tandem: TandemExtension | None = None
