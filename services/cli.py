@@ -34,6 +34,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.cli_topics", "add_parser"),
     ("services.cli_keys", "add_parser"),
     ("services.cli_status", "add_parser"),
+    ("services.cli_drain", "add_parser"),
     ("services.queue.cli", "add_parser"),
     ("services.queue.cli_batch", "add_parser"),
 ]

@@ -44,6 +44,7 @@ class WorkerStatus(BaseModel):
     dtype: str | None = None
     state: str  # live | draining | silent
     heartbeat_age_s: float
+    held: int = 0  # requests its engine holds (the heartbeat's running_ids)
     rt_running: int = 0
     rt_waiting: int = 0
     be_running: int = 0
@@ -165,7 +166,13 @@ def _workers(beats: list[Heartbeat], reports: list[Telemetry], timeout_s: float)
         state = "silent" if age > timeout_s else "draining" if hb.draining else "live"
         t = latest_t.get(wid)
         row = WorkerStatus(
-            worker_id=wid, model=hb.model, device=hb.device, dtype=hb.dtype, state=state, heartbeat_age_s=age
+            worker_id=wid,
+            model=hb.model,
+            device=hb.device,
+            dtype=hb.dtype,
+            state=state,
+            heartbeat_age_s=age,
+            held=len(hb.running_ids),
         )
         if t is not None:
             row = row.model_copy(

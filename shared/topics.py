@@ -22,8 +22,8 @@ gateway replica and the queue service read only their own partition, so a stream
 process holding the client's connection. On `control`, the gateway and the queue service send
 `Cancel` (keyed by request id; workers and the scheduler act on it) and the advisory service
 `Prefetch` (keyed by session id; the named worker acts on it). `Drain` (keyed by worker id) is
-understood by workers, but no service or command sends it yet (a worker drains itself on
-SIGTERM). The advisory service reads the request topics only to see a session's turn arrive.
+sent by `tandem drain WORKER` (an operator taking a worker out of placement; a worker also drains
+itself on SIGTERM). The advisory service reads the request topics only to see a session's turn arrive.
 
 Dispatch is one topic per worker so a worker reads only its own work and a dead worker's backlog
 is simply abandoned (the scheduler re-places it). The two session topics are compacted: a
