@@ -21,15 +21,17 @@ offered HIDDEN (as the paper's code).
 profiler, or the simulator's profile; docs/aptserve.md). Offering HIDDEN with neither is an
 error, never a guessed number.
 
-*Conversions priced* (`price_switches`, the default; not in the paper): in a decode iteration
-a running request's option in the form it holds is worth the re-prefill it avoids, priced
-from the cost model's prefill fit (`apt_values.make_candidate`, `knapsack.option_value`), so
-it changes form (or is preempted) only when the value gained beats that re-prefill. Why: a
-conversion is a preemption plus a re-prefill, and the paper's values, which do not price it,
-admit a request in HIDDEN (its value is its whole wait) and convert it back at the next decode
-iteration (its value is one step's wait, below its penalty): measured on the CPU engine, every
-HIDDEN row was such a prefill (docs/aptserve.md). `price_switches=False` is the paper's rule.
-Priced only where HIDDEN is offered (where there are conversions); KV only, the paper's.
+*Conversions priced* (`price_switches=True`; off by default; not in the paper): in a decode
+iteration a running request's option in the form it holds is worth the re-prefill it avoids,
+priced from the cost model's prefill fit (`apt_values.make_candidate`,
+`knapsack.option_value`), so it changes form (or is preempted) only when the value gained beats
+that re-prefill. Why it was tried: a conversion is a preemption plus a re-prefill, and the
+paper's values, which do not price it, admit a request in HIDDEN (its value is its whole wait)
+and drop it at the next decode iteration (its value is one step's wait, below its penalty):
+on the CPU engine every HIDDEN row was such a first prefill. Why it is off: measured in the
+simulator it does worse (docs/aptserve.md, "Conversions priced"): the one-off re-prefill
+outweighs one step's penalty, so HIDDEN requests are kept for life and every step pays their
+rebuild. Priced only where HIDDEN is offered (where there are conversions).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class AptServePolicy(SchedulingPolicy):
         decay: float = 0.0,
         default_slo: SLO = SLO(1.0, 1.0),
         cost_model: CostModel | None = None,
-        price_switches: bool = True,
+        price_switches: bool = False,
     ) -> None:
         """`rho`: ρ override (else `cost_model`'s measured one); `decay`: a demoted request's
         value factor (0: near zero, the paper; 0.4: its "Scheduling*"); `default_slo`: for

@@ -10,9 +10,10 @@ profile is given to every run (`cost_model_path`): `aptserve` takes ρ and the r
 of a conversion from it. `--cost-model` reuses a saved profile (one per machine state: the
 seeds and rates of one measurement share it); `--rho` overrides ρ alone.
 
-Policies: `fcfs`, `aptserve` (conversions priced) and `aptserve-free` (`aptserve` with the
-paper's unpriced conversions, `aptserve_price_switches=False`). They rotate within each seed
-so that machine noise hits all. Each step's wall time, batch size and HIDDEN rows are logged,
+Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default) and
+`aptserve-priced` (`aptserve_price_switches=True`; the JSON of commit 3c17aed names these two
+`aptserve-free` and `aptserve`). They rotate within each seed so that machine noise hits all.
+Each step's wall time, batch size and HIDDEN rows are logged,
 split into HIDDEN prefill rows with no stored context (a first chunk: nothing to rebuild) and
 rows that rebuild K/V from stored context; the rebuild cost of a step is its HIDDEN context
 tokens x the profiled per-token cost. (Before this split `mean_rebuild_s_per_hidden_step`
@@ -42,7 +43,7 @@ def _engine_config(args: argparse.Namespace, policy: str, cost_model_path: str |
     name, options = POLICIES[policy]
     extra = {}
     if name == "aptserve":
-        extra = {"aptserve_rho": args.rho, "aptserve_price_switches": options.get("price_switches", True)}
+        extra = {"aptserve_rho": args.rho, "aptserve_price_switches": options["price_switches"]}
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--policies", default="fcfs,aptserve,aptserve-free", help=f"among {sorted(POLICIES)}")
+    ap.add_argument("--policies", default="fcfs,aptserve,aptserve-priced", help=f"among {sorted(POLICIES)}")
     ap.add_argument("--cost-model", default=None, help="a saved profile of this engine; default: profile first")
     ap.add_argument("--rho", type=float, default=None, help="s per block; default: the profile's")
     ap.add_argument("--out", required=True)

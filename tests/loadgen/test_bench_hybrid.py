@@ -23,7 +23,7 @@ def test_hybrid_bench_runs_every_policy_and_splits_hidden_rows(tiny_model_dir, t
     assert hybrid.main(argv) == 0
     doc = json.loads(out.read_text())
     runs = {r["policy"]: r for r in doc["runs"]}
-    assert set(runs) == {"fcfs", "aptserve", "aptserve-free"}
+    assert set(runs) == {"fcfs", "aptserve", "aptserve-priced"}
     assert len({r["requests"] for r in runs.values()}) == 1  # the same arrivals
     assert runs["fcfs"]["hidden_rows"] == 0 and runs["fcfs"]["mean_rebuild_s_per_hidden_step"] is None
     for r in runs.values():

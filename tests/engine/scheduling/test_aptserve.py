@@ -167,7 +167,7 @@ def test_priced_switches_need_a_cost_model():
 
     kv = KVCacheManager(BlockPool(24), 16)
     kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))
-    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=0.01))
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=0.01, price_switches=True))
     scheduler.add(Request("a", list(range(40)), SamplingParams(max_tokens=4), arrival_time=0.0))
     with pytest.raises(ValueError, match="price_switches=False"):
         scheduler.schedule(0.0)
