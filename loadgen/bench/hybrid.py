@@ -32,8 +32,8 @@ from pathlib import Path
 
 POLICIES = {
     "fcfs": ("fcfs", {}),
-    "aptserve": ("aptserve", {}),
-    "aptserve-free": ("aptserve", {"price_switches": False}),
+    "aptserve": ("aptserve", {"price_switches": False}),
+    "aptserve-priced": ("aptserve", {"price_switches": True}),
 }
 
 
