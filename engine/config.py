@@ -109,6 +109,10 @@ class EngineConfig:
     # aptserve_decay: a demoted request's value factor (0: ~zero)
     aptserve_rho: float | None = None
     aptserve_decay: float = 0.0
+    # aptserve: price a conversion's (or preemption's) re-prefill so a running request keeps its
+    # form unless the gain beats it (docs/aptserve.md; measured worse, hence off); needs the cost
+    # model (profiled at start even when aptserve_rho is given). False: the paper's rule.
+    aptserve_price_switches: bool = False
     # multi-turn sessions (docs/sessions.md): kept KV in device, host and disk tiers
     session_dir: str | None = None  # disk tier root; None = sessions kept on device + host only
     session_host_gib: float = 1.0  # host-memory budget for kept session KV

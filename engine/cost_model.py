@@ -25,6 +25,7 @@ File format (JSON, stable; `CostModel.save` / `CostModel.load`):
      "decode":  {"alpha0": ..., "alpha1": ..., "beta": ...},
      "swap_bytes_per_s": float,
      "hidden_s_per_token": float,            (optional: absent where not measured)
+     "hidden_free_rows": float, "hidden_free_s_per_token": float,   (optional: a roofline's knee)
      "meta": {"model": str, "device": str, "dtype": str, "swap_overlaps": bool,
               "prefill_mape": float, "decode_mape": float, "mixed_mape": float, ...}}
 
@@ -36,6 +37,14 @@ stored row, per layer, plus moving the rebuilt K/V): Apt-Serve's ρ is this time
 size. It is a separate linear term, not folded into α0/α1, because it scales with the HIDDEN
 requests' *context* (not their new tokens) and exists only for those rows; `None` where it
 was not measured (a model that never picks HIDDEN, or a profile from before the term).
+
+The rebuild's rows go through the step's own K/V projection GEMM (Apt-Serve's code runs one
+K/V GEMM over the step's new tokens and the rebuilt rows), which streams W_k and W_v whatever
+its row count. Below the GEMM's roofline knee (`hidden_free_rows` rows, the step's new
+tokens counted first) a rebuilt row costs only its memory traffic
+(`hidden_free_s_per_token`); past it, `hidden_s_per_token`. A roofline profile sets the knee
+(`loadgen/sim/roofline.py`); a measured profile has none (0: every token at the full price,
+what the profiler's linear fit measures).
 """
 
 from __future__ import annotations
@@ -131,19 +140,23 @@ class CostModel:
     swap_bytes_per_s: float
     meta: dict = field(default_factory=dict, compare=False)
     hidden_s_per_token: float | None = None  # K/V rebuild per HIDDEN context token per step
+    hidden_free_rows: float = 0.0  # K/V GEMM rows that ride under its weight streaming (module docstring)
+    hidden_free_s_per_token: float = 0.0  # a rebuilt token's price below that knee (its memory traffic)
 
     def hidden_rho(self, block_size: int) -> float | None:
         """Apt-Serve's ρ: seconds of rebuild per block of HIDDEN context per step."""
         return None if self.hidden_s_per_token is None else self.hidden_s_per_token * block_size
 
-    def hidden_seconds(self, hidden_context_tokens: int) -> float:
-        """The rebuild a step pays for `hidden_context_tokens` tokens of HIDDEN context; an
-        error when some are scheduled but the term was never measured (never a silent 0)."""
+    def hidden_seconds(self, hidden_context_tokens: int, step_rows: int = 0) -> float:
+        """The rebuild a step of `step_rows` new tokens pays for `hidden_context_tokens` tokens
+        of HIDDEN context (the knee's free rows first); an error when some are scheduled but
+        the term was never measured (never a silent 0)."""
         if not hidden_context_tokens:
             return 0.0
         if self.hidden_s_per_token is None:
             raise ValueError("this cost model has no hidden_s_per_token: it cannot price HIDDEN rows")
-        return hidden_context_tokens * self.hidden_s_per_token
+        free = min(hidden_context_tokens, max(0, self.hidden_free_rows - step_rows))
+        return free * self.hidden_free_s_per_token + (hidden_context_tokens - free) * self.hidden_s_per_token
 
     @property
     def swap_overlaps(self) -> bool:
@@ -195,6 +208,9 @@ class CostModel:
         }
         if self.hidden_s_per_token is not None:
             out["hidden_s_per_token"] = self.hidden_s_per_token
+        if self.hidden_free_rows:
+            out["hidden_free_rows"] = self.hidden_free_rows
+            out["hidden_free_s_per_token"] = self.hidden_free_s_per_token
         return out
 
     @classmethod
@@ -208,6 +224,8 @@ class CostModel:
                 float(data["swap_bytes_per_s"]),
                 dict(data.get("meta", {})),
                 None if data.get("hidden_s_per_token") is None else float(data["hidden_s_per_token"]),
+                float(data.get("hidden_free_rows", 0.0)),
+                float(data.get("hidden_free_s_per_token", 0.0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed cost model: {exc}") from None

@@ -423,12 +423,13 @@ class LLMEngine:
         return self.kv.attach(HiddenBlocks.factory(layout))
 
     def _aptserve_needs_rho(self, config: EngineConfig) -> bool:
-        """aptserve measures ρ (the profile) unless given one, and only where it may pick
-        HIDDEN: on a model where the hidden form saves nothing ρ is never used."""
+        """aptserve profiles for ρ unless given one, and for the re-prefill price of a conversion
+        unless conversions are unpriced; only where it may pick HIDDEN: on a model where the
+        hidden form saves nothing neither is used."""
         hidden = self.hidden_blocks
         return (
             config.policy == "aptserve"
-            and config.aptserve_rho is None
+            and (config.aptserve_rho is None or config.aptserve_price_switches)
             and hidden is not None
             and hidden.layout.saves_memory
         )
@@ -441,6 +442,7 @@ class LLMEngine:
                 "rho": config.aptserve_rho,
                 "cost_model": self.cost_model,
                 "decay": config.aptserve_decay,
+                "price_switches": config.aptserve_price_switches,
                 "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
             }
         if config.policy == "ellm":  # session turns stay resident (docs/ellm.md)

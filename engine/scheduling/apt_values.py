@@ -11,6 +11,9 @@ Decisions where the paper is silent:
   variant is `decay = 0.4`. A request without an SLO is never demoted.
 - *The hidden penalty* `c = N·ρ·m̄` counts every outstanding request in N (the paper; its code
   subtracts the demoted ones, which we do not: a slower batch slows them too).
+- *The keep bonus* `s = N·t_re` of a running request (not in the paper): `t_re` is the step
+  time its re-prefill would add (its computed tokens as one more prefill row), and N scales
+  it as N scales the penalty, since that re-prefill delays every outstanding request.
 """
 
 from __future__ import annotations
@@ -55,7 +58,17 @@ def iteration_type(
     return "prefill" if waiting_fits and sum(waiting_pending) > sum(running_pending) else "decode"
 
 
-def make_candidate(value: float, kv_blocks: int, hidden_blocks: int | None, outstanding: int, rho: float) -> Candidate:
+def make_candidate(
+    value: float,
+    kv_blocks: int,
+    hidden_blocks: int | None,
+    outstanding: int,
+    rho: float,
+    holds_hidden: bool | None = None,
+    reprefill_s: float = 0.0,
+) -> Candidate:
     """The knapsack item: HIDDEN offered with `hidden_blocks` (None: not offered, e.g. a model
-    where it saves no memory) at the penalty `outstanding·ρ·m̄`."""
-    return Candidate(value, kv_blocks, hidden_blocks, outstanding * rho * kv_blocks)
+    where it saves no memory) at the penalty `outstanding·ρ·m̄`; a running request that holds
+    a form (`holds_hidden`) keeps it for the bonus `outstanding·reprefill_s`."""
+    bonus = outstanding * reprefill_s if holds_hidden is not None else 0.0
+    return Candidate(value, kv_blocks, hidden_blocks, outstanding * rho * kv_blocks, holds_hidden, bonus)

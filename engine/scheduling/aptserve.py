@@ -20,6 +20,18 @@ offered HIDDEN (as the paper's code).
 (an override), else the cost model's measured `hidden_s_per_token × block_size` (the engine's
 profiler, or the simulator's profile; docs/aptserve.md). Offering HIDDEN with neither is an
 error, never a guessed number.
+
+*Conversions priced* (`price_switches=True`; off by default; not in the paper): in a decode
+iteration a running request's option in the form it holds is worth the re-prefill it avoids,
+priced from the cost model's prefill fit (`apt_values.make_candidate`,
+`knapsack.option_value`), so it changes form (or is preempted) only when the value gained beats
+that re-prefill. Why it was tried: a conversion is a preemption plus a re-prefill, and the
+paper's values, which do not price it, admit a request in HIDDEN (its value is its whole wait)
+and drop it at the next decode iteration (its value is one step's wait, below its penalty):
+on the CPU engine every HIDDEN row was such a first prefill. Why it is off: measured in the
+simulator it does worse (docs/aptserve.md, "Conversions priced"): the one-off re-prefill
+outweighs one step's penalty, so HIDDEN requests are kept for life and every step pays their
+rebuild. Priced only where HIDDEN is offered (where there are conversions).
 """
 
 from __future__ import annotations
@@ -41,15 +53,18 @@ class AptServePolicy(SchedulingPolicy):
         decay: float = 0.0,
         default_slo: SLO = SLO(1.0, 1.0),
         cost_model: CostModel | None = None,
+        price_switches: bool = False,
     ) -> None:
         """`rho`: ρ override (else `cost_model`'s measured one); `decay`: a demoted request's
         value factor (0: near zero, the paper; 0.4: its "Scheduling*"); `default_slo`: for
-        requests without their own (the paper's 1 s / 1 s)."""
+        requests without their own (the paper's 1 s / 1 s); `price_switches`: price the
+        re-prefill of a conversion or preemption (needs `cost_model`; False: the paper)."""
         self._rho_override, self.cost_model = rho, cost_model
-        self.decay, self.default_slo = decay, default_slo
+        self.decay, self.default_slo, self.price_switches = decay, default_slo, price_switches
         self.rho = 0.0  # the ρ in use (set on the first step that offers HIDDEN)
         self.hidden_chosen = 0  # requests scheduled in HIDDEN form (a published count)
         self.kv_chosen = 0
+        self.conversions = 0  # running requests converted (freed to re-prefill in the other form)
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -99,7 +114,7 @@ class AptServePolicy(SchedulingPolicy):
     def _decode(self, state: SchedulerState, batch: ScheduledBatch, hidden, outstanding: int) -> None:
         running = list(state.running)
         steps = [min(r.num_tokens - r.num_computed_tokens, state.limits.max_num_batched_tokens) for r in running]
-        cands = [self._candidate(state, r, hidden, outstanding, extra=n) for r, n in zip(running, steps)]
+        cands = [self._candidate(state, r, hidden, outstanding, extra=n, running=True) for r, n in zip(running, steps)]
         choices = solve(cands, state.kv.pool.capacity)
         keep = []
         for request, n, choice in zip(running, steps, choices):
@@ -110,6 +125,7 @@ class AptServePolicy(SchedulingPolicy):
             elif form is not request.cache_form:
                 state.convert(request, form)  # free and re-prefill in the new form
                 batch.preempted.append(request)
+                self.conversions += 1
             else:
                 keep.append((request, n))
         budget = state.limits.max_num_batched_tokens
@@ -132,6 +148,11 @@ class AptServePolicy(SchedulingPolicy):
         if not component.layout.saves_memory:
             return None
         self.rho = self.rho_for(state.kv.block_size)
+        if self.price_switches and self.cost_model is None:
+            raise ValueError(
+                "aptserve prices conversions from the cost model's prefill fit but has none: give a cost "
+                "model (the engine profiles one unless cost_model_path is set), or price_switches=False"
+            )
         return component
 
     def rho_for(self, block_size: int) -> float:
@@ -146,14 +167,31 @@ class AptServePolicy(SchedulingPolicy):
             )
         return rho
 
-    def _candidate(self, state: SchedulerState, r: Request, hidden, outstanding: int, extra: int) -> Candidate:
-        """Blocks for the request's known tokens (running: after this step's `extra` new ones)."""
+    def _candidate(
+        self, state: SchedulerState, r: Request, hidden, outstanding: int, extra: int, running: bool = False
+    ) -> Candidate:
+        """Blocks for the request's known tokens (running: after this step's `extra` new ones);
+        a running request holds its form, worth its re-prefill where conversions are priced."""
         tokens = (r.num_computed_tokens + extra) if extra else r.num_tokens
         kv_blocks = max(1, -(-tokens // state.kv.block_size))
         hidden_blocks = hidden.layout.blocks_for(kv_blocks) if hidden is not None and kv_blocks > 1 else None
         # a floor: a request that got its token at `now` still counts (value 0 would drop it)
         value = max(request_value(r, state.now, self.decay, self.default_slo), 1e-12)
-        return make_candidate(value, kv_blocks, hidden_blocks, outstanding, self.rho)
+        if not (running and hidden is not None and self.price_switches):
+            return make_candidate(value, kv_blocks, hidden_blocks, outstanding, self.rho)
+        holds = r.cache_form is CacheForm.HIDDEN
+        return make_candidate(
+            value, kv_blocks, hidden_blocks, outstanding, self.rho, holds, self.reprefill_seconds(r.num_computed_tokens)
+        )
+
+    def reprefill_seconds(self, tokens: int) -> float:
+        """What re-prefilling `tokens` adds to a step: the prefill fit's price of one more row
+        of that many tokens, without the fixed per-pass term (the row rides in a step that
+        runs anyway)."""
+        if tokens <= 0:
+            return 0.0
+        fit = self.cost_model.prefill
+        return fit.predict_work(tokens, tokens * tokens) - fit.beta
 
     def _count(self, hidden: bool) -> None:
         if hidden:

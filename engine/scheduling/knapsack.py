@@ -30,6 +30,14 @@ Decisions where the paper is silent or loose (notes §2.8, pitfall 9):
   critical increment's marginal value `V'` the paper compares, so the bound still holds, and
   it is never worse); it is always feasible because infeasible options were dropped.
 - Memory is in blocks (integers): `h = ceil(m̄·r)` from the model's ratio r.
+- *Keeping a form is worth the re-prefill it avoids* (not in the paper; docs/aptserve.md,
+  "Conversions priced"): a running request's option in the form it holds gets `keep_bonus`
+  on top of its value; its other form and skipping it (preemption) do not, since both drop
+  its cache and re-prefill it. So a request changes form only when the value gained beats
+  that re-prefill. Its options then need not be ordered as the paper's (a HIDDEN request's
+  KV option can be worth *less* than staying HIDDEN): every option below the upper concave
+  hull of `(0, 0)`, HIDDEN, KV is dropped, which keeps each request's increments concave, so
+  the LP argument and `ALG >= OPT/2` hold as before (tested against brute force).
 """
 
 from __future__ import annotations
@@ -46,6 +54,15 @@ class Candidate:
     kv_blocks: int  # m̄: blocks it needs in KV form (> 0)
     hidden_blocks: int | None = None  # h: blocks in HIDDEN form; None: HIDDEN not offered
     hidden_penalty: float = 0.0  # c = N·ρ·m̄: what HIDDEN costs everyone else
+    holds_hidden: bool | None = None  # the form it holds now (True: HIDDEN); None: holds nothing
+    keep_bonus: float = 0.0  # s: the re-prefill avoided by keeping the form it holds
+
+
+def option_value(c: Candidate, hidden: bool) -> float:
+    """What scheduling the candidate in that form is worth: `p`, less the penalty for HIDDEN,
+    plus the keep bonus in the form it already holds."""
+    value = c.value - c.hidden_penalty if hidden else c.value
+    return value + c.keep_bonus if c.holds_hidden is hidden else value
 
 
 @dataclass(frozen=True)
@@ -58,19 +75,26 @@ SKIP = Choice()
 
 
 def options(c: Candidate, capacity: int) -> tuple[tuple[int, float, Choice], ...]:
-    """The candidate's useful options as (blocks, value, choice), increasing in blocks, after
-    dropping what cannot fit alone, what is worth nothing and LP-dominated HIDDEN options."""
+    """The candidate's useful options as (blocks, value, choice), increasing in blocks and in
+    value with non-increasing value per block: what cannot fit alone, what is worth nothing
+    and what lies below the upper concave hull of (0, 0), HIDDEN and KV is dropped."""
+    points = [(c.kv_blocks, option_value(c, False), Choice(True, False))]
+    if c.hidden_blocks is not None:
+        points.append((c.hidden_blocks, option_value(c, True), Choice(True, True)))
+    points = sorted((p for p in points if p[0] <= capacity and p[1] > 0), key=lambda p: (p[0], -p[1]))
     out: list[tuple[int, float, Choice]] = []
-    kv_ok = c.kv_blocks <= capacity and c.value > 0
-    h = c.hidden_blocks
-    if h is not None and h <= capacity and h < c.kv_blocks:
-        hidden_value = c.value - c.hidden_penalty
-        dominated = kv_ok and hidden_value * c.kv_blocks < c.value * h  # below the 0 -> KV chord
-        if hidden_value > 0 and not dominated:
-            out.append((h, hidden_value, Choice(True, True)))
-    if kv_ok:
-        out.append((c.kv_blocks, c.value, Choice(True, False)))
+    for point in points:
+        if out and point[1] <= out[-1][1]:
+            continue  # more blocks for no more value
+        if out and _below_chord(out[-1], point, out[-2] if len(out) > 1 else (0, 0.0)):
+            out.pop()  # the previous option lies below the chord to this one
+        out.append(point)
     return tuple(out)
+
+
+def _below_chord(mid, last, first) -> bool:
+    """`mid` strictly below the segment first -> last (value per block would rise after it)."""
+    return (mid[1] - first[1]) * (last[0] - first[0]) < (last[1] - first[1]) * (mid[0] - first[0])
 
 
 def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
@@ -112,12 +136,7 @@ def objective(candidates: Sequence[Candidate], choices: Sequence[Choice]) -> tup
     """(total value, total blocks) of a choice per candidate."""
     value, blocks = 0.0, 0
     for c, ch in zip(candidates, choices, strict=True):
-        if not ch.scheduled:
-            continue
-        if ch.hidden:
-            value += c.value - c.hidden_penalty
-            blocks += c.hidden_blocks
-        else:
-            value += c.value
-            blocks += c.kv_blocks
+        if ch.scheduled:
+            value += option_value(c, ch.hidden)
+            blocks += c.hidden_blocks if ch.hidden else c.kv_blocks
     return value, blocks

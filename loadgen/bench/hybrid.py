@@ -4,13 +4,22 @@ how often HIDDEN is chosen, what the rebuild costs per step, and the batch sizes
 
 Setup: the default model with `--kv-heads-expand` (MHA's memory shape: a hidden row is half a
 token's K+V), a KV pool of `--num-blocks` small enough to bind, ShareGPT lengths scaled by
-`--length-scale`, the paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s). ρ is measured first on this
-engine (`engine.profiling.measure_hidden`, the profiler's own HIDDEN-vs-KV timing) and given
-to `aptserve` as its override, so the run does not pay a whole profile on a busy machine.
-Policies alternate within each round (fcfs, aptserve, then aptserve, fcfs, ...) so that
-machine noise hits both. Each step's wall time, batch size, HIDDEN rows and HIDDEN context
-tokens are logged; the rebuild cost of a step is its HIDDEN context tokens x the measured
-per-token cost. One JSON document (with the provenance stamp) is written to `--out`.
+`--length-scale`, the paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s). The engine is profiled once
+first (`engine.profiling.profile`, with ρ: the profiler's own HIDDEN-vs-KV timing) and the
+profile is given to every run (`cost_model_path`): `aptserve` takes ρ and the re-prefill price
+of a conversion from it. `--cost-model` reuses a saved profile (one per machine state: the
+seeds and rates of one measurement share it); `--rho` overrides ρ alone.
+
+Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default) and
+`aptserve-priced` (`aptserve_price_switches=True`; the JSON of commit 3c17aed names these two
+`aptserve-free` and `aptserve`). They rotate within each seed so that machine noise hits all.
+Each step's wall time, batch size and HIDDEN rows are logged,
+split into HIDDEN prefill rows with no stored context (a first chunk: nothing to rebuild) and
+rows that rebuild K/V from stored context; the rebuild cost of a step is its HIDDEN context
+tokens x the profiled per-token cost. (Before this split `mean_rebuild_s_per_hidden_step`
+read 0.0 in every run: every HIDDEN row was a first prefill, converted back to KV at the next
+decode iteration; docs/aptserve.md.) One JSON document (with the provenance stamp) is written
+to `--out`.
 """
 
 from __future__ import annotations
@@ -21,15 +30,25 @@ import statistics
 import time
 from pathlib import Path
 
+POLICIES = {
+    "fcfs": ("fcfs", {}),
+    "aptserve": ("aptserve", {"price_switches": False}),
+    "aptserve-priced": ("aptserve", {"price_switches": True}),
+}
 
-def _engine_config(args: argparse.Namespace, policy: str, rho: float | None):
+
+def _engine_config(args: argparse.Namespace, policy: str, cost_model_path: str | None):
     from engine import EngineConfig
 
-    extra = {"aptserve_rho": rho} if policy == "aptserve" else {}
+    name, options = POLICIES[policy]
+    extra = {}
+    if name == "aptserve":
+        extra = {"aptserve_rho": args.rho, "aptserve_price_switches": options["price_switches"]}
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
-        policy=policy,
+        policy=name,
+        cost_model_path=cost_model_path,
         num_blocks=args.num_blocks,
         kv_heads_expand=True,
         max_num_seqs=args.max_num_seqs,
@@ -40,25 +59,33 @@ def _engine_config(args: argparse.Namespace, policy: str, rho: float | None):
     )
 
 
-def measure_rho(args: argparse.Namespace) -> dict:
-    """The rebuild's per-token cost on this engine (a pool large enough for the grid)."""
+def profile_engine(args: argparse.Namespace, path: Path) -> dict:
+    """Profile this engine once (a pool large enough for the grid, ρ included) into `path`."""
     from dataclasses import replace
 
     from engine import LLMEngine
-    from engine.profiling import measure_hidden
+    from engine.profiling import profile
 
     config = replace(_engine_config(args, "fcfs", None), num_blocks=max(args.num_blocks, 1200))
-    engine = LLMEngine(config)
-    rebuild = measure_hidden(engine.profile_target())
+    cost = profile(LLMEngine(config).profile_target())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cost.save(path)
+    return _profile_summary(cost, config.block_size, str(path))
+
+
+def _profile_summary(cost, block_size: int, path: str) -> dict:
     return {
-        "per_token_s": rebuild.per_token_s,
-        "rho_s_per_block": rebuild.per_token_s * config.block_size,
-        "overhead_s": rebuild.overhead_s,
-        "points": [{"tokens": t, "extra_s": e} for t, e in rebuild.points],
+        "path": path,
+        "per_token_s": cost.hidden_s_per_token,
+        "rho_s_per_block": None if cost.hidden_s_per_token is None else cost.hidden_s_per_token * block_size,
+        "overhead_s": cost.meta.get("hidden_step_overhead_s"),
+        "points": cost.meta.get("hidden_points"),
+        "prefill": cost.prefill.to_dict(),
+        "decode": cost.decode.to_dict(),
     }
 
 
-def run_one(args: argparse.Namespace, policy: str, seed: int, rho: float) -> dict:
+def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: str, per_token: float) -> dict:
     from engine.kv.hidden import CacheForm
     from loadgen.arrivals import ArrivalSpec
     from loadgen.driver import Driver
@@ -68,7 +95,7 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, rho: float) -> dic
     from loadgen.workloads.build import WorkloadConfig, build_workload
     from loadgen.workloads.random_tokens import special_token_ids
 
-    target = InprocTarget.from_config(_engine_config(args, policy, rho))
+    target = InprocTarget.from_config(_engine_config(args, policy, cost_model_path))
     engine = target.engine
     steps: list[dict] = []
     schedule = engine.scheduler.schedule
@@ -82,6 +109,8 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, rho: float) -> dic
                     "batch": len(batch.items),
                     "decode_rows": sum(1 for it in batch.items if it.num_new_tokens == 1),
                     "hidden_rows": len(hidden),
+                    # rows with stored context rebuild K/V; a first chunk (none stored) does not
+                    "hidden_rebuild_rows": sum(1 for it in hidden if it.request.num_computed_tokens),
                     "hidden_ctx_tokens": sum(it.request.num_computed_tokens for it in hidden),
                     "preempted": len(batch.preempted),
                 }
@@ -116,7 +145,7 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, rho: float) -> dic
     policy_obj = engine.scheduler.policy
     timed = [s for s in steps if "seconds" in s]
     decode_steps = [s for s in timed if s["decode_rows"] == s["batch"]]
-    per_token = rho / engine.config.block_size
+    rebuilding = [s for s in timed if s["hidden_rebuild_rows"]]
     return {
         "policy": policy,
         "seed": seed,
@@ -130,13 +159,20 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, rho: float) -> dic
         "max_batch": max((s["batch"] for s in timed), default=0),
         "mean_decode_batch": statistics.mean(s["batch"] for s in decode_steps) if decode_steps else 0,
         "preemptions": engine.stats.preemptions,
+        "conversions": getattr(policy_obj, "conversions", 0),
         "hidden_chosen": getattr(policy_obj, "hidden_chosen", 0),
         "kv_chosen": getattr(policy_obj, "kv_chosen", None),
+        "row_count": sum(s["batch"] for s in timed),
+        "hidden_rows": sum(s["hidden_rows"] for s in timed),
+        "hidden_rebuild_rows": sum(s["hidden_rebuild_rows"] for s in timed),
         "steps_with_hidden": sum(1 for s in timed if s["hidden_rows"]),
+        "steps_rebuilding": len(rebuilding),
         "mean_step_s": statistics.mean(s["seconds"] for s in timed) if timed else 0,
         "mean_step_s_with_hidden": _mean(s["seconds"] for s in timed if s["hidden_rows"]),
+        "mean_step_s_rebuilding": _mean(s["seconds"] for s in rebuilding),
         "mean_rebuild_s_per_step": _mean(s["hidden_ctx_tokens"] * per_token for s in timed),
-        "mean_rebuild_s_per_hidden_step": _mean(s["hidden_ctx_tokens"] * per_token for s in timed if s["hidden_rows"]),
+        # priced from the profile over the steps that rebuild anything (None: no such step)
+        "mean_rebuild_s_per_hidden_step": _mean(s["hidden_ctx_tokens"] * per_token for s in rebuilding),
         "schedule_time_s": engine.stats.schedule_time_s,
         "kv_blocks": engine.kv.pool.capacity,
     }
@@ -161,22 +197,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--rho", type=float, default=None, help="s per block; default: measured first")
+    ap.add_argument("--policies", default="fcfs,aptserve,aptserve-priced", help=f"among {sorted(POLICIES)}")
+    ap.add_argument("--cost-model", default=None, help="a saved profile of this engine; default: profile first")
+    ap.add_argument("--rho", type=float, default=None, help="s per block; default: the profile's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    rebuild = measure_rho(args) if args.rho is None else {"rho_s_per_block": args.rho, "given": True}
-    rho = rebuild["rho_s_per_block"]
-    print(json.dumps({"rebuild": rebuild}), flush=True)
+    policies = args.policies.split(",")
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        ap.error(f"unknown policies {unknown}; available: {sorted(POLICIES)}")
+    from engine.cost_model import CostModel
+
+    block_size = _engine_config(args, "fcfs", None).block_size
+    if args.cost_model is None:
+        profile = profile_engine(args, Path(args.out).with_suffix(".profile.json"))
+    else:
+        profile = _profile_summary(CostModel.load(args.cost_model), block_size, args.cost_model)
+    per_token = args.rho / block_size if args.rho is not None else profile["per_token_s"]
+    print(json.dumps({"profile": profile}), flush=True)
     runs = []
     for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
-        order = ["fcfs", "aptserve"] if i % 2 == 0 else ["aptserve", "fcfs"]
-        for policy in order:
-            runs.append(run_one(args, policy, seed, rho))
+        for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:  # rotate
+            runs.append(run_one(args, policy, seed, profile["path"], per_token))
             print(json.dumps(runs[-1]), flush=True)
     doc = {
         "command": "python -m loadgen.bench.hybrid " + " ".join(argv or []),
         "config": vars(args),
-        "rebuild": rebuild,
+        "profile": profile,
         "runs": runs,
         "provenance": stamp(dtype=args.dtype).as_dict(),
     }

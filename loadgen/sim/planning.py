@@ -59,7 +59,15 @@ def planning_model(
         "prefill_vs_truth": _relative_gap(pfit, truth.prefill, prefill),
         "decode_vs_truth": _relative_gap(dfit, truth.decode, decode),
     }
-    return CostModel(pfit, dfit, truth.swap_bytes_per_s, meta, hidden_s_per_token=hidden)
+    return CostModel(
+        pfit,
+        dfit,
+        truth.swap_bytes_per_s,
+        meta,
+        hidden_s_per_token=hidden,
+        hidden_free_rows=truth.hidden_free_rows,  # the knee is the GEMM's shape, not a timing
+        hidden_free_s_per_token=truth.hidden_free_s_per_token * draw(),
+    )
 
 
 def _time(truth: CostModel, draw, rows: list[tuple[int, int]], *, prefill: bool) -> Sample:

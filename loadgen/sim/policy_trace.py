@@ -6,7 +6,10 @@ the "why" behind an effective-throughput number (docs/aptserve.md, docs/results.
 One worker from a shipped or given profile, the ShareGPT workload at one Poisson rate, the
 paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s) unless told otherwise; every policy sees the same
 arrivals. `--rho` overrides aptserve's ρ (a sensitivity check: the paper's code divides its
-measured ρ by 5; a huge ρ is "KV only"). Writes one JSON document with the provenance stamp.
+measured ρ by 5). Two variants of `aptserve` by name: `aptserve-priced` (conversions priced,
+`price_switches=True`) and `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only").
+The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
+Writes one JSON document with the provenance stamp.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+VARIANTS = {"aptserve-priced": ("aptserve", {"price_switches": True}), "aptserve-kv": ("aptserve", {"rho": 1e9})}
 
 
 def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rho: float | None) -> dict:
@@ -26,16 +31,19 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
     from loadgen.metrics import summarize, tbt_samples
     from loadgen.prompts import PromptBuilder
     from loadgen.sim.cluster import ClusterSpec, SimTarget
+    from loadgen.sim.step_time import hidden_context_tokens
     from loadgen.sim.worker import SimWorker
     from loadgen.workloads.build import WorkloadConfig, build_workload
 
     cost = load_cost_model(profile)
     none = argparse.Namespace(num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None)
     spec = worker_spec(none, cost.meta)
-    options = {"cost_model": cost, "default_slo": SLO(1.0, 1.0)} if policy == "aptserve" else {}
-    if rho is not None and policy == "aptserve":
+    name, variant = VARIANTS.get(policy, (policy, {}))
+    options = {"cost_model": cost, "default_slo": SLO(1.0, 1.0)} if name == "aptserve" else {}
+    if rho is not None and name == "aptserve":
         options["rho"] = rho
-    worker = SimWorker("w0", spec, cost, policy, options)
+    options |= variant
+    worker = SimWorker("w0", spec, cost, name, options)
     steps, idle = [], 0
     start_step = worker.start_step
 
@@ -46,6 +54,7 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
             idle += 1  # nothing scheduled although the worker had work
             return None
         items = worker.batch.items
+        rebuild = cost.hidden_seconds(hidden_context_tokens(items), sum(it.num_new_tokens for it in items))
         steps.append(
             (
                 len(items),
@@ -53,6 +62,7 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
                 sum(1 for it in items if it.request.cache_form is CacheForm.HIDDEN),
                 duration_s,
                 worker.kv.pool.usage(),
+                rebuild,
             )
         )
         return duration_s
@@ -84,11 +94,18 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
         "hidden_row_share": hidden_rows / rows if rows else 0.0,
         "steps_with_hidden": sum(1 for s in steps if s[2]),
         "preemptions": worker.stats.preemptions,  # conversions (free and re-prefill) included
+        "conversions": getattr(p, "conversions", 0),
+        "mean_rebuild_s_per_step": statistics.mean(s[5] for s in steps),
+        "mean_rebuild_s_per_rebuilding_step": _mean([s[5] for s in steps if s[5] > 0]),
         "idle_schedules": idle,
         "largest_gaps_s": gaps[:5],
         "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
         "rho_s_per_block": getattr(p, "rho", None),
     }
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,15 +10,23 @@ profiler measures (batch sizes x context lengths), then fit the profiler's model
   heads * head_dim`` per (query token, context token) pair, halved for a causal prefill.
 - bytes: the weights once per step, plus K and V of every context token of every decode row
   (``kv_bytes_per_token``), plus the new tokens' K/V writes.
-- the hybrid cache's rebuild (`hidden_s_per_token`, docs/aptserve.md): per HIDDEN context token
-  per step, the K/V projection ``2 * layers * hidden * 2*kv_heads*head_dim`` FLOPs, reading
-  its stored row (``hidden`` values) and writing the rebuilt K and V to scratch, as one
-  kernel's roofline ``max(FLOPs / (peak*mfu), bytes / (bandwidth*mbu))``. It is *added* to the
-  step (not folded into the step's own max): the paper's code runs it as separate kernels
-  (gather, one batched K/V GEMM, scatter to scratch) between the layer's projections and its
-  attention, so it does not hide under the weight streaming of a memory-bound decode. The
-  attention over the rebuilt K/V is a decode row's like any other (``alpha1``). For OPT-13B on
-  the A100 that is compute-bound, about 27 us per token (rho about 0.43 ms per 16-token block).
+- the hybrid cache's rebuild (`hidden_s_per_token`, docs/aptserve.md), per HIDDEN context
+  token per step, as Apt-Serve's code runs it: a gather of the stored row into a dense buffer,
+  the K/V projection (``2 * layers * hidden * 2*kv_heads*head_dim`` FLOPs) in *one GEMM with
+  the step's own new tokens*, and a scatter of the rebuilt K/V into a scratch cache. That GEMM
+  streams W_k and W_v anyway, so it is memory-bound up to its roofline knee, where a row's
+  FLOPs time catches up with the weights' time plus the rows' own bytes (about
+  ``dtype_bytes * peak*mfu / (2 * bandwidth*mbu)`` rows: 130 for OPT-13B on the A100), and a
+  rebuilt row below the knee costs only its bytes (the row in and its K/V out
+  of the GEMM, plus the gather and the scatter: ``hidden_free_s_per_token``); past the knee it
+  costs the GEMM's FLOPs plus the gather and scatter bytes (``hidden_s_per_token``). The step's
+  new tokens fill the knee first (`CostModel.hidden_seconds`). Why not "free under the whole
+  decode step's memory time": the K/V GEMM is 1/6 of a layer's weights (OPT: 2d^2 of 12d^2) and
+  a kernel cannot lend its idle compute to the next one, so only that GEMM's own weight time
+  hides rows. The gather and scatter are separate memory-bound kernels and are added. For
+  OPT-13B on the A100: 28.9 us per token past the knee (rho about 0.46 ms per 16-token block),
+  3.0 us below it. The attention over the rebuilt K/V is a decode row's like any other
+  (``alpha1``).
 - mfu/mbu: the fraction of peak compute / memory bandwidth achieved (0.5 and 0.8 by default,
   typical of vLLM-era kernels), and a fixed per-step overhead (scheduling, sampling, launch).
 
@@ -111,11 +119,30 @@ def step_time(m: Model, g: GPU, e: Efficiency, rows: list[tuple[int, int]], deco
     return e.overhead_s + max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
 
 
+@dataclass(frozen=True)
+class Rebuild:
+    """The hybrid cache's rebuild prices (module docstring)."""
+
+    s_per_token: float  # past the K/V GEMM's knee: its FLOPs plus the gather/scatter bytes
+    free_rows: float  # the knee: rows the GEMM's weight streaming hides
+    free_s_per_token: float  # below the knee: the row's bytes only
+
+
+def rebuild_prices(m: Model, g: GPU, e: Efficiency) -> Rebuild:
+    """Per HIDDEN context token per step, over all layers (module docstring)."""
+    bw, peak = g.hbm_bytes_per_s * e.mbu, g.peak_flops * e.mfu
+    gemm_flops = 2 * m.layers * m.hidden * m.kv_width
+    gather_scatter = m.layers * m.dtype_bytes * (2 * m.hidden + 2 * m.kv_width)  # x in/out, K/V in/out
+    gemm_io = m.layers * m.dtype_bytes * (m.hidden + m.kv_width)  # the row into the GEMM, its K/V out
+    # the knee: where a row's FLOPs time catches up with the weights' time plus the rows' own bytes
+    weights = m.layers * m.dtype_bytes * m.hidden * m.kv_width
+    knee = (weights / bw) / (gemm_flops / peak - gemm_io / bw)
+    return Rebuild(gemm_flops / peak + gather_scatter / bw, knee, (gather_scatter + gemm_io) / bw)
+
+
 def hidden_s_per_token(m: Model, g: GPU, e: Efficiency) -> float:
-    """Seconds one HIDDEN context token's K/V rebuild adds to a step (module docstring)."""
-    flops = 2 * m.layers * m.hidden * m.kv_width
-    bytes_ = m.layers * m.dtype_bytes * (m.hidden + m.kv_width)
-    return max(flops / (g.peak_flops * e.mfu), bytes_ / (g.hbm_bytes_per_s * e.mbu))
+    """Seconds one HIDDEN context token's K/V rebuild adds to a step past the knee."""
+    return rebuild_prices(m, g, e).s_per_token
 
 
 def grid_samples(
@@ -169,7 +196,10 @@ def build_profile(model: str, gpu: str, e: Efficiency = Efficiency()) -> CostMod
         "head_dim": m.head_dim,
         "num_kv_heads": m.kv_heads,
     }
-    return CostModel(pfit, dfit, g.host_link_bytes_per_s, meta, hidden_s_per_token(m, g, e))
+    rebuild = rebuild_prices(m, g, e)
+    return CostModel(
+        pfit, dfit, g.host_link_bytes_per_s, meta, rebuild.s_per_token, rebuild.free_rows, rebuild.free_s_per_token
+    )
 
 
 SHIPPED = {

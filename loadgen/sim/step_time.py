@@ -9,7 +9,8 @@ step adds a prefill row `(u, u)`, the rows the runner appends (`engine/rebuilt_p
 
 The hybrid cache (Apt-Serve): a HIDDEN row is priced as the same row in KV form (its attention
 over the context is the same work) plus the rebuild of K/V from every stored context token,
-`CostModel.hidden_seconds` of the HIDDEN requests' context tokens (`hidden_context_tokens`).
+`CostModel.hidden_seconds` of the HIDDEN requests' context tokens (`hidden_context_tokens`)
+given the step's new tokens, which come first in the shared K/V projection (the knee).
 """
 
 from __future__ import annotations
@@ -52,5 +53,6 @@ def step_seconds(
     cost: CostModel, batch: ScheduledBatch, bytes_per_token: int, kv: KVCacheManager | None = None
 ) -> float:
     prefill, decode = batch_rows(batch.items, kv)
-    rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items))
+    new_tokens = sum(it.num_new_tokens for it in batch.items)
+    rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items), step_rows=new_tokens)
     return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token)) + rebuild

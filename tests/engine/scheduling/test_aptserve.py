@@ -32,13 +32,30 @@ def _run(path, policy: str, **config) -> tuple[dict, LLMEngine, set]:
     return tokens, engine, forms
 
 
+def _cost_model_file(tmp_path) -> str:
+    """A hand-made profile (what prices a re-prefill: 0.1 ms per token), so the engine does not
+    profile the tiny model at start."""
+    from engine.cost_model import CostModel, PhaseFit
+
+    path = tmp_path / "cost.json"
+    CostModel(PhaseFit(1e-4, 1e-8, 1e-3), PhaseFit(1e-4, 1e-8, 1e-3), 1e9).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("price_switches", [True, False])
 @pytest.mark.parametrize("rho", [1e-9, 1e3])
-def test_aptserve_keeps_fcfs_tokens_and_picks_hidden_on_mha(rho, tiny_model_dir):
+def test_aptserve_keeps_fcfs_tokens_and_picks_hidden_on_mha(rho, price_switches, tiny_model_dir, tmp_path):
     """12 blocks for six requests: the packing preempts and converts; a tiny penalty makes
-    HIDDEN pay on MHA (OPT), a huge one never does."""
+    HIDDEN pay on MHA (OPT), a huge one never does; with conversions priced or not."""
     path = tiny_model_dir("opt")
     reference, _, _ = _run(path, "fcfs", num_blocks=64)
-    tokens, engine, forms = _run(path, "aptserve", aptserve_rho=rho)
+    tokens, engine, forms = _run(
+        path,
+        "aptserve",
+        aptserve_rho=rho,
+        aptserve_price_switches=price_switches,
+        cost_model_path=_cost_model_file(tmp_path),
+    )
     assert tokens == reference
     assert engine.stats.preemptions > 0  # the pool really was the bottleneck
     if rho < 1:
@@ -77,7 +94,7 @@ def test_a_prefill_iteration_that_admits_nothing_decodes_instead():
 
     kv = KVCacheManager(BlockPool(24), 16)
     kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))  # MHA: ratio 1/2
-    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=10.0))
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=10.0, price_switches=False))
     book = StepBookkeeping(scheduler, EngineStats())
     params = SamplingParams(max_tokens=50, ignore_eos=True)
     running = Request("a", list(range(160)), params, arrival_time=0.0)
@@ -93,3 +110,64 @@ def test_a_prefill_iteration_that_admits_nothing_decodes_instead():
     assert [(it.request, it.num_new_tokens) for it in batch.items] == [(running, 1)]
     assert late in scheduler.waiting and not batch.preempted
     kv.check_invariants()
+
+
+def _two_requests(price_switches: bool):
+    """A pool of 23 usable blocks (MHA, HIDDEN at half): `a` decodes in KV (11 blocks), `b`
+    waited 0.4 s and only fits in HIDDEN (10 of its 19 blocks); both got a token at 5.0 s."""
+    from engine.bookkeeping import EngineStats, StepBookkeeping
+    from engine.cost_model import CostModel, PhaseFit
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.kv.hidden import HiddenBlocks, HiddenLayout
+    from engine.scheduling import BatchLimits, Request, Scheduler
+    from engine.scheduling.aptserve import AptServePolicy
+
+    kv = KVCacheManager(BlockPool(24), 16)
+    kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))
+    # a re-prefill costs 1 ms per token: 0.3 s for b's 300 tokens
+    cost = CostModel(PhaseFit(1e-3, 0.0, 0.01), PhaseFit(1e-4, 0.0, 0.01), 1e9)
+    policy = AptServePolicy(rho=0.005, cost_model=cost, price_switches=price_switches)
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), policy)
+    book = StepBookkeeping(scheduler, EngineStats())
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a = Request("a", list(range(160)), params, arrival_time=0.0)
+    scheduler.add(a)
+    book.advance(scheduler.schedule(0.0).items)
+    book.append_token(a, 7, None, 4.99)
+    b = Request("b", list(range(1000, 1300)), params, arrival_time=4.6)
+    scheduler.add(b)
+    batch = scheduler.schedule(5.0)  # b has waited 0.4 s: a prefill iteration, b fits only in HIDDEN
+    assert [it.request for it in batch.items] == [b] and b.cache_form is CacheForm.HIDDEN
+    book.advance(batch.items)
+    book.append_token(b, 7, None, 5.0)
+    return scheduler, policy, a, b
+
+
+@pytest.mark.parametrize("price_switches", [True, False])
+def test_priced_switches_keep_the_hidden_request_the_paper_drops(price_switches):
+    """The next decode iteration (5.05 s): b's value (0.05 s since its token) is below its
+    HIDDEN penalty (2 x 0.005 x 19 = 0.19 s) and its KV form does not fit beside a. The paper's
+    rule then drops b (preempted, to be re-prefilled); priced, staying HIDDEN is worth its
+    value less the penalty plus the re-prefill avoided (2 x 0.3 s), so both decode."""
+    scheduler, policy, a, b = _two_requests(price_switches)
+    batch = scheduler.schedule(5.05)
+    if price_switches:
+        assert {it.request for it in batch.items} == {a, b} and not batch.preempted
+        assert b.cache_form is CacheForm.HIDDEN
+    else:
+        assert [it.request for it in batch.items] == [a] and batch.preempted == [b]
+    scheduler.kv.check_invariants()
+
+
+def test_priced_switches_need_a_cost_model():
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.kv.hidden import HiddenBlocks, HiddenLayout
+    from engine.scheduling import BatchLimits, Request, Scheduler
+    from engine.scheduling.aptserve import AptServePolicy
+
+    kv = KVCacheManager(BlockPool(24), 16)
+    kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), AptServePolicy(rho=0.01, price_switches=True))
+    scheduler.add(Request("a", list(range(40)), SamplingParams(max_tokens=4), arrival_time=0.0))
+    with pytest.raises(ValueError, match="price_switches=False"):
+        scheduler.schedule(0.0)

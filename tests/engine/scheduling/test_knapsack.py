@@ -9,11 +9,13 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.scheduling.knapsack import SKIP, Candidate, Choice, objective, options, solve
+from engine.scheduling.knapsack import SKIP, Candidate, Choice, objective, option_value, options, solve
 
 
 @st.composite
-def instances(draw, hidden: bool = True):
+def instances(draw, hidden: bool = True, held: bool = False):
+    """Random candidates; `held`: some hold a form already and are worth a keep bonus in it
+    (the priced conversions of a decode iteration)."""
     n = draw(st.integers(0, 7))
     ratio = draw(st.sampled_from([0.5, 0.75]))
     nrho = draw(st.floats(0, 0.5))  # N·ρ
@@ -22,7 +24,9 @@ def instances(draw, hidden: bool = True):
         m = draw(st.integers(1, 12))
         p = draw(st.floats(0, 10))
         h = max(1, math.ceil(m * ratio)) if hidden and draw(st.booleans()) else None
-        cands.append(Candidate(p, m, h, nrho * m))
+        holds = draw(st.sampled_from([None, False] + ([True] if h is not None else []))) if held else None
+        bonus = draw(st.floats(0, 10)) if holds is not None else 0.0
+        cands.append(Candidate(p, m, h, nrho * m, holds, bonus))
     return cands, draw(st.integers(0, 30))
 
 
@@ -39,9 +43,10 @@ def brute_force(cands, capacity) -> float:
 
 
 @settings(max_examples=300, deadline=None)
-@given(instances())
+@given(st.one_of(instances(), instances(held=True)))
 def test_greedy_is_feasible_and_at_least_half_the_optimum(instance):
-    """T8: ALG >= OPT/2 and the memory constraint holds."""
+    """T8: ALG >= OPT/2 and the memory constraint holds, also with priced conversions (a held
+    form worth a keep bonus; the optimum chooses among all three options of each request)."""
     cands, capacity = instance
     choices = solve(cands, capacity)
     value, blocks = objective(cands, choices)
@@ -78,6 +83,45 @@ def test_offered_options_are_concave(p, m, nrho, ratio):
         assert hv >= p * h / m - 1e-9
     elif opts and opts[0][2].hidden is False:
         assert p - nrho * m < p * h / m + 1e-9 or p - nrho * m <= 0  # dropped only when dominated
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances(held=True), st.integers(0, 30))
+def test_options_with_a_held_form_are_concave_and_never_drop_the_best(instance, capacity):
+    """Priced conversions: each request's options stay increasing in blocks and value with
+    non-increasing value per block (what the 2-approximation rests on), and the best option
+    that fits alone is always among them (so the best-single fallback is the true one)."""
+    cands, _ = instance
+    for c in cands:
+        opts = options(c, capacity)
+        prev_blocks, prev_value, prev_theta = 0, 0.0, math.inf
+        for blocks, value, _ in opts:
+            assert blocks > prev_blocks and value > prev_value
+            theta = (value - prev_value) / (blocks - prev_blocks)
+            assert theta <= prev_theta + 1e-12
+            prev_blocks, prev_value, prev_theta = blocks, value, theta
+        fitting = [option_value(c, False)] if c.kv_blocks <= capacity else []
+        if c.hidden_blocks is not None and c.hidden_blocks <= capacity:
+            fitting.append(option_value(c, True))
+        best = max([v for v in fitting if v > 0], default=None)
+        assert (best is None and not opts) or max(v for _, v, _ in opts) == best
+
+
+def test_a_held_form_is_kept_unless_the_gain_beats_the_reprefill():
+    """The rule (docs/aptserve.md, "Conversions priced"): a running HIDDEN request whose
+    penalty exceeds its value is kept HIDDEN while the re-prefill bonus covers it; without the
+    bonus (the paper) it is not worth HIDDEN at all and, KV not fitting, it is dropped."""
+    held = Candidate(value=0.05, kv_blocks=19, hidden_blocks=10, hidden_penalty=0.38, holds_hidden=True, keep_bonus=0.6)
+    assert [ch for _, _, ch in options(held, 24)] == [Choice(True, True)]  # KV (0.05) < staying (0.27)
+    assert solve([held], 12) == [Choice(True, True)]
+    paper = Candidate(value=0.05, kv_blocks=19, hidden_blocks=10, hidden_penalty=0.38)
+    assert solve([paper], 12) == [SKIP]
+    # the other way: a KV request converts to HIDDEN only when HIDDEN alone fits and is worth
+    # more than keeping KV is (its value plus the re-prefill it avoids): here it is not
+    kv = Candidate(value=5.0, kv_blocks=8, hidden_blocks=4, hidden_penalty=1.5, holds_hidden=False, keep_bonus=3.0)
+    assert [ch for _, _, ch in options(kv, 100)] == [Choice(True, False)]  # 3.5/4 < 8/8: below the chord
+    cheap = Candidate(value=5.0, kv_blocks=8, hidden_blocks=4, hidden_penalty=1.5, holds_hidden=False, keep_bonus=0.1)
+    assert [ch for _, _, ch in options(cheap, 100)] == [Choice(True, True), Choice(True, False)]
 
 
 def test_hidden_lets_more_requests_in_when_the_penalty_is_small():
