@@ -188,6 +188,24 @@ class KVLedger:
 
         self.undo.push(undo)
 
+    def push_host_prefix(self, table: BlockTable, host_block: int) -> None:
+        """Entry `len(table.host_prefix)` of the non-resident prefix is kept in `host_block`."""
+        table.host_prefix.append(host_block)
+        if self.undo.active:
+            self.undo.push(table.host_prefix.pop)
+
+    def pop_host_prefix(self, table: BlockTable) -> int:
+        """The last host-kept prefix entry leaves host; its host block returns to the free list."""
+        host_block = table.host_prefix.pop()
+        self.host.release(host_block)
+
+        def undo() -> None:
+            self.host.unrelease(host_block)
+            table.host_prefix.append(host_block)
+
+        self.undo.push(undo)
+        return host_block
+
     # -- copies -------------------------------------------------------------------------------
 
     def emit(self, kind: CopyKind, src: list[int], dst: list[int], reason: str, rid: str) -> None:
