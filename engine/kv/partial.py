@@ -98,6 +98,13 @@ class PartialResidency(KVComponent):
         if self.ledger.undo.active:
             self.ledger.undo.push(lambda: setattr(self, "ratio", old))
 
+    def set_source(self, source: str) -> None:
+        """The source of prefixes that leave the pool from the next allocation on (logged);
+        tables keep the source their prefix started with."""
+        old, self.source = self.source, check_source(source)
+        if self.ledger.undo.active:
+            self.ledger.undo.push(lambda: setattr(self, "source", old))
+
     def non_resident_target(self, request: Request) -> int:
         """Tokens of `request` the current ratio keeps out of the pool (whole computed blocks)."""
         bs = self.block_size

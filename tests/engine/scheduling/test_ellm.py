@@ -134,11 +134,17 @@ def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
             if isinstance(policy_obj, ELLMPolicy):
                 ratios.append(policy_obj.last.ratio)
                 assert policy_obj.last.decision_s > 0
+        engines.append(engine)
         return tokens, ratios, engine.stats
 
+    engines = []
     fcfs, _, _ = run("fcfs")
     ellm, ratios, _ = run("ellm")
     assert ellm == fcfs
     assert max(ratios) > 0, json.dumps(ratios)
     swap, _, stats = run("swap", num_host_blocks=64)  # the vLLM-Swap baseline: requests move to host and back
     assert swap == fcfs and stats.swap_outs > 0
+    # the host source: COST's 1 GB/s host link prices a read far below a rebuild, so ellm picks host
+    host, ratios, _ = run("ellm", uncached_source="auto", num_host_blocks=64)
+    assert host == fcfs and max(ratios) > 0
+    assert engines[-1].scheduler.policy.stats.host_steps > 0
