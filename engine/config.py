@@ -123,6 +123,11 @@ class EngineConfig:
     # share of computed tokens in the pool; the oldest whole blocks are rebuilt each step.
     # 0 = off. Fixed r is for checking and debugging; the `ellm` policy chooses it per step
     uncached_ratio: float = 0.0
+    # where each step gets the non-resident prefix's K/V (docs/ellm.md): "rebuild" re-runs the
+    # prefix tokens through every layer; "host" copies the leaving blocks to host swap space
+    # (swap_space_gib) and reads them back layer by layer (falls back to rebuild when host is full);
+    # "auto" (policy ellm only): the cheaper of the two per step, as the optimiser prices them
+    uncached_source: str = "rebuild"
 
     def __post_init__(self) -> None:
         if self.cache_form not in ("auto", "kv", "hidden"):

@@ -20,7 +20,7 @@ from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, PartialResidency, num_blocks_for_budget
 from engine.kv.hidden import HiddenBlocks, HiddenLayout
-from engine.kv.partial import check_ratio
+from engine.kv.partial import check_ratio, check_source
 from engine.kv.storage import bytes_per_block
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
@@ -135,6 +135,8 @@ class LLMEngine:
     def _check_partial_residency(config: EngineConfig) -> None:
         """The combinations partial residency refuses, before anything is loaded (docs/ellm.md)."""
         check_ratio(config.uncached_ratio)
+        if config.policy != "ellm" or config.uncached_source != "auto":  # "auto": ellm picks per step
+            check_source(config.uncached_source)
         if config.policy == "bros":
             raise ValueError(
                 "uncached_ratio > 0 cannot be combined with policy 'bros': BROS shares one block between "
@@ -152,7 +154,12 @@ class LLMEngine:
         """eLLM's partial residency for every request but session turns (docs/ellm.md says why)."""
         turns = self.sessions.turns
         self.kv.attach(
-            functools.partial(PartialResidency, ratio=config.uncached_ratio, excluded=lambda r: r.request_id in turns)
+            functools.partial(
+                PartialResidency,
+                ratio=config.uncached_ratio,
+                excluded=lambda r: r.request_id in turns,
+                source=config.uncached_source,
+            )
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -447,7 +454,13 @@ class LLMEngine:
             }
         if config.policy == "ellm":  # session turns stay resident (docs/ellm.md)
             excluded = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built later)
-            return {"cost_model": self.cost_model, "default_slo": SLO(None, config.rt_tpot_s), "excluded": excluded}
+            return {
+                "cost_model": self.cost_model,
+                "default_slo": SLO(None, config.rt_tpot_s),
+                "excluded": excluded,
+                "source": config.uncached_source,
+                "num_layers": self.model_config.num_layers,
+            }
         if config.policy != "bros":
             return {}
         return {

@@ -1,4 +1,5 @@
-"""The runner's side of partial residency (eLLM): rows that rebuild non-resident prefixes.
+"""The runner's side of partial residency (eLLM): rows that rebuild non-resident prefixes,
+and the per-layer loads of prefixes kept on host.
 
 A request whose table has `transient = T > 0` (`engine/kv/partial.py`) has no K/V in the pool
 for its tokens `[0, T)`. This step re-runs those tokens from their ids through every layer,
@@ -17,6 +18,15 @@ every kernel reads only under a -inf mask (as padding). That keeps the one per-l
 Rebuilt rows are not counted against `max_num_batched_tokens`: they are the price of the
 memory partial residency frees, which the `ellm` policy weighs (and a fixed ratio is for
 checking and debugging).
+
+A table whose prefix is kept on host (`BlockTable.host_prefix`, the `host` source) adds no
+rows: its span reads the prefix's K/V from a one-layer scratch (`HostPrefixKV`) that
+`HostPrefixLoader` fills just before each layer (through the models' `wait_layer` hook, the
+one they already call before every layer), by one `index_select` over that layer's host swap
+space for all such prefixes of the step. The K/V are the originals, so attention over them is
+the full-residency one up to the merge's rounding. On a GPU this load is a synchronous
+host-to-device copy per layer; overlapping it one layer ahead on a second stream (the
+design in docs/ellm.md) is not built.
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import PrefillSpan, TransientSpan
+from kernels import HostPrefixKV, PrefillSpan, TransientSpan
 
 if TYPE_CHECKING:
-    from engine.kv import KVCacheManager
+    from collections.abc import Callable
+
+    from engine.kv import KVCacheManager, KVCacheStorage
     from engine.scheduling import ScheduledItem
 
 _NULL_BLOCK = 0
@@ -37,7 +49,16 @@ _NULL_BLOCK = 0
 def rebuilt_rows(items: list[ScheduledItem], kv: KVCacheManager) -> list[tuple[int, int]]:
     """The prefill rows `(u, u)` this step's rebuilt prefixes add, one per item that has one:
     what a step-time model prices (the simulator's `batch_rows`). Call after allocation."""
-    return [(u, u) for u in (kv.table(it.request).transient for it in items) if u]
+    tables = (kv.table(it.request) for it in items)
+    return [(t.transient, t.transient) for t in tables if t.transient and not t.host_prefix]
+
+
+def host_prefix_rows(items: list[ScheduledItem], kv: KVCacheManager) -> list[tuple[int, int]]:
+    """`(u, u)` per host-kept prefix this step reads from host, every layer (a step-time model
+    prices `u` as copied tokens, or the rows as what rebuilding them would cost). Call after
+    allocation."""
+    tables = (kv.table(it.request) for it in items)
+    return [(t.transient, t.transient) for t in tables if t.host_prefix]
 
 
 def add_rebuilt_prefixes(
@@ -47,25 +68,62 @@ def add_rebuilt_prefixes(
     rows: tuple[list[int], list[int], list[int]],
     prefills: list[PrefillSpan],
     device: torch.device,
-) -> list[TransientSpan]:
+) -> tuple[list[TransientSpan], list[int]]:
     """Append the rebuilt prefix rows of `items` (whose new tokens are the batch rows from
     `first_row` on, in order) to `rows` = (input ids, positions, slots) and their ctx-0
-    spans to `prefills`; return the items' `TransientSpan`s."""
+    spans to `prefills`; return the items' `TransientSpan`s and the host slots of the
+    host-kept prefixes (their spans' rows in the `HostPrefixKV` scratch, in order)."""
     input_ids, positions, slots = rows
     bs = kv.block_size
     spans: list[TransientSpan] = []
+    host_slots: list[int] = []
     row = first_row
     for it in items:
         request, n = it.request, it.num_new_tokens
         table = kv.table(request)
-        rebuilt, ctx, ids = table.transient, request.num_computed_tokens, table.ids
-        prefix_start = len(input_ids)
-        input_ids.extend(request.token_ids[:rebuilt])
-        positions.extend(range(rebuilt))
-        slots.extend((ids[p // bs] or _NULL_BLOCK) * bs + p % bs for p in range(rebuilt))
-        prefills.append(PrefillSpan(q_start=prefix_start, q_len=rebuilt, ctx_len=0, block_ids=None))
+        prefix_len, ctx, ids = table.transient, request.num_computed_tokens, table.ids
         width = -(-(ctx + n) // bs)
         block_ids = torch.tensor(ids[:width], dtype=torch.long, device=device)
-        spans.append(TransientSpan(row, n, ctx, prefix_start, rebuilt, block_ids))
+        if table.host_prefix:  # read from host layer by layer: no rows
+            start = len(host_slots)
+            host_slots.extend(h * bs + o for h in table.host_prefix for o in range(bs))
+            spans.append(TransientSpan(row, n, ctx, start, prefix_len, block_ids, from_host=True))
+        else:
+            prefix_start = len(input_ids)
+            input_ids.extend(request.token_ids[:prefix_len])
+            positions.extend(range(prefix_len))
+            slots.extend((ids[p // bs] or _NULL_BLOCK) * bs + p % bs for p in range(prefix_len))
+            prefills.append(PrefillSpan(q_start=prefix_start, q_len=prefix_len, ctx_len=0, block_ids=None))
+            spans.append(TransientSpan(row, n, ctx, prefix_start, prefix_len, block_ids))
         row += n
-    return spans
+    return spans, host_slots
+
+
+class HostPrefixLoader:
+    """Fills a step's `HostPrefixKV` with layer `j`'s K/V of its host-kept prefixes just
+    before layer `j` runs (see the module docstring)."""
+
+    def __init__(self, storage: KVCacheStorage, host_slots: list[int], device: torch.device) -> None:
+        host = storage.host()  # [layers, 2, kv_heads, host_blocks, bs, D]
+        layers, two, heads, blocks, bs, dim = host.shape
+        self._source = host.view(layers, two, heads, blocks * bs, dim)
+        self._slots = torch.tensor(host_slots, dtype=torch.long)
+        self._device = device
+        self.scratch = HostPrefixKV()
+
+    def load(self, layer: int) -> None:
+        kv = self._source[layer].index_select(2, self._slots).to(self._device)  # [2, kv_heads, N, D]
+        self.scratch.keys = kv[0].transpose(0, 1)
+        self.scratch.values = kv[1].transpose(0, 1)
+
+    def before_layer(self, wait_layer: Callable[[int], None] | None) -> Callable[[int], None]:
+        """The hook the model calls before each layer: the step's own `wait_layer` (KV still
+        arriving for session promotion), then this layer's host prefixes."""
+        if wait_layer is None:
+            return self.load
+
+        def both(layer: int) -> None:
+            wait_layer(layer)
+            self.load(layer)
+
+        return both

@@ -19,7 +19,7 @@ from engine.hidden_batch import build_hidden_batch
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.kv.hidden import HiddenLayout
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
-from engine.rebuilt_prefix import add_rebuilt_prefixes
+from engine.rebuilt_prefix import HostPrefixLoader, add_rebuilt_prefixes
 from engine.scheduling import Request, ScheduledItem
 from engine.scheduling.request import CacheForm
 from kernels import (
@@ -120,10 +120,14 @@ class ModelRunner:
         ordered = decodes + prefills + rebuilt
         input_ids, positions, slots, rows, sampled = self._flatten(ordered + hidden_items)
         spans = self._prefill_spans(prefills, start=len(decodes))
-        transient = []
-        if rebuilt:  # their rebuilt prefixes go after every other row
+        transient, host_loader = [], None
+        if rebuilt:  # their rebuilt prefixes go after every other row (host-kept ones are loaded per layer)
             first = len(input_ids) - sum(it.num_new_tokens for it in rebuilt)
-            transient = add_rebuilt_prefixes(rebuilt, first, self.kv, (input_ids, positions, slots), spans, self.device)
+            rows_in = (input_ids, positions, slots)
+            transient, host_slots = add_rebuilt_prefixes(rebuilt, first, self.kv, rows_in, spans, self.device)
+            if host_slots:
+                host_loader = HostPrefixLoader(self.storage, host_slots, self.device)
+                wait_layer = host_loader.before_layer(wait_layer)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             decode_buckets=self._decode_buckets([it.request for it in decodes]),
@@ -133,6 +137,7 @@ class ModelRunner:
             decode_kernel=self.decode_kernel,
             hidden=self._hidden_batch(hidden_items, sum(it.num_new_tokens for it in ordered)) if hidden_items else None,
             transient=transient,
+            host_prefix=None if host_loader is None else host_loader.scratch,
         )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta, self.storage.layers)
         if not rows:

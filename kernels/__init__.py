@@ -27,7 +27,14 @@ from kernels.attention import (
     write_kv_cache_layers,
 )
 from kernels.hidden import HiddenBatch, HiddenSeq, hidden_attention
-from kernels.metadata import AttentionMetadata, DecodeBucket, DecodeChunks, PrefillSpan, TransientSpan
+from kernels.metadata import (
+    AttentionMetadata,
+    DecodeBucket,
+    DecodeChunks,
+    HostPrefixKV,
+    PrefillSpan,
+    TransientSpan,
+)
 from kernels.reference.partial import attend_partial, merge_partials
 
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "DecodeChunks",
     "HiddenBatch",
     "HiddenSeq",
+    "HostPrefixKV",
     "hidden_attention",
     "PrefillSpan",
     "TransientSpan",

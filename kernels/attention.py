@@ -129,7 +129,7 @@ def paged_attention(
         if meta.decode_kernel == "triton":
             _triton().attend_transient(out, q, k, v, kv_cache, meta)
         else:
-            _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale)
+            _resident.attend_transient(out, q, k, v, kv_cache, meta.transient, meta.scale, meta.host_prefix)
     return out
 
 

@@ -37,7 +37,11 @@ class TransientSpan:
     `engine/kv/partial.py`): this step rebuilds them as extra rows `prefix_start ..` of the
     batch (positions 0 .. prefix_len-1, attended as a ctx-0 prefill span of their own), and
     its query rows attend those rows' K/V merged with its paged part
-    (`kernels/reference/resident.py`). Its rows are in no decode bucket or prefill span."""
+    (`kernels/reference/resident.py`). Its rows are in no decode bucket or prefill span.
+
+    With `from_host` the prefix is not rebuilt but kept in host memory: `prefix_start` is
+    then its first row in `AttentionMetadata.host_prefix` (this layer's K/V, loaded from host
+    before the layer), and the step has no rows for it."""
 
     q_start: int  # first row of the sequence's new tokens
     q_len: int
@@ -45,6 +49,18 @@ class TransientSpan:
     prefix_start: int  # first row of its rebuilt prefix in the flattened batch
     prefix_len: int  # rebuilt tokens (whole blocks)
     block_ids: torch.Tensor  # [n] the logical blocks of all ctx_len + q_len tokens (0 for empty entries)
+    from_host: bool = False  # the prefix's K/V come from `AttentionMetadata.host_prefix`
+
+
+@dataclass
+class HostPrefixKV:
+    """The current layer's K/V of every host-kept prefix of the step (eLLM's host source),
+    spans' rows one after another (`TransientSpan.prefix_start`): filled before each layer by
+    the runner's loader (`engine/rebuilt_prefix.py`), read by that layer's attention, replaced
+    by the next layer's. A per-step scratch of one layer, not a cache."""
+
+    keys: torch.Tensor | None = None  # [N, kv_heads, head_dim]
+    values: torch.Tensor | None = None  # [N, kv_heads, head_dim]
 
 
 @dataclass
@@ -140,3 +156,5 @@ class AttentionMetadata:
     hidden: HiddenBatch | None = None
     # Partially resident sequences (eLLM) and the rows of their rebuilt prefixes; empty otherwise.
     transient: list[TransientSpan] = field(default_factory=list)
+    # The current layer's K/V of the host-kept prefixes among `transient`; None when there are none.
+    host_prefix: HostPrefixKV | None = None

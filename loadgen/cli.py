@@ -141,6 +141,20 @@ def add_run_args(
         help="bros: RT tokens per deadline after the first (default 1: a deadline per token)",
     )
     e.add_argument(
+        "--prefix-source",
+        dest="source",
+        default=None,
+        choices=("rebuild", "host", "auto"),
+        help="ellm: where non-resident prefixes come from: rebuilt, read from host swap space each step, or "
+        "the cheaper per step (default rebuild; docs/ellm.md)",
+    )
+    e.add_argument(
+        "--layer-split",
+        action="store_true",
+        default=None,
+        help="ellm (sim): price eLLM's split of layers between host reads and rebuilding",
+    )
+    e.add_argument(
         "--seeds",
         type=int,
         default=1,

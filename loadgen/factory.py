@@ -40,11 +40,13 @@ def load_cost_model(name_or_path: str):
     return CostModel.load(p)
 
 
-POLICY_FLAGS = ("min_be_share", "token_group")  # command-line options a policy may accept
+# command-line options a policy may accept (BROS's; ellm's prefix source, layer split and layer count)
+POLICY_FLAGS = ("min_be_share", "token_group", "source", "layer_split", "num_layers")
 
 
 def policy_flags(args: argparse.Namespace) -> dict:
-    """The policy options given on the command line (`--min-be-share`, `--token-group`)."""
+    """The policy options given on the command line (`--min-be-share`, `--token-group`,
+    `tandem bench ellm-sim`'s `--prefix-source` and `--layer-split`)."""
     return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
 
 
@@ -73,6 +75,8 @@ def engine_config(args: argparse.Namespace, policy: str):
     ):
         if getattr(args, name, None) is not None:
             cfg[name] = getattr(args, name)
+    if getattr(args, "source", None) is not None and policy == "ellm":  # ellm's prefix source
+        cfg["uncached_source"] = args.source
     return EngineConfig(**cfg)
 
 

@@ -15,7 +15,8 @@ CACHE_FORMS = ("auto", "kv", "hidden")  # EngineConfig.cache_form
 
 
 def add_cache_form_options(p: argparse.ArgumentParser) -> None:
-    """`--kv-heads-expand`, `--cache-form` and `--uncached-ratio` (EngineConfig fields of the same names)."""
+    """`--kv-heads-expand`, `--cache-form`, `--uncached-ratio` and `--uncached-source` (EngineConfig
+    fields of the same names)."""
     p.add_argument(
         "--kv-heads-expand",
         action="store_true",
@@ -34,4 +35,11 @@ def add_cache_form_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="partial KV residency (eLLM): keep only the newest (1 - R) of each request's tokens' K/V in the "
         "pool and rebuild the oldest each step (0..0.95; checking and debugging, see docs/ellm.md)",
+    )
+    p.add_argument(
+        "--uncached-source",
+        default=None,
+        choices=("rebuild", "host", "auto"),
+        help="where partial residency gets the oldest tokens' K/V each step: rebuild them, or keep them in "
+        "host swap space and read them layer by layer, or (policy ellm) the cheaper per step (docs/ellm.md)",
     )

@@ -44,6 +44,9 @@ def test_generate_with_uncached_ratio_matches_full_residency(tiny_model_dir):
     partial = _tandem(*args, "--uncached-ratio", "0.5")
     assert full.returncode == 0 and partial.returncode == 0, partial.stderr
     assert json.loads(partial.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
+    host = _tandem(*args, "--uncached-ratio", "0.5", "--uncached-source", "host")  # read from host swap space
+    assert host.returncode == 0, host.stderr
+    assert json.loads(host.stdout)["token_ids"] == json.loads(full.stdout)["token_ids"]
     bad = _tandem(*args, "--uncached-ratio", "1.5")
     assert bad.returncode == 2 and "uncached ratio must be in" in bad.stderr and "Traceback" not in bad.stderr
 

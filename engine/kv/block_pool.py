@@ -25,6 +25,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None  # set once the block is full and registered for reuse
+    free_rank: int = 0  # its place in the free list's LRU order while free (smaller: evicted first)
 
 
 class BlockPool:
@@ -37,6 +38,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        for b in self.blocks:
+            b.free_rank = b.block_id
+        self._next_rank = num_blocks  # for the MRU end; `_first_rank` for the LRU end
+        self._first_rank = 0
         self._cached: dict[bytes, Block] = {}
 
     @property
@@ -69,6 +74,8 @@ class BlockPool:
     def unallocate(self, block: Block) -> None:
         """Undo of `allocate` for one block: back to the LRU end of the free list, unreferenced."""
         block.ref_count = 0
+        self._first_rank -= 1
+        block.free_rank = self._first_rank
         self._free[block.block_id] = block
         self._free.move_to_end(block.block_id, last=False)
 
@@ -88,7 +95,21 @@ class BlockPool:
         for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
+                block.free_rank = self._next_rank
+                self._next_rank += 1
                 self._free[block.block_id] = block
+
+    def unacquire(self, blocks: Iterable[Block]) -> None:
+        """Undo of `acquire` (call with the same blocks, last first): drop the reference, and a
+        block `acquire` revived goes back to its old place in the LRU order, not the MRU end,
+        so a rollback leaves the next allocations exactly as they were. O(free) per revived
+        block, paid only by rollbacks."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = block
+                for later in [b for b in self._free.values() if b.free_rank > block.free_rank]:
+                    self._free.move_to_end(later.block_id)
 
     def register(self, block: Block, block_hash: bytes) -> None:
         """Make a full block findable by its prefix hash (first writer wins on duplicates)."""

@@ -42,6 +42,11 @@ class BlockTable:
     `transient` (partial residency, `kv/partial.py`) counts the leading tokens whose K/V the
     next step rebuilds instead of reading from the pool: their entries are empty (id 0) or,
     while a shrinking ratio brings them back, fresh blocks that step fills; 0 for every other table.
+    `host_prefix` (partial residency with the host source) are the host blocks holding entries
+    `0 .. len(host_prefix)-1` of that non-resident prefix: the step reads their K/V from host
+    layer by layer instead of rebuilding them; empty when the prefix is rebuilt. Unlike `host`
+    (a swapped-out entry the request must restore before it runs) these entries stay on host
+    while the request runs.
 
     Only `KVLedger` primitives change a table, so every change can be rolled back.
     """
@@ -54,6 +59,7 @@ class BlockTable:
     owner: KVComponent | None = field(default=None, repr=False)
     held: list[Block] = field(default_factory=list)
     transient: int = 0
+    host_prefix: list[int] = field(default_factory=list)
 
     def extend(self, blocks: Sequence[Block]) -> None:
         """Append forward entries (no undo record: callers go through `KVLedger.append_entries`)."""

@@ -262,6 +262,8 @@ class KVCacheManager:
             self.ledger.release_held(table)
         for e in list(table.host):
             self.ledger.release_host(table, e)
+        while table.host_prefix:
+            self.ledger.pop_host_prefix(table)
         self.ledger.drop_table(rid)
 
     def _detach(self, rid: str, table: BlockTable, e: int) -> None:
@@ -399,6 +401,7 @@ class KVCacheManager:
         for block in self.pool.blocks[1:]:
             assert block.ref_count == refs.get(block.block_id, 0), (block, refs.get(block.block_id))
         host_used = [he.host_block for t in self._tables.values() for he in t.host.values()]
+        host_used += [h for t in self._tables.values() for h in t.host_prefix]
         assert len(set(host_used)) == len(host_used) == self.host.num_blocks - self.host.num_free
         for component in self._components:
             component.check_invariants()

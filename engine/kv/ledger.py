@@ -110,12 +110,15 @@ class KVLedger:
     def release_held(self, table: BlockTable) -> None:
         """Give every block the table holds as a whole back to the pool."""
         held = list(table.held)
+        ranks = [b.free_rank for b in held]
         self.pool.release(reversed(held))
         table.held.clear()
         if self.undo.active:
 
             def undo() -> None:
                 self.pool.acquire(held)
+                for b, rank in zip(held, ranks):  # an undone `acquire` before it puts them back there
+                    b.free_rank = rank
                 table.held.extend(held)
 
             self.undo.push(undo)
@@ -153,12 +156,18 @@ class KVLedger:
         """Another reference on each block (prefix hits, stolen block ends)."""
         self.pool.acquire(blocks)
         if self.undo.active:
-            self.undo.push(lambda: self.pool.release(reversed(blocks)))
+            self.undo.push(lambda: self.pool.unacquire(reversed(blocks)))
 
     def release(self, block: Block) -> None:
+        rank = block.free_rank  # where an undone `acquire` before this puts it back in the LRU order
         self.pool.release([block])
         if self.undo.active:
-            self.undo.push(lambda: self.pool.acquire([block]))
+
+            def undo() -> None:
+                self.pool.acquire([block])
+                block.free_rank = rank
+
+            self.undo.push(undo)
 
     # -- host blocks ------------------------------------------------------------------------
 
@@ -187,6 +196,24 @@ class KVLedger:
             table.host[e] = he
 
         self.undo.push(undo)
+
+    def push_host_prefix(self, table: BlockTable, host_block: int) -> None:
+        """Entry `len(table.host_prefix)` of the non-resident prefix is kept in `host_block`."""
+        table.host_prefix.append(host_block)
+        if self.undo.active:
+            self.undo.push(table.host_prefix.pop)
+
+    def pop_host_prefix(self, table: BlockTable) -> int:
+        """The last host-kept prefix entry leaves host; its host block returns to the free list."""
+        host_block = table.host_prefix.pop()
+        self.host.release(host_block)
+
+        def undo() -> None:
+            self.host.unrelease(host_block)
+            table.host_prefix.append(host_block)
+
+        self.undo.push(undo)
+        return host_block
 
     # -- copies -------------------------------------------------------------------------------
 

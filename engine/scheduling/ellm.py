@@ -19,6 +19,15 @@ early once every candidate fits (a larger `r` only adds cost), and its time is p
 
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
+
+Sources (`source`, `engine/scheduling/prefix_pricing.py`): each `r` is priced with the
+cheaper of the sources allowed, rebuilding the prefixes or reading them from host swap space
+(the copy from the profile's `swap_bytes_per_s`, added to the step on a CPU and overlapped on
+a GPU), and with `layer_split` the best split of layers between the two (priced; the engine
+runs only the two ends, so the engine's policy leaves it off). With `source="auto"` the
+choice's source becomes the component's source for prefixes that leave the pool from then on
+(tables keep the source their prefix started with). The batch carries the priced split
+(`ScheduledBatch.host_prefix_layers`) for the simulator.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from engine.cost_model import CostModel
 from engine.kv.partial import PartialResidency
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
+from engine.scheduling.prefix_pricing import REBUILD_ONLY, SOURCES, PrefixSources, host_step_seconds, split_shares
 from engine.scheduling.request import SLO, Request
 
 RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
@@ -49,7 +59,9 @@ class Choice:
     ratio: float  # r
     step_s: float  # the cost model's step time at (b, r)
     decision_s: float = 0.0  # wall time of the search (published)
-    rebuild_s: float = 0.0  # the part of step_s that the rebuilt prefixes add
+    rebuild_s: float = 0.0  # the part of step_s that the non-resident prefixes add (rebuilt or read)
+    source: str = "rebuild"  # where the prefixes come from at this choice
+    host_layers: int = 0  # with source "host": layers read from host (the rest rebuilt; all without a split)
 
 
 @dataclass
@@ -59,6 +71,8 @@ class DecisionStats:
 
     steps: int = 0
     rebuilding_steps: int = 0  # steps with r > 0
+    host_steps: int = 0  # of those, steps whose prefixes are read from host
+    host_layers_sum: int = 0  # layers read from host, summed over host steps
     ratio_sum: float = 0.0
     ratio_max: float = 0.0
     batch_sum: int = 0
@@ -70,6 +84,9 @@ class DecisionStats:
     def add(self, c: Choice) -> None:
         self.steps += 1
         self.rebuilding_steps += c.ratio > 0
+        if c.ratio > 0 and c.source == "host":
+            self.host_steps += 1
+            self.host_layers_sum += c.host_layers
         self.ratio_sum += c.ratio
         self.ratio_max = max(self.ratio_max, c.ratio)
         self.batch_sum += c.batch
@@ -84,6 +101,8 @@ class DecisionStats:
         return {
             "steps": self.steps,
             "rebuilding_step_share": self.rebuilding_steps / n,
+            "host_step_share": self.host_steps / n,
+            "mean_host_layers": self.host_layers_sum / self.host_steps if self.host_steps else 0.0,
             "mean_ratio": self.ratio_sum / n,
             "max_ratio": self.ratio_max,
             "mean_batch_bound": self.batch_sum / n,
@@ -94,11 +113,18 @@ class DecisionStats:
 
 
 def choose(
-    contexts: Sequence[int], capacity_tokens: int, block_size: int, cost: CostModel, tpot_s: float, max_batch: int
+    contexts: Sequence[int],
+    capacity_tokens: int,
+    block_size: int,
+    cost: CostModel,
+    tpot_s: float,
+    max_batch: int,
+    sources: PrefixSources = REBUILD_ONLY,
 ) -> Choice:
     """The (b, r) maximising b / T(b, r) subject to T <= tpot_s and the resident blocks of the
     first b candidates (`contexts`: their tokens after this step, FCFS order) fitting
-    `capacity_tokens`. Falls back to r = 0 when no pair meets the SLO.
+    `capacity_tokens`, each r priced with the cheapest of `sources`. Falls back to r = 0 when
+    no pair meets the SLO.
 
     Vectorised over the whole grid (one `ratios x candidates` array, prefix sums along the
     candidates) so its time grows with the array, not with Python loop iterations: about
@@ -128,10 +154,23 @@ def choose(
         step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i]))
         if i == 0:
             fallback = Choice(b, 0.0, step)
-        if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
-            rebuild_s = step - cost.estimate_sums(0, 0, b, int(d_work[i]))
-            best = Choice(b, RATIO_GRID[i], step, rebuild_s=rebuild_s)
+        if step <= tpot_s or sources.host:
+            exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
+            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), sources)
+            if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
+                best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
     return best or fallback or Choice(1, 0.0, math.inf)
+
+
+def _cheaper_source(exec_s: float, rebuild_step: float, tokens: int, sources: PrefixSources) -> tuple[float, str, int]:
+    """(step seconds, source, host layers) of the cheaper allowed source for `tokens` prefix
+    tokens; rebuilding where the host cannot take them (the component falls back the same way)."""
+    if not (sources.host and tokens and tokens <= sources.host_capacity_tokens):
+        return rebuild_step, "rebuild", 0
+    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources)
+    if host_step < rebuild_step or not sources.rebuild:
+        return host_step, "host", layers
+    return rebuild_step, "rebuild", 0
 
 
 def _prefix_at(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -148,20 +187,32 @@ class ELLMPolicy(SchedulingPolicy):
         cost_model: CostModel | None = None,
         default_slo: SLO = SLO(0.4, 0.2),
         excluded: Callable[[Request], bool] | None = None,
+        source: str = "rebuild",
+        layer_split: bool = False,
+        num_layers: int = 1,
     ) -> None:
         """`default_slo.tpot_s` is the TPOT target; `excluded(request)`: requests kept fully
-        resident (session turns; see `PartialResidency`)."""
+        resident (session turns; see `PartialResidency`); `source`: where non-resident
+        prefixes come from, `rebuild`, `host` or `auto` (the cheaper per step);
+        `layer_split`: price eLLM's split of `num_layers` layers between host and rebuild
+        (the simulator; the engine runs no split)."""
+        if source not in SOURCES:
+            raise ValueError(f"ellm's source must be one of {', '.join(SOURCES)}, got {source!r}")
         if default_slo.tpot_s is None:
             raise ValueError("ellm needs a TPOT target")
         self.cost_model = cost_model
         self.tpot_s = default_slo.tpot_s
         self.excluded = excluded
+        self.source = source
+        self.layer_split = layer_split
+        self.num_layers = num_layers
         self.fcfs = FCFSPolicy()
         self.last = Choice(0, 0.0, 0.0)
         self.stats = DecisionStats()
 
     def kv_components(self):
-        return (partial(PartialResidency, ratio=0.0, excluded=self.excluded),)
+        first = "host" if self.source == "host" else "rebuild"
+        return (partial(PartialResidency, ratio=0.0, excluded=self.excluded, source=first),)
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
@@ -177,9 +228,33 @@ class ELLMPolicy(SchedulingPolicy):
             self.cost_model,
             self.tpot_s,
             state.limits.max_num_seqs,
+            self._sources(state),
         )
         self.last = replace(choice, decision_s=time.perf_counter() - start)
         self.stats.add(self.last)
-        state.kv.component(PartialResidency).set_ratio(choice.ratio)
+        component = state.kv.component(PartialResidency)
+        component.set_ratio(choice.ratio)
+        if self.source == "auto" and choice.ratio:
+            component.set_source(choice.source)
         bounded = replace(state.limits, max_num_seqs=max(1, min(choice.batch, state.limits.max_num_seqs)))
-        return self.fcfs.schedule(replace(state, limits=bounded))
+        batch = self.fcfs.schedule(replace(state, limits=bounded))
+        if choice.source == "host" and choice.host_layers < self.num_layers:
+            batch.host_prefix_split = split_shares(choice.host_layers, self.num_layers)
+        return batch
+
+    def _sources(self, state: SchedulerState) -> PrefixSources:
+        """The sources this step may price, from the profile and the host space left (free
+        host blocks plus those the host-kept prefixes hold)."""
+        if self.source == "rebuild":
+            return REBUILD_ONLY
+        kv = state.kv
+        held = sum(len(t.host_prefix) for t in kv.ledger.tables.values())
+        return PrefixSources.of(
+            self.source,
+            kv_bytes_per_token=kv.bytes_per_token,
+            swap_bytes_per_s=self.cost_model.swap_bytes_per_s,
+            overlap=self.cost_model.swap_overlaps,
+            host_capacity_tokens=(kv.host.num_free + held) * kv.block_size,
+            num_layers=self.num_layers,
+            layer_split=self.layer_split,
+        )

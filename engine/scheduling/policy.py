@@ -43,6 +43,10 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)  # recompute-preempted (KV dropped)
     copies: list[KVCopy] = field(default_factory=list)  # executed in order before the forward pass
     swapped_out: list[Request] = field(default_factory=list)  # whole requests moved to host this step
+    # eLLM's layer split as the `ellm` policy priced it (engine/scheduling/prefix_pricing.py):
+    # the shares of the host-kept prefixes' all-layer K/V bytes read this step and of their
+    # prefill rebuilt; the simulator charges it, the engine runs no split (reads all: (1, 0))
+    host_prefix_split: tuple[float, float] = (1.0, 0.0)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.items.append(ScheduledItem(request, num_new_tokens))

@@ -38,6 +38,8 @@ class Scheduler:
         start = time.perf_counter()
         state = SchedulerState(self.waiting, self.running, self.kv, self.limits, start if now is None else now)
         batch = self.policy.schedule(state)
+        if self.kv.ledger.copies:  # recorded by allocations the policy did not collect (partial
+            batch.copies += self.kv.take_copies()  # residency's host source under FCFS): run them too
         self.last_schedule_s = time.perf_counter() - start
         return batch
 

@@ -8,9 +8,10 @@ is causal by absolute position (`attend_partial`), so the same call serves a dec
 prefill chunk whose own new tokens are already in the cache.
 
 `attend_transient` fills the output rows of every `TransientSpan` of the step: the span's
-query rows over the rebuilt prefix's K/V (this layer's rows `prefix_start ..`) and over its
-paged part, merged by `merge_partials` (the one merge, shared with the hybrid cache), cast
-back to the model's dtype.
+query rows over the rebuilt prefix's K/V (this layer's rows `prefix_start ..`, or for a
+host-kept prefix the rows of this layer's `HostPrefixKV` scratch) and over its paged part,
+merged by `merge_partials` (the one merge, shared with the hybrid cache), cast back to the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kernels.reference.attention import gather_blocks
 from kernels.reference.partial import attend_partial, merge_partials
 
 if TYPE_CHECKING:
-    from kernels.metadata import TransientSpan
+    from kernels.metadata import HostPrefixKV, TransientSpan
 
 
 def paged_partial(
@@ -57,13 +58,16 @@ def attend_transient(
     kv_cache: torch.Tensor,
     spans: list[TransientSpan],
     scale: float,
+    host: HostPrefixKV | None = None,
 ) -> None:
-    """Write the attention of every transient span's query rows into `out` (in place)."""
+    """Write the attention of every transient span's query rows into `out` (in place);
+    `host`: this layer's K/V of the host-kept prefixes (spans with `from_host`)."""
     for span in spans:
         rows = slice(span.q_start, span.q_start + span.q_len)
         prefix = slice(span.prefix_start, span.prefix_start + span.prefix_len)
         qs = q[rows]
-        rebuilt = attend_partial(qs, k[prefix], v[prefix], q_pos0=span.ctx_len, k_pos0=0, scale=scale)
+        pk, pv = (host.keys, host.values) if span.from_host else (k, v)
+        rebuilt = attend_partial(qs, pk[prefix], pv[prefix], q_pos0=span.ctx_len, k_pos0=0, scale=scale)
         paged = paged_partial(
             qs,
             kv_cache,

@@ -53,10 +53,16 @@ def attend_transient(
     meta: AttentionMetadata,
     tiles: TileConfig | None = None,
 ) -> None:
-    """Fill every transient span's rows of `out` (in place); `tiles` overrides the device's (tests)."""
+    """Fill every transient span's rows of `out` (in place); `tiles` overrides the device's (tests).
+    Host-kept prefixes (`meta.host_prefix`, this layer's) are attended as rows appended after
+    the step's own K/V, so the prefix kernel reads one tensor."""
     tiles = tiles or tile_config(kv_cache.device)
     heads, head_dim = q.shape[1], q.shape[2]
-    plan = _plan(meta, heads // kv_cache.shape[1], tiles, q.device)
+    host_row0 = k.shape[0]
+    if meta.host_prefix is not None:
+        k = torch.cat([k, meta.host_prefix.keys])
+        v = torch.cat([v, meta.host_prefix.values])
+    plan = _plan(meta, heads // kv_cache.shape[1], tiles, q.device, host_row0)
     rows = plan.rows.shape[0]
     outs = torch.empty(2, rows, heads, head_dim, dtype=torch.float32, device=q.device)
     lses = torch.empty(2, rows, heads, dtype=torch.float32, device=q.device)
@@ -67,13 +73,16 @@ def attend_transient(
     out.index_copy_(0, plan.rows, merged.to(out.dtype))
 
 
-def _plan(meta: AttentionMetadata, group: int, tiles: TileConfig, device: torch.device) -> TransientPlan:
+def _plan(
+    meta: AttentionMetadata, group: int, tiles: TileConfig, device: torch.device, host_row0: int
+) -> TransientPlan:
     key = ("triton-transient", group, tiles)
     plan = meta.prepared.get(key)
     if plan is None:
         segments, spans, kv_from, o_start, rows, row = [], [], [], [], [], 0
         for s in meta.transient:
-            segments.append(Segment(s.q_start, s.q_len, s.ctx_len, s.prefix_start, s.prefix_len, 0, row))
+            prefix_row = s.prefix_start + (host_row0 if s.from_host else 0)
+            segments.append(Segment(s.q_start, s.q_len, s.ctx_len, prefix_row, s.prefix_len, 0, row))
             spans.append(PrefillSpan(s.q_start, s.q_len, s.ctx_len, s.block_ids))
             kv_from.append(s.prefix_len)
             o_start.append(row)

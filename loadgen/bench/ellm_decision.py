@@ -9,6 +9,9 @@ shipped profile (default: eLLM's Llama2-13B on an A100, `loadgen/sim/profiles`).
 median, p90, p99 and max over `--repeats` calls per size (wall time, and the thread's CPU time,
 which a busy shared machine does not inflate), in a JSON with the provenance stamp.
 The paper's SLSQP averaged 2.9-6.0 ms per step (notes §4.8); the issue asks for well under 1 ms.
+`--prefix-source auto --layer-split` times the search that also prices host reads and eLLM's
+layer split for every ratio (`engine/scheduling/prefix_pricing.py`; 40 layers, host space for
+every candidate's prefix).
 """
 
 from __future__ import annotations
@@ -33,17 +36,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tpot", type=float, default=0.05, help="TPOT target in s (eLLM's 13B SLO: 50 ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE")
+    p.add_argument("--prefix-source", dest="source", default="rebuild", choices=("rebuild", "host", "auto"))
+    p.add_argument("--layer-split", action="store_true", help="price the split of layers too")
+    p.add_argument("--num-layers", type=int, default=40, help="layers the split chooses among (Llama2-13B: 40)")
     p.set_defaults(func=run)
 
 
-def time_choose(contexts: list[int], capacity: int, cost, tpot_s: float, repeats: int) -> dict:
+def time_choose(contexts: list[int], capacity: int, cost, tpot_s: float, repeats: int, sources=None) -> dict:
     """Wall time of `repeats` calls of `choose` on one candidate list: seconds per quantile."""
     from engine.scheduling.ellm import choose
+    from engine.scheduling.prefix_pricing import REBUILD_ONLY
 
+    sources = sources or REBUILD_ONLY
     samples, cpu = np.empty(repeats), np.empty(repeats)
     for i in range(repeats):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        choice = choose(contexts, capacity, 16, cost, tpot_s, len(contexts))
+        choice = choose(contexts, capacity, 16, cost, tpot_s, len(contexts), sources)
         samples[i], cpu[i] = time.perf_counter() - start, time.thread_time() - start_cpu
     return {
         "median_s": float(np.median(samples)),
@@ -57,10 +65,12 @@ def time_choose(contexts: list[int], capacity: int, cost, tpot_s: float, repeats
         "cpu_max_s": float(cpu.max()),
         "chosen_batch": choice.batch,
         "chosen_ratio": choice.ratio,
+        "chosen_source": choice.source,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.scheduling.prefix_pricing import PrefixSources
     from loadgen.bench.common import write_json
     from loadgen.factory import load_cost_model
     from loadgen.provenance import stamp
@@ -74,7 +84,16 @@ def run(args: argparse.Namespace) -> int:
         full = sum(-(-s // 16) * 16 for s in contexts)
         for label, capacity in (("memory binds", full // 2), ("all fit", full)):
             row = {"candidates": n, "pool": label, "capacity_tokens": capacity}
-            row |= time_choose(contexts, capacity, cost, args.tpot, args.repeats)
+            sources = PrefixSources.of(
+                args.source,
+                kv_bytes_per_token=int(cost.meta.get("kv_bytes_per_token", 0)),
+                swap_bytes_per_s=cost.swap_bytes_per_s,
+                overlap=cost.swap_overlaps,
+                host_capacity_tokens=full,
+                num_layers=args.num_layers,
+                layer_split=args.layer_split,
+            )
+            row |= time_choose(contexts, capacity, cost, args.tpot, args.repeats, sources)
             rows.append(row)
             print(
                 f"{n:5d} candidates, {label:12s}: median {row['median_s'] * 1e3:.3f} ms, "
@@ -87,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
         "cost_model": args.cost_model,
         "tpot_s": args.tpot,
         "repeats": args.repeats,
+        "prefix_source": args.source,
+        "layer_split": args.layer_split,
+        "num_layers": args.num_layers,
         "rows": rows,
         "provenance": stamp(extra={"bench": "ellm-decision"}).as_dict(),
     }

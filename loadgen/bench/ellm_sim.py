@@ -11,6 +11,12 @@ each policy's RT summary (throughput, TTFT, TPOT attainment) and, for `ellm`, it
 `DecisionStats` (share of steps that rebuild, mean and max `r`, mean batch bound, the
 rebuild's share of the predicted step time, decision time); `aggregate` gives the mean and
 min..max over seeds. Per-request records are left out (they are ~25 MB per run).
+
+`--prefix-source` picks where `ellm` gets the non-resident prefixes (`rebuild`, `host`: read
+from host swap space each step, or `auto`: the cheaper per step; `engine/scheduling/
+prefix_pricing.py`) and `--layer-split` lets it price eLLM's split of layers between the two
+(the layer count is derived from the profile's K/V bytes per token). The host source needs host
+space: `--swap-space-gib` (shared with `swap`'s whole-request moves; default 4 GiB as vLLM).
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ def run_policy(args: argparse.Namespace, policy: str, rate: float, seed: int) ->
     from loadgen.workloads.build import build_workload
 
     args.seed = seed
+    if getattr(args, "source", None) and policy == "ellm":
+        args.num_layers = profile_layers(args.cost_model)
     scale = _SloScale(args)
     bundle = _target(args, policy, scale)
     cfg = workload_config(args, max_len=bundle.max_len, slo_scale=scale.value(bundle), rate=rate, seed=seed)
@@ -77,6 +85,18 @@ def run_policy(args: argparse.Namespace, policy: str, rate: float, seed: int) ->
     if stats[0] is not None:
         out["decisions"] = stats[0].as_dict()
     return out
+
+
+def profile_layers(profile: str) -> int:
+    """The model's layer count: the profile's `num_layers`, or its shape (K/V bytes per token
+    over one layer's)."""
+    from loadgen.factory import load_cost_model
+
+    meta = load_cost_model(profile).meta
+    if "num_layers" in meta:
+        return int(meta["num_layers"])
+    elem = 4 if meta.get("dtype") == "float32" else 2
+    return round(meta["kv_bytes_per_token"] / (2 * meta["num_kv_heads"] * meta["head_dim"] * elem))
 
 
 def aggregate(per_seed: list[dict]) -> dict:

@@ -107,6 +107,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "kv_heads_expand",
         "cache_form",
         "uncached_ratio",
+        "uncached_source",
     ):
         if getattr(args, name) is not None:
             cfg[name] = getattr(args, name)

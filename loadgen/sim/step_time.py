@@ -11,6 +11,12 @@ The hybrid cache (Apt-Serve): a HIDDEN row is priced as the same row in KV form 
 over the context is the same work) plus the rebuild of K/V from every stored context token,
 `CostModel.hidden_seconds` of the HIDDEN requests' context tokens (`hidden_context_tokens`)
 given the step's new tokens, which come first in the shared K/V projection (the knee).
+
+Host-kept prefixes (eLLM's host source): no rows; the step reads their K/V of every layer
+from host, priced like a swap (`CostModel.swap_bytes_per_s`, overlapped with the step where
+the profile's copies overlap, added to it otherwise). Under the `ellm` policy's priced layer
+split (`ScheduledBatch.host_prefix_split`) only that share of bytes is read and the rest of
+each such prefix is rebuilt, priced as that share of their prefill rows' time.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Sequence
 from engine.cost_model import CostModel
 from engine.kv import KVCacheManager
 from engine.kv.hidden import CacheForm
-from engine.rebuilt_prefix import rebuilt_rows
+from engine.rebuilt_prefix import host_prefix_rows, rebuilt_rows
 from engine.scheduling import ScheduledBatch, ScheduledItem
 
 
@@ -55,4 +61,13 @@ def step_seconds(
     prefill, decode = batch_rows(batch.items, kv)
     new_tokens = sum(it.num_new_tokens for it in batch.items)
     rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items), step_rows=new_tokens)
-    return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token)) + rebuild
+    host_rows = host_prefix_rows(batch.items, kv) if kv is not None else []
+    if not host_rows:
+        return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token)) + rebuild
+    read_share, rebuild_share = getattr(batch, "host_prefix_split", (1.0, 0.0))
+    exec_s = cost.estimate(prefill, decode, overlap=False) + rebuild
+    if rebuild_share:
+        exec_s += rebuild_share * (cost.estimate(prefill + host_rows, decode) - cost.estimate(prefill, decode))
+    moved = swap_bytes(batch, bytes_per_token) + read_share * sum(u for u, _ in host_rows) * bytes_per_token
+    copy_s = moved / cost.swap_bytes_per_s
+    return max(exec_s, copy_s) if cost.swap_overlaps else exec_s + copy_s

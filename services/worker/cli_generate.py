@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         cfg["cache_form"] = args.cache_form
     if args.uncached_ratio is not None:
         cfg["uncached_ratio"] = args.uncached_ratio
+    if args.uncached_source is not None:
+        cfg["uncached_source"] = args.uncached_source
     prompt = args.prompt if args.prompt is not None else _token_ids(args.prompt_ids)
     t0 = time.perf_counter()
     llm = LLM(EngineConfig(**cfg))

@@ -21,6 +21,7 @@ def fingerprint(kv: KVCacheManager) -> tuple:
             t.transient,
             sorted((e, h.host_block, h.resident) for e, h in t.host.items()),
             tuple(b.block_id for b in t.held),
+            tuple(t.host_prefix),
         )
         for rid, t in kv.ledger.tables.items()
     }
@@ -39,22 +40,28 @@ def fingerprint(kv: KVCacheManager) -> tuple:
             best = c.steal_index.best()
             components.append((tuple(shares), c.num_stealable, None if best is None else best.block_id))
         elif isinstance(c, PartialResidency):
-            components.append(c.ratio)
+            components.append((c.ratio, c.source))
     return tables, pools, tuple(kv.ledger.copies), kv.pending_swap_bytes, tuple(components)
 
 
 class SlotMemory:
-    """What each device and host slot holds, as (request id, position) labels."""
+    """What each device and host slot holds, as (request id, position) labels. `same_tokens`
+    maps a request id to another whose tokens it shares, so a prefix-cache hit on the other's
+    block reads as its own data."""
 
-    def __init__(self) -> None:
+    def __init__(self, same_tokens: dict[str, str] | None = None) -> None:
         self.device: dict[int, tuple[str, int]] = {}
         self.host: dict[int, tuple[str, int]] = {}
+        self.same_tokens = same_tokens or {}
+
+    def _label(self, rid: str, p: int) -> tuple[str, int]:
+        return self.same_tokens.get(rid, rid), p
 
     def write(self, kv: KVCacheManager, rid: str, start: int, end: int) -> None:
         """The forward pass writing positions [start, end) of a request into its slots."""
         table = kv.ledger.tables[rid]
         for p in range(start, end):
-            self.device[table.slot(p, kv.block_size)] = (rid, p)
+            self.device[table.slot(p, kv.block_size)] = self._label(rid, p)
 
     def run(self, copies: list[KVCopy]) -> None:
         """Execute copies in order, as `KVCacheStorage.execute` does."""
@@ -71,18 +78,22 @@ class SlotMemory:
         table, bs = kv.ledger.tables[rid], kv.block_size
         for p in range(table.transient):
             if table.ids[p // bs]:
-                self.device[table.slot(p, bs)] = (rid, p)
+                self.device[table.slot(p, bs)] = self._label(rid, p)
         self.write(kv, rid, start, end)
 
     def check_resident(self, kv: KVCacheManager, rid: str, computed: int) -> None:
-        """Every computed position of a resident request reads back its own data (positions
-        in a partially resident request's empty entries are rebuilt each step, not read)."""
-        table = kv.ledger.tables[rid]
+        """Every computed position of a resident request reads back its own data: from the
+        device, or for a partially resident request's empty entries from the host block that
+        keeps them (host source); positions rebuilt each step are not read."""
+        table, bs = kv.ledger.tables[rid], kv.block_size
         partial = isinstance(table.owner, PartialResidency)
         for p in range(computed):
-            if partial and table.ids[p // kv.block_size] == 0:
+            e = p // bs
+            if partial and table.ids[e] == 0:
+                if e < len(table.host_prefix):
+                    assert self.host.get(table.host_prefix[e] * bs + p % bs) == self._label(rid, p), (rid, p, "host")
                 continue
-            assert self.device.get(table.slot(p, kv.block_size)) == (rid, p), (rid, p)
+            assert self.device.get(table.slot(p, bs)) == self._label(rid, p), (rid, p)
 
 
 @pytest.fixture(scope="session")

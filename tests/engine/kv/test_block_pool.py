@@ -85,3 +85,28 @@ def test_disabled_caching_matches_nothing():
     r.num_computed_tokens = 8
     kv.commit(r)
     assert kv.match_prefix(_req("b", list(range(9)))) == ([], 0)
+
+
+def test_rolled_back_revivals_return_to_their_lru_places():
+    """Prefix hits that revive free blocks, then a rollback (a failed grow, a BROS candidate):
+    the free list is back in its old LRU order, not with the revived blocks at the MRU end,
+    also when a revived block was released again before the rollback."""
+    from engine.kv.host_pool import HostPool
+    from engine.kv.ledger import KVLedger
+
+    pool = BlockPool(6)
+    blocks = pool.allocate(5)
+    for i, block in enumerate(blocks):
+        pool.register(block, bytes([i]))
+    pool.release(blocks)  # LRU order: blocks[0] first
+    order = [b.block_id for b in pool._free.values()]
+    ledger = KVLedger(pool, 4, 0, HostPool(0))
+    mark = ledger.undo.mark()
+    ledger.acquire([blocks[3]])
+    ledger.acquire([blocks[1]])
+    ledger.release(blocks[3])
+    ledger.acquire([blocks[3]])
+    ledger.undo.rollback(mark)
+    ledger.undo.settle()
+    assert [b.block_id for b in pool._free.values()] == order
+    assert [b.block_id for b in pool.allocate(5)] == order

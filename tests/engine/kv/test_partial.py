@@ -1,6 +1,8 @@
 """Partial residency (eLLM) as a KV component: a growing ratio detaches the oldest blocks to
 empty entries that stay findable by hash, a shrinking one takes them back (hits first, fresh
-blocks the step's rebuild fills otherwise), nothing is ever lost, and every change rolls back."""
+blocks the step's rebuild fills otherwise), nothing is ever lost, and every change rolls back.
+With the host source the leaving blocks are copied to host first and copied back when the
+ratio shrinks, and a full host pool falls back to rebuilding."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.kv import BlockPool, KVCacheManager, PartialResidency
+from engine.kv.copies import CopyKind
 from engine.sampling import SamplingParams
 from engine.scheduling import Request
 
@@ -21,17 +24,19 @@ def _req(rid: str, n: int = 64, base: int = 1000) -> Request:
     return Request(rid, list(range(base, base + n)), SamplingParams(max_tokens=4))
 
 
-def _manager(num_blocks: int, ratio: float, caching: bool = True, host: int = 8):
+def _manager(num_blocks: int, ratio: float, caching: bool = True, host: int = 8, source: str = "rebuild"):
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=caching), BS, bytes_per_token=8, host_blocks=host)
-    partial = kv.attach(functools.partial(PartialResidency, ratio=ratio))
+    partial = kv.attach(functools.partial(PartialResidency, ratio=ratio, source=source))
     return kv, partial
 
 
 def _step(kv: KVCacheManager, memory, request: Request, n: int) -> bool:
-    """Allocate and 'run' n tokens of `request` the way the engine does, checking invariants."""
+    """Allocate and 'run' n tokens of `request` the way the engine does (the recorded copies
+    first, then the forward pass's writes), checking invariants."""
     if not kv.allocate(request, n):
         kv.check_invariants()
         return False
+    memory.run(kv.take_copies())
     memory.write_step(kv, request.request_id, request.num_computed_tokens, request.num_computed_tokens + n)
     request.num_computed_tokens += n
     kv.commit(request)
@@ -118,15 +123,79 @@ def test_excluded_requests_follow_the_core_rules(slot_memory):
     assert kv.table(a).transient == 16
 
 
-_ops = st.lists(
-    st.tuples(
-        st.sampled_from(["step", "step", "step", "ratio", "free", "swap", "restore"]),
-        st.integers(0, 2),
-        st.integers(1, 9),
-        st.sampled_from([0.0, 0.25, 0.5, 0.9]),
-    ),
-    max_size=30,
-)
+def test_host_source_offloads_the_prefix_and_copies_it_back(slot_memory):
+    kv, partial = _manager(32, ratio=0.5, caching=False, source="host")  # released blocks are gone for good
+    memory, r = slot_memory(), _req("a")
+    assert _step(kv, memory, r, 32)
+    table = kv.table(r)
+    host_free = kv.host.num_free
+    assert kv.allocate(r, 1)  # s = 32, r = 0.5: tokens [0, 16) go to host
+    copies = kv.ledger.copies
+    assert [c.kind for c in copies] == [CopyKind.D2H] * 4 and sum(c.num_slots for c in copies) == 16
+    assert table.ids[:4] == [0, 0, 0, 0] and len(table.host_prefix) == 4 and table.transient == 16
+    assert kv.host.num_free == host_free - 4
+    memory.run(kv.take_copies())
+    memory.write_step(kv, "a", 32, 33)
+    r.num_computed_tokens = 33
+    memory.check_resident(kv, "a", 33)  # the prefix reads back from host
+    partial.set_ratio(0.0)
+    assert kv.allocate(r, 1)
+    assert [c.kind for c in kv.ledger.copies] == [CopyKind.H2D] * 4
+    assert table.transient == 0 and all(table.ids) and not table.host_prefix
+    assert kv.host.num_free == host_free  # host blocks freed
+    memory.run(kv.take_copies())  # nothing rebuilt: the copies alone bring the prefix back
+    memory.write(kv, "a", 33, 34)
+    r.num_computed_tokens = 34
+    memory.check_resident(kv, "a", 34)
+    kv.check_invariants()
+
+
+def test_host_source_takes_cached_blocks_back_without_copies(slot_memory):
+    kv, partial = _manager(32, ratio=0.5, source="host")
+    memory, r = slot_memory(), _req("a")
+    _step(kv, memory, r, 32)
+    _step(kv, memory, r, 1)
+    partial.set_ratio(0.0)
+    assert kv.allocate(r, 1)
+    assert not kv.ledger.copies  # every released block was still cached by hash
+    kv.take_copies()
+
+
+def test_full_host_pool_falls_back_to_rebuilding(slot_memory):
+    kv, partial = _manager(32, ratio=0.5, host=3, source="host")
+    memory, r = slot_memory(), _req("a")
+    _step(kv, memory, r, 32)
+    assert _step(kv, memory, r, 1)  # four entries leave, three host blocks: rebuild them
+    table = kv.table(r)
+    assert table.transient == 16 and not table.host_prefix and kv.host.num_free == 3
+    partial.set_ratio(0.25)
+    kv2, _ = _manager(32, ratio=0.25, host=3, source="host")
+    b = _req("b")
+    _step(kv2, memory, b, 32)
+    assert _step(kv2, memory, b, 1) and len(kv2.table(b).host_prefix) == 2  # room for two: on host
+    kv2.component(PartialResidency).set_ratio(0.5)
+    assert _step(kv2, memory, b, 1)  # the prefix outgrows the host pool: back to rebuilding
+    assert not kv2.table(b).host_prefix and kv2.table(b).transient == 16 and kv2.host.num_free == 3
+
+
+def test_source_is_checked():
+    with pytest.raises(ValueError, match="uncached source"):
+        _manager(8, ratio=0.0, source="disk")
+
+
+def _op_lists(max_step: int):
+    return st.lists(
+        st.tuples(
+            st.sampled_from(["step", "step", "step", "ratio", "free", "swap", "restore"]),
+            st.integers(0, 2),
+            st.integers(1, max_step),
+            st.sampled_from([0.0, 0.25, 0.5, 0.9]),
+        ),
+        max_size=30,
+    )
+
+
+_ops = _op_lists(9)
 
 
 def _apply(kv, partial, memory, requests, ops) -> None:
@@ -151,12 +220,22 @@ def _apply(kv, partial, memory, requests, ops) -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(before=_ops, tentative=_ops, num_blocks=st.integers(4, 20), caching=st.booleans())
-def test_ratio_changes_lose_nothing_and_roll_back(kv_fingerprint, slot_memory, before, tentative, num_blocks, caching):
+@given(
+    before=_ops,
+    tentative=_ops,
+    num_blocks=st.integers(4, 20),
+    caching=st.booleans(),
+    source=st.sampled_from(["rebuild", "host"]),
+    host=st.integers(0, 12),
+)
+def test_ratio_changes_lose_nothing_and_roll_back(
+    kv_fingerprint, slot_memory, before, tentative, num_blocks, caching, source, host
+):
     """Any mix of steps, ratio changes, frees, swaps and restores keeps every resident token's
-    data and the invariants; everything after an undo mark is undone exactly."""
-    kv, partial = _manager(num_blocks, ratio=0.5, caching=caching)
-    memory = slot_memory()
+    data (host-kept prefixes included: their copies round-trip) and the invariants;
+    everything after an undo mark is undone exactly."""
+    kv, partial = _manager(num_blocks, ratio=0.5, caching=caching, host=host, source=source)
+    memory = slot_memory(same_tokens={"r2": "r0"})
     requests = [_req(f"r{i}", base=1000 * (i % 2 + 1)) for i in range(3)]  # r0 and r2 share a prompt
     _apply(kv, partial, memory, requests, before)
     kv.take_copies()
@@ -173,3 +252,20 @@ def test_ratio_changes_lose_nothing_and_roll_back(kv_fingerprint, slot_memory, b
     assert kv_fingerprint(kv) == snapshot
     assert [r.num_computed_tokens for r in requests] == progress
     kv.check_invariants()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=_op_lists(24),
+    num_blocks=st.integers(4, 24),
+    caching=st.booleans(),
+    host=st.sampled_from([0, 3, 8, 64]),
+)
+def test_host_copies_round_trip(slot_memory, ops, num_blocks, caching, host):
+    """With the host source, larger steps than above (so prefixes leave and come back often):
+    every token kept on host reads back its own data there, and every token copied back reads
+    it back on device, whatever mix of steps, ratio changes, swaps and frees ran before."""
+    kv, partial = _manager(num_blocks, ratio=0.5, caching=caching, host=host, source="host")
+    memory = slot_memory(same_tokens={"r2": "r0"})
+    requests = [_req(f"r{i}", base=1000 * (i % 2 + 1)) for i in range(3)]  # r0 and r2 share a prompt
+    _apply(kv, partial, memory, requests, ops)

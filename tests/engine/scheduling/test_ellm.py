@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit
 from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
+from engine.scheduling.prefix_pricing import PrefixSources, host_step_seconds
 
 BS = 16
 # A step dominated by its constant (weights read once per step), as on this engine: more rows are cheap.
@@ -54,9 +55,10 @@ def test_choice_prices_the_rebuild_and_stats_add_up():
     assert out["rebuild_share_of_step_time"] == rebuild.rebuild_s / (rebuild.step_s + plain.step_s)
 
 
-def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch) -> Choice:
+def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch, sources=None) -> Choice:
     """The optimiser written as the plain scan it replaces: one pass over the candidates per
-    ratio. `choose` (vectorised) must pick exactly what this picks."""
+    ratio, each ratio priced with every allowed source. `choose` (vectorised) must pick
+    exactly what this picks."""
     bs = block_size
     best = fallback = None
     for r in RATIO_GRID:
@@ -72,6 +74,10 @@ def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch) 
         step = cost.estimate_sums(p_ln, p_work, b, d_work)
         if r == 0:
             fallback = Choice(b, r, step)
+        if sources is not None and sources.host and p_ln and p_ln <= sources.host_capacity_tokens:
+            exec_s = cost.estimate_sums(0, 0, b, d_work)
+            host, _ = host_step_seconds(exec_s, step - exec_s, p_ln, sources)
+            step = host if host < step or not sources.rebuild else step
         if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
             best = Choice(b, r, step)
         if b == min(len(contexts), max_batch):
@@ -91,6 +97,36 @@ def test_vectorised_choice_equals_the_scan(contexts, capacity_blocks, block_size
     capacity = capacity_blocks * block_size
     got = choose(contexts, capacity, block_size, COST, tpot_s, max_batch)
     want = scan_choose(contexts, capacity, block_size, COST, tpot_s, max_batch)
+    assert (got.batch, got.ratio) == (want.batch, want.ratio)
+    assert got.step_s == want.step_s or (math.isinf(got.step_s) and math.isinf(want.step_s))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 3000), max_size=60),
+    capacity_blocks=st.integers(0, 300),
+    tpot_s=st.floats(0.001, 2.0),
+    source=st.sampled_from(["host", "auto"]),
+    copy_s=st.sampled_from([1e-7, 1e-5, 1e-3]),
+    overlap=st.booleans(),
+    split=st.booleans(),
+    host_tokens=st.integers(0, 20000),
+)
+def test_vectorised_choice_with_host_sources_equals_the_scan(
+    contexts, capacity_blocks, tpot_s, source, copy_s, overlap, split, host_tokens
+):
+    sources = PrefixSources.of(
+        source,
+        kv_bytes_per_token=1000,
+        swap_bytes_per_s=1000 / copy_s,
+        overlap=overlap,
+        host_capacity_tokens=host_tokens,
+        num_layers=8,
+        layer_split=split,
+    )
+    capacity = capacity_blocks * BS
+    got = choose(contexts, capacity, BS, COST, tpot_s, 64, sources)
+    want = scan_choose(contexts, capacity, BS, COST, tpot_s, 64, sources)
     assert (got.batch, got.ratio) == (want.batch, want.ratio)
     assert got.step_s == want.step_s or (math.isinf(got.step_s) and math.isinf(want.step_s))
 
@@ -134,11 +170,17 @@ def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
             if isinstance(policy_obj, ELLMPolicy):
                 ratios.append(policy_obj.last.ratio)
                 assert policy_obj.last.decision_s > 0
+        engines.append(engine)
         return tokens, ratios, engine.stats
 
+    engines = []
     fcfs, _, _ = run("fcfs")
     ellm, ratios, _ = run("ellm")
     assert ellm == fcfs
     assert max(ratios) > 0, json.dumps(ratios)
     swap, _, stats = run("swap", num_host_blocks=64)  # the vLLM-Swap baseline: requests move to host and back
     assert swap == fcfs and stats.swap_outs > 0
+    # the host source: COST's 1 GB/s host link prices a read far below a rebuild, so ellm picks host
+    host, ratios, _ = run("ellm", uncached_source="auto", num_host_blocks=64)
+    assert host == fcfs and max(ratios) > 0
+    assert engines[-1].scheduler.policy.stats.host_steps > 0

@@ -9,7 +9,7 @@ import pytest
 
 from engine.cost_model import CostModel, PhaseFit
 from engine.kv import BlockPool, KVCacheManager, PartialResidency
-from engine.rebuilt_prefix import rebuilt_rows
+from engine.rebuilt_prefix import host_prefix_rows, rebuilt_rows
 from engine.sampling import SamplingParams
 from engine.scheduling import Request, ScheduledItem
 from engine.scheduling.request import SLO
@@ -38,11 +38,38 @@ def test_rebuilt_prefix_is_a_prefill_row():
     assert rebuilt_rows([ScheduledItem(request, 1), ScheduledItem(other, 40)], kv) == [(32, 32)]
 
 
+def test_host_kept_prefix_is_priced_as_a_copy():
+    """A host-kept prefix adds no rows; the simulator charges reading its K/V of every layer
+    at the profile's host-link bandwidth, added to a CPU step, and a priced layer split reads
+    only its share and rebuilds the rest."""
+    from engine.scheduling import ScheduledBatch
+    from loadgen.sim.step_time import step_seconds
+
+    kv = KVCacheManager(BlockPool(32), 16, bytes_per_token=1000, host_blocks=8)
+    kv.attach(functools.partial(PartialResidency, ratio=0.5, source="host"))
+    request = Request("a", list(range(100, 164)), SamplingParams(max_tokens=4))
+    assert kv.allocate(request, 64)
+    request.num_computed_tokens = 64
+    assert kv.allocate(request, 1)
+    items = [ScheduledItem(request, 1)]
+    assert rebuilt_rows(items, kv) == [] and host_prefix_rows(items, kv) == [(32, 32)]
+    kv.take_copies()  # the offload's d2h copies are the step's swap bytes; leave them out here
+    batch = ScheduledBatch(items)
+    plain = COST.estimate([], [(1, 65)])
+    assert step_seconds(COST, batch, 1000, kv) == pytest.approx(plain + 32 * 1000 / COST.swap_bytes_per_s)
+    batch.host_prefix_split = (0.5, 0.5)
+    rebuild = COST.estimate([(32, 32)], [(1, 65)]) - plain
+    want = plain + 0.5 * rebuild + 0.5 * 32 * 1000 / COST.swap_bytes_per_s
+    assert step_seconds(COST, batch, 1000, kv) == pytest.approx(want)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("policy", ["ellm", "swap"])
+@pytest.mark.parametrize("policy", ["ellm", "ellm-auto", "swap"])
 def test_sim_runs_the_policy_to_completion(policy):
     cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 4.0), 10.0, seed=3, length_scale=0.5, be_batch=4)
-    options = {"cost_model": COST, "default_slo": SLO(2.0, 0.5)} if policy == "ellm" else {}
+    options = {"cost_model": COST, "default_slo": SLO(2.0, 0.5)} if policy != "swap" else {}
+    if policy == "ellm-auto":  # the cheaper source per step, the layer split priced
+        policy, options = "ellm", options | {"source": "auto", "layer_split": True, "num_layers": 8}
     spec = WorkerSpec(num_blocks=48, max_model_len=2048, kv_bytes_per_token=100_000)
     worker = SimWorker("w0", spec, COST, policy, options)
     target = SimTarget([worker], ClusterSpec())

@@ -1,0 +1,97 @@
+"""What a step pays for the non-resident prefixes of partial residency (eLLM), by source.
+
+`PrefixSources` says which sources the `ellm` optimiser may pick from and what a host read
+costs; `host_step_seconds` prices a step whose prefixes are read from host, with eLLM's
+layer-level split (docs/ellm.md, "Per-layer swap-in"):
+
+- *rebuild*: the prefixes re-run as a prefill of `Σu` tokens (`Σu²` query-key pairs); the
+  profiled cost model prices it (`CostModel.estimate_sums`), as before.
+- *host*: every step reads `U = Σu` tokens' K/V of every layer from host swap space:
+  `U · kv_bytes_per_token / swap_bytes_per_s`, measured by the profiler
+  (`engine/profiling.py`). On a CPU the copy runs on the cores that run the step, so it adds
+  to it; where copies overlap the step (a GPU's copy stream, the profile's `swap_overlaps`)
+  the step takes `max(step, copy)`.
+- *layer split* (priced, built only at its ends): keep layers `[0, l)` of a prefix on host
+  plus the prefix's hidden state entering layer `l`, and rebuild layers `l..L-1` from it.
+  Copy `(l + h)/L · U · c_h` (h = 0.5 layers for the hidden state when `0 < l < L`: exact for
+  MHA, where a layer input is as wide as one of K, V; an underestimate for GQA) against a
+  rebuild of `(L - l)/L` of the prefill. Summed on a CPU (then `l = L` or `l = 0` wins, the
+  cost is linear in `l`), overlapped on a GPU (the best `l` balances the two). The engine runs
+  only `l = L` (source `host`) and `l = 0` (source `rebuild`): a mixed split needs the runner
+  to store a layer input and start the prefix rows at layer `l`, which is not built; the
+  simulator prices the split so its worth can be judged first.
+
+Host capacity: a host source needs `U` tokens of free host space (`host_capacity_tokens`);
+past it the engine's component falls back to rebuilding, and the optimiser prices that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SOURCES = ("rebuild", "host", "auto")  # what `ellm` may use: one source, or the cheaper per step
+
+
+@dataclass(frozen=True)
+class PrefixSources:
+    rebuild: bool = True
+    host: bool = False
+    copy_s_per_token: float = 0.0  # seconds to read one token's K/V of all layers from host
+    overlap: bool = False  # copies overlap the step (GPU copy stream) rather than add to it
+    host_capacity_tokens: int = 0
+    num_layers: int = 1
+    layer_split: bool = False  # price eLLM's best split of layers between host and rebuild
+
+    @classmethod
+    def of(
+        cls,
+        source: str,
+        *,
+        kv_bytes_per_token: int,
+        swap_bytes_per_s: float,
+        overlap: bool,
+        host_capacity_tokens: int,
+        num_layers: int = 1,
+        layer_split: bool = False,
+    ) -> PrefixSources:
+        """The sources `source` ("rebuild", "host" or "auto": both) allows, priced from the
+        profile's host-link bandwidth and the KV's bytes per token."""
+        if source not in SOURCES:
+            raise ValueError(f"prefix source must be one of {', '.join(SOURCES)}, got {source!r}")
+        host = source in ("host", "auto") and kv_bytes_per_token > 0 and swap_bytes_per_s > 0
+        return cls(
+            rebuild=source in ("rebuild", "auto"),
+            host=host,
+            copy_s_per_token=kv_bytes_per_token / swap_bytes_per_s if host else 0.0,
+            overlap=overlap,
+            host_capacity_tokens=host_capacity_tokens,
+            num_layers=max(1, num_layers),
+            layer_split=layer_split,
+        )
+
+
+REBUILD_ONLY = PrefixSources()
+
+
+def split_shares(host_layers: int, num_layers: int) -> tuple[float, float]:
+    """(share of a prefix's all-layer K/V bytes read from host, share of its prefill rebuilt)
+    when layers `[0, host_layers)` are read and the rest rebuilt from the stored layer input."""
+    hidden = 0.5 if 0 < host_layers < num_layers else 0.0
+    return (host_layers + hidden) / num_layers, (num_layers - host_layers) / num_layers
+
+
+def host_step_seconds(exec_s: float, rebuild_s: float, tokens: int, sources: PrefixSources) -> tuple[float, int]:
+    """`(step seconds, layers read from host)` of a step whose `tokens` prefix tokens come from
+    host (with the layer split when allowed): `exec_s` the step without prefixes, `rebuild_s`
+    what rebuilding all of them would add. The split is the `l` in `0..L` with the least step
+    time (`l = L` without `layer_split`)."""
+    n = sources.num_layers
+    layers = np.arange(n + 1) if sources.layer_split else np.array([n])
+    hidden = np.where((layers > 0) & (layers < n), 0.5, 0.0)  # the stored layer input read back
+    copy = (layers + hidden) / n * tokens * sources.copy_s_per_token  # as `split_shares`
+    rest = exec_s + (n - layers) / n * rebuild_s
+    step = np.maximum(rest, copy) if sources.overlap else rest + copy
+    best = int(np.argmin(step))
+    return float(step[best]), int(layers[best])
