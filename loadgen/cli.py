@@ -141,6 +141,12 @@ def add_run_args(
         help="bros: RT tokens per deadline after the first (default 1: a deadline per token)",
     )
     e.add_argument(
+        "--be-fills-rt-ends",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bros: with no free block, BE may take the free end of an RT block (default: on)",
+    )
+    e.add_argument(
         "--seeds",
         type=int,
         default=1,

@@ -97,11 +97,14 @@ class BROSPolicy(SchedulingPolicy):
         min_be_share: float = 0.1,
         share_window: int = 50,
         token_group: int = 1,
+        be_fills_rt_ends: bool = True,
     ) -> None:
         """`min_be_share`: BE's guaranteed share of scheduled tokens while it waits (0..1, 0
         = off); `share_window`: steps the share is averaged over (an EMA of that span);
         `token_group`: RT tokens per deadline after the first (`slack.TokenGroups`; 1 = a
-        deadline per token, the paper's evaluated setting and the strictest)."""
+        deadline per token, the paper's evaluated setting and the strictest);
+        `be_fills_rt_ends`: with no free block, BE may take the free end of an RT request's
+        partly filled last block (the paper's FindBlock (i); `TwoEndedBlocks.lend_rt_ends`)."""
         if default_slo.ttft_s is None or default_slo.tpot_s is None:
             raise ValueError("bros needs default TTFT and TPOT targets for RT requests")
         if not 0.0 <= min_be_share < 1.0:
@@ -116,13 +119,14 @@ class BROSPolicy(SchedulingPolicy):
         self.t_avg: float | None = None
         self.groups = TokenGroups(token_group)
         self.min_be_share = min_be_share
+        self.be_fills_rt_ends = be_fills_rt_ends
         self.share_alpha = 2.0 / (share_window + 1)
         self.be_share: float | None = None  # EMA of BE's token share over steps where BE waited
         self.cap: AdaptiveCap | None = None
         self.last = Decision()
 
     def kv_components(self) -> tuple[partial[TwoEndedBlocks], ...]:
-        return (partial(TwoEndedBlocks, is_be=_is_be),)
+        return (partial(TwoEndedBlocks, is_be=_is_be, lend_rt_ends=self.be_fills_rt_ends),)
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
@@ -412,6 +416,8 @@ class _Step:
         if evict_rt or (be and force):
             return False
         available = self.kv.pool.num_free
+        if be and self.ends.lend_rt_ends:
+            available += 1  # the last new entry may go into an RT block's free end
         if not be:
             available += self.ends.num_stealable + self._be_device_blocks()
         base = r.num_computed_tokens if self.kv.holds(r) else 0
