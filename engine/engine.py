@@ -455,6 +455,7 @@ class LLMEngine:
             "min_be_share": config.bros_min_be_share,
             "token_group": config.bros_token_group,
             "be_fills_rt_ends": config.bros_be_fills_rt_ends,
+            "be_order": config.bros_be_order,
         }
 
     def _cost_model(self, config: EngineConfig, source):

@@ -147,6 +147,12 @@ def add_run_args(
         help="bros: with no free block, BE may take the free end of an RT block (default: on)",
     )
     e.add_argument(
+        "--be-order",
+        choices=["arrival", "checkpointed"],
+        default=None,
+        help="bros: BE packing order, oldest first (default) or the paper's fewest-checkpointed first",
+    )
+    e.add_argument(
         "--seeds",
         type=int,
         default=1,

@@ -40,12 +40,17 @@ def load_cost_model(name_or_path: str):
     return CostModel.load(p)
 
 
-POLICY_FLAGS = ("min_be_share", "token_group", "be_fills_rt_ends")  # command-line options a policy may accept
+POLICY_FLAGS = (
+    "min_be_share",
+    "token_group",
+    "be_fills_rt_ends",
+    "be_order",
+)  # command-line options a policy may accept
 
 
 def policy_flags(args: argparse.Namespace) -> dict:
     """The policy options given on the command line (`--min-be-share`, `--token-group`,
-    `--be-fills-rt-ends/--no-be-fills-rt-ends`)."""
+    `--be-fills-rt-ends/--no-be-fills-rt-ends`, `--be-order`)."""
     return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
 
 
