@@ -49,6 +49,10 @@ class StepLog:
     be_swapped_out: int  # BE requests moved to host by this step
     be_dropped_tokens: int  # computed BE tokens thrown away by recompute preemption this step
     rt_dropped_tokens: int
+    swap_s: float  # host-link time of the step's copies (overlapped with the pass on a GPU profile)
+    exec_s: float  # the cost model's forward-pass time for the step, without copies or noise
+    rows: int = 0  # requests in the step
+    decode_rows: int = 0  # of which decode rows (one new token)
 
 
 def trace(args: argparse.Namespace, policy: str) -> dict:
@@ -57,6 +61,7 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
     from loadgen.factory import workload_config
     from loadgen.metrics import summarize
     from loadgen.orchestrate import _install_policy, _SloScale, _target
+    from loadgen.sim.step_time import swap_bytes
     from loadgen.workloads.build import build_workload
 
     scale = _SloScale(args)
@@ -97,6 +102,10 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
                 sum(1 for r in worker.batch.swapped_out if r.req_class is be),
                 dropped[be],
                 dropped[RequestClass.RT],
+                swap_bytes(worker.batch, worker.spec.kv_bytes_per_token) / worker.cost.swap_bytes_per_s,
+                worker.cost.estimate(*_rows(worker.batch), 0),
+                len(items),
+                sum(1 for it in items if it.num_new_tokens == 1),
             )
         )
         return duration
@@ -111,8 +120,17 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
         "rt_normalized_latency_s": summary["rt"]["normalized_latency_s"],
         "be_throughput_rps": summary["be"]["throughput_rps"],
         **_account(logs, args.be_batch or 16, worker.cost),
+        # prompt tokens finished requests took from the prefix cache: a recompute-preempted
+        # request whose blocks were still cached pays little for it
+        "prompt_tokens_cached": worker.prompt_tokens_cached,
         "steps": [asdict(s) for s in logs] if args.steps else None,
     }
+
+
+def _rows(batch) -> tuple[list, list]:
+    from loadgen.sim.step_time import batch_rows
+
+    return batch_rows(batch.items)
 
 
 def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
@@ -146,6 +164,13 @@ def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
         "mean_blocks_be": _mean([s.blocks_be for s in logs]),
         "mean_blocks_rt": _mean([s.blocks_rt for s in logs]),
         "time_be_tail": tail,
+        "swap_s": sum(s.swap_s for s in logs),
+        "exec_s": sum(s.exec_s for s in logs),
+        "steps_swap_bound": sum(1 for s in logs if s.swap_s > s.exec_s),
+        "mean_rows": _mean([s.rows for s in logs]),
+        "mean_decode_rows": _mean([s.decode_rows for s in logs]),
+        "tokens_per_step": _mean([s.rt_tokens + s.be_tokens for s in logs]),
+        "decode_token_share": sum(s.decode_rows for s in logs) / max(1, sum(s.rt_tokens + s.be_tokens for s in logs)),
         "be_swapped_out": sum(s.be_swapped_out for s in logs),
         "be_dropped_tokens_per_s": sum(s.be_dropped_tokens for s in logs) / span,
         "rt_dropped_tokens_per_s": sum(s.rt_dropped_tokens for s in logs) / span,

@@ -12,7 +12,26 @@ COST = CostModel(PhaseFit(1e-4, 0.0, 0.01), PhaseFit(1e-4, 0.0, 0.02), swap_byte
 
 
 def _step(duration, be_rows, outstanding, on_host=0, no_memory=0, no_time=0, be_tokens=0):
-    return StepLog(0.0, duration, 10, be_tokens, be_rows, outstanding, on_host, 0, 0, 0, 0, no_memory, no_time, 0, 0, 0)
+    return StepLog(
+        0.0,
+        duration,
+        10,
+        be_tokens,
+        be_rows,
+        outstanding,
+        on_host,
+        0,
+        0,
+        0,
+        0,
+        no_memory,
+        no_time,
+        0,
+        0,
+        0,
+        0.0,
+        duration,
+    )
 
 
 def test_time_is_charged_to_the_first_reason_that_applies():
