@@ -81,6 +81,8 @@ class EngineConfig:
     bros_base_cap: int = 128  # adaptive batch cap starts (and resets) here, doubling up to max_num_seqs
     bros_min_be_share: float = 0.1  # BE's guaranteed token share while it waits (docs/bros.md; 0 = off)
     bros_token_group: int = 1  # RT tokens per deadline after the first (docs/bros.md)
+    bros_be_fills_rt_ends: bool = True  # with no free block, BE may fill an RT block's free end (docs/bros.md)
+    bros_be_order: str = "arrival"  # BE packing order: "arrival" or the paper's "checkpointed" (docs/bros.md)
     # a step-time profile: bros and ellm use it instead of profiling; any policy publishes it
     cost_model_path: str | None = None
     swap_space_gib: float = 1.0  # host space for checkpointed / swapped-out KV

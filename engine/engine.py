@@ -469,6 +469,8 @@ class LLMEngine:
             "base_cap": config.bros_base_cap,
             "min_be_share": config.bros_min_be_share,
             "token_group": config.bros_token_group,
+            "be_fills_rt_ends": config.bros_be_fills_rt_ends,
+            "be_order": config.bros_be_order,
         }
 
     def _cost_model(self, config: EngineConfig, source):

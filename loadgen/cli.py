@@ -155,6 +155,18 @@ def add_run_args(
         help="ellm (sim): price eLLM's split of layers between host reads and rebuilding",
     )
     e.add_argument(
+        "--be-fills-rt-ends",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bros: with no free block, BE may take the free end of an RT block (default: on)",
+    )
+    e.add_argument(
+        "--be-order",
+        choices=["arrival", "checkpointed"],
+        default=None,
+        help="bros: BE packing order, oldest first (default) or the paper's fewest-checkpointed first",
+    )
+    e.add_argument(
         "--seeds",
         type=int,
         default=1,

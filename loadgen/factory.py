@@ -41,12 +41,13 @@ def load_cost_model(name_or_path: str):
 
 
 # command-line options a policy may accept (BROS's; ellm's prefix source, layer split and layer count)
-POLICY_FLAGS = ("min_be_share", "token_group", "source", "layer_split", "num_layers")
+POLICY_FLAGS = ("min_be_share", "token_group", "be_fills_rt_ends", "be_order", "source", "layer_split", "num_layers")
 
 
 def policy_flags(args: argparse.Namespace) -> dict:
     """The policy options given on the command line (`--min-be-share`, `--token-group`,
-    `tandem bench ellm-sim`'s `--prefix-source` and `--layer-split`)."""
+    `--be-fills-rt-ends/--no-be-fills-rt-ends`, `--be-order`, `tandem bench ellm-sim`'s
+    `--prefix-source` and `--layer-split`)."""
     return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
 
 

@@ -1,9 +1,13 @@
-"""Two-ended blocks: the BE request at a block's left end, and the RT request that may fill
-its right end (the paper's preemption table is the set of shares with checkpointed slots).
+"""Two-ended blocks: a BE request at one end of a block and the RT request that may fill the
+other (the paper's preemption table is the set of shares with checkpointed slots).
 
-Every device block a BE request fills (from the left, forward) has a `Share`. While no RT
-request uses its right end the block is *stealable*; `StealIndex` finds the one with the most
-empty slots in O(block_size). `TwoEndedBlocks` (two_ended.py) keeps both.
+Every device block a BE request holds has a `Share`. Usually the BE request filled a free
+block from the left (forward) and an RT request may take its right end (reversed). When no
+block is free a BE request may instead take the free right end of an RT request's partly
+filled block (`be_rev`: BE reversed, the RT owner forward at the left). Either way the RT end
+grows into BE slots and checkpoints them, so the rules are the same with the ends swapped.
+While no RT request uses the other end the block is *stealable*; `StealIndex` finds the one
+with the most empty slots in O(block_size). `TwoEndedBlocks` (two_ended.py) keeps both.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ class Share:
     be_entry: int  # logical block index in the BE request's table
     be_fill: int  # BE slots still resident, counted from the left end (offsets [0, be_fill))
     be_len: int  # BE tokens of this logical block (resident + checkpointed); be_fill <= be_len
-    rt_id: str | None = None  # RT request filling from the right end, if any
+    rt_id: str | None = None  # RT request filling the other end, if any
     rt_entry: int = -1
+    be_rev: bool = False  # the BE end is the right one (BE took an RT block's free end)
 
-    def checkpointed(self, block_size: int) -> range:
-        """In-block slots whose BE contents were checkpointed to host (taken over by the RT end).
+    def be_slot(self, offset: int, block_size: int) -> int:
+        """In-block slot of the BE request's logical offset `offset` in this block."""
+        return block_size - 1 - offset if self.be_rev else offset
 
-        BE fills forward, so its offsets [be_fill, be_len) sit at the same in-block slots."""
-        return range(self.be_fill, self.be_len)
+    def checkpointed(self, block_size: int) -> list[int]:
+        """In-block slots whose BE contents were checkpointed to host (taken over by the RT
+        end): those of the BE offsets [be_fill, be_len), in offset order."""
+        return [self.be_slot(o, block_size) for o in range(self.be_fill, self.be_len)]
 
 
 class StealIndex:

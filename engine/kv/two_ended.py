@@ -8,9 +8,13 @@ Rules (decisions for the paper's gaps are argued in docs/bros.md):
   with the most empty slots (`StealIndex`; the entry is reversed). Growing into its peer's
   slots checkpoints exactly the BE slots about to be overwritten to host (lazy checkpointing)
   and records them in the share.
-- A BE request only takes free blocks; it grows its last block into empty slots and, when the
-  RT end is in the way, *relocates* that logical block to a free block (a device-to-device
-  copy), so BE never overwrites RT.
+- A BE request takes a free block (forward), or else, for the last block of a growth only
+  (the paper's FindBlock (i): the partly filled block with the most empty slots), the free
+  right end of an RT request's partly filled last block (the BE entry is reversed; the RT
+  request keeps its left end and its growth there checkpoints the BE slots in its way, as
+  above). Off with `lend_rt_ends=False`. It grows its last block into empty slots and, when
+  the RT end is in the way, *relocates* that logical block to a free block (a
+  device-to-device copy), so BE never overwrites RT.
 - A request runs only when fully resident. Restoring a logical block with KV on host puts it
   into a fresh block (resident part copied device-to-device by `restore_entry`, the rest
   host-to-device by the core); the old block stays with the RT request that took it.
@@ -40,11 +44,13 @@ if TYPE_CHECKING:
 class TwoEndedBlocks(KVComponent):
     name: ClassVar[str] = "two-ended"
 
-    def __init__(self, ledger: KVLedger, *, is_be: Callable[[Request], bool]) -> None:
+    def __init__(self, ledger: KVLedger, *, is_be: Callable[[Request], bool], lend_rt_ends: bool = True) -> None:
         """`is_be(request)`: the request follows the BE rules (lends its blocks' free ends)
-        rather than the RT ones (may take them)."""
+        rather than the RT ones (may take them). `lend_rt_ends`: BE may take the free right
+        end of an RT request's last block when no block is free."""
         super().__init__(ledger)
         self.is_be = is_be
+        self.lend_rt_ends = lend_rt_ends
         self.block_size = ledger.block_size
         self.shares: dict[int, Share] = {}  # block id -> BE end (+ RT end): the preemption table
         self.steal_index = StealIndex(ledger.block_size)
@@ -111,7 +117,7 @@ class TwoEndedBlocks(KVComponent):
         block = self.ledger.pool.blocks[share.block_id]
         self.ledger.acquire([block])
         self._share_set(share, rt_id=rid, rt_entry=entry)
-        return block, True
+        return block, not share.be_rev
 
     def _rt_claim(self, table: BlockTable, start: int, end: int) -> bool:
         """Own positions [start, end) of an RT table; checkpoint BE slots in the way."""
@@ -121,7 +127,7 @@ class TwoEndedBlocks(KVComponent):
             if share is None:
                 continue
             hi = min(end - e * bs, bs)
-            overlap = hi - (bs - share.be_fill)  # the RT end's offsets [bs - be_fill, hi) meet BE data
+            overlap = hi - (bs - share.be_fill)  # the RT end's offsets [bs - be_fill, hi) meet BE data (either end)
             if overlap > 0 and not self._checkpoint(share, overlap):
                 return False
         return True
@@ -139,7 +145,7 @@ class TwoEndedBlocks(KVComponent):
         offsets = range(share.be_fill - count, share.be_fill)  # highest offsets sit innermost
         ledger.emit(
             CopyKind.D2H,
-            [share.block_id * bs + o for o in offsets],
+            [share.block_id * bs + share.be_slot(o, bs) for o in offsets],
             [he.host_block * bs + o for o in offsets],
             "checkpoint",
             share.be_id,
@@ -162,18 +168,47 @@ class TwoEndedBlocks(KVComponent):
             if not self._grow_be_last(rid, table, e, min(target - e * bs, bs)):
                 return False
         while len(table) * bs < target:
-            if not ledger.pool.num_free:
-                return False
             e = len(table)
-            block = ledger.take_free_block()
-            ledger.append_entry(table, block, rev=False)
-            self._add_share(Share(block.block_id, rid, e, 0, 0))
+            if ledger.pool.num_free:
+                block = ledger.take_free_block()
+                ledger.append_entry(table, block, rev=False)
+                self._add_share(Share(block.block_id, rid, e, 0, 0))
+            elif not (self.lend_rt_ends and self._take_rt_end(rid, table, target - e * bs)):
+                return False
         for e in range(table.claimed // bs, len(table)):
             share = self.shares.get(table.ids[e])
             if share is not None and share.be_id == rid:
                 fill = min(target - e * bs, bs)
                 self._share_set(share, be_fill=fill, be_len=fill)
         ledger.set_claimed(table, target)
+        return True
+
+    def _take_rt_end(self, rid: str, table: BlockTable, want: int) -> bool:
+        """Append an entry in the free end of the RT block with the most empty slots (at least
+        `want`, fewer than a block: only a growth's last entry can fit), ties to the lowest
+        block id so the choice depends on the state alone, not on the tables' order."""
+        bs, ledger = self.block_size, self.ledger
+        best: tuple[int, int, str, int] | None = None  # (empty, -block id, RT request, entry)
+        for owner, rt in ledger.tables.items():
+            if rt.owner is not self or not rt.claimed % bs:
+                continue
+            e = len(rt) - 1
+            block = rt.blocks[e]
+            # RT entries with a device block and no share are theirs alone; every resident BE
+            # entry has a share, and prefix-cache hits are full (claimed % bs == 0 above)
+            if block is None or block.ref_count != 1 or block.block_id in self.shares:
+                continue
+            key = (bs - rt.claimed % bs, -block.block_id, owner, e)
+            if key[0] >= want and (best is None or key[:2] > best[:2]):
+                best = key
+        if best is None:
+            return False
+        _, neg_id, owner, rt_entry = best
+        block = ledger.pool.blocks[-neg_id]
+        be_rev = not ledger.tables[owner].rev[rt_entry]  # the end opposite the RT data
+        ledger.acquire([block])
+        ledger.append_entry(table, block, rev=be_rev)
+        self._add_share(Share(block.block_id, rid, len(table) - 1, 0, 0, owner, rt_entry, be_rev))
         return True
 
     def _grow_be_last(self, rid: str, table: BlockTable, e: int, want: int) -> bool:
@@ -199,13 +234,13 @@ class TwoEndedBlocks(KVComponent):
         old = share.block_id
         ledger.emit(
             CopyKind.D2D,
-            [old * bs + o for o in range(resident)],
+            [old * bs + share.be_slot(o, bs) for o in range(resident)],
             [block.block_id * bs + o for o in range(resident)],
             "relocate",
             rid,
         )
         self._leave_share(table, share)
-        ledger.set_entry(table, e, block)
+        ledger.set_entry(table, e, block, rev=False)
         self._add_share(Share(block.block_id, rid, e, resident, resident))
 
     def _restore_be(self, rid: str, table: BlockTable, e: int) -> bool:
@@ -217,7 +252,7 @@ class TwoEndedBlocks(KVComponent):
             self._relocate(rid, table, e, self.shares[table.ids[e]], table.host[e].resident)
         else:
             block = ledger.take_free_block()
-            ledger.set_entry(table, e, block)
+            ledger.set_entry(table, e, block, rev=False)  # it may have been in an RT block's right end
             self._add_share(Share(block.block_id, rid, e, 0, 0))
         length = table.entry_len(e, self.block_size)
         self._share_set(self.shares[table.ids[e]], be_fill=length, be_len=length)
@@ -266,8 +301,9 @@ class TwoEndedBlocks(KVComponent):
     # -- consistency --------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Every owned entry is a BE end (forward, share lengths match the table and host
-        entry), the RT end of a share (reversed), or a plain block; shares fit their block."""
+        """Every owned entry is a BE end (direction `be_rev`, share lengths match the table and
+        host entry), the RT end of a share (the other direction), or a plain block; shares fit
+        their block."""
         for rid, table in self.ledger.tables.items():
             if table.owner is self:
                 self._check_table(rid, table)
@@ -284,10 +320,10 @@ class TwoEndedBlocks(KVComponent):
                 continue
             share = self.shares.get(block.block_id)
             if share is not None and share.be_id == rid and share.be_entry == e:  # a BE end
-                assert not table.rev[e], (rid, e)
+                assert table.rev[e] == share.be_rev, (rid, e)
                 assert share.be_len == table.entry_len(e, self.block_size), (rid, e)
                 assert (he.resident if he else share.be_len) == share.be_fill, (rid, e)
             else:
                 assert he is None, (rid, e)
-                if share is not None:  # the RT end of a BE block (stays reversed once the BE leaves)
-                    assert share.rt_id == rid and share.rt_entry == e and table.rev[e], (rid, e)
+                if share is not None:  # the RT end (keeps its direction once the BE leaves)
+                    assert share.rt_id == rid and share.rt_entry == e and table.rev[e] != share.be_rev, (rid, e)

@@ -10,7 +10,8 @@ Per step:
    always joins (the late fallback, flagged in `Decision.forced`). A prefill that does not fit
    whole gets the largest chunk that does. The first cost failure ends the phase and resets
    the adaptive cap.
-3. BE requests by fewest checkpointed blocks, then arrival: each is packed if it (or a chunk
+3. BE requests in arrival order (`be_order`; the paper's fewest-checkpointed-first is an
+   option, `BE_ORDERS` says why it is not the default): each is packed if it (or a chunk
    of its prefill) fits, else it may replace the least urgent scheduled RT request if that
    request's own deadline still holds when deferred one step.
 
@@ -76,6 +77,21 @@ class Decision:
     forced: bool = False  # the head RT request ran past the budget (late fallback)
     be_owed: list[Request] = field(default_factory=list)  # BE packed first for the minimum share
     be_waiting: bool = False  # some BE request was left out (the share counts only such steps)
+    # why BE requests were left out (the "memory or time?" question of docs/bros.md): no KV
+    # for them (even with what they may evict), or no time (budget, cap, or the scan stopped)
+    be_no_memory: list[Request] = field(default_factory=list)
+    be_no_time: list[Request] = field(default_factory=list)
+
+
+# The order BE requests are packed in (and, reversed, evicted in). The paper's is
+# "checkpointed": fewest blocks on host first, which spends the fewest restore copies per
+# step. Under a standing backlog it starves every BE request RT once took a block end from:
+# a newer one always has fewer blocks on host, so the checkpointed ones wait on host, fill the
+# swap space, and from then on every eviction drops KV for recompute; and a batch job is
+# done only when its last request is. Measured in the fair simulator (docs/bros.md, "Why BE
+# loses throughput") that is most of BROS's BE shortfall, so the default is "arrival"
+# (oldest first, what a vLLM user expects of a queue), which restores them in turn.
+BE_ORDERS = frozenset({"arrival", "checkpointed"})
 
 
 class _Outcome(enum.Enum):
@@ -97,15 +113,23 @@ class BROSPolicy(SchedulingPolicy):
         min_be_share: float = 0.1,
         share_window: int = 50,
         token_group: int = 1,
+        be_fills_rt_ends: bool = True,
+        be_order: str = "arrival",
     ) -> None:
         """`min_be_share`: BE's guaranteed share of scheduled tokens while it waits (0..1, 0
         = off); `share_window`: steps the share is averaged over (an EMA of that span);
         `token_group`: RT tokens per deadline after the first (`slack.TokenGroups`; 1 = a
-        deadline per token, the paper's evaluated setting and the strictest)."""
+        deadline per token, the paper's evaluated setting and the strictest);
+        `be_fills_rt_ends`: with no free block, BE may take the free end of an RT request's
+        partly filled last block (the paper's FindBlock (i); `TwoEndedBlocks.lend_rt_ends`);
+        `be_order`: the order BE requests are packed in, `"arrival"` (oldest first) or the
+        paper's `"checkpointed"` (fewest blocks on host first, then arrival); see `BE_ORDERS`."""
         if default_slo.ttft_s is None or default_slo.tpot_s is None:
             raise ValueError("bros needs default TTFT and TPOT targets for RT requests")
         if not 0.0 <= min_be_share < 1.0:
             raise ValueError(f"min_be_share must be in [0, 1), got {min_be_share}")
+        if be_order not in BE_ORDERS:
+            raise ValueError(f"be_order must be one of {sorted(BE_ORDERS)}, got {be_order!r}")
         if share_window < 1:
             raise ValueError(f"share_window must be >= 1 step, got {share_window}")
         self.cost_model = cost_model
@@ -116,13 +140,15 @@ class BROSPolicy(SchedulingPolicy):
         self.t_avg: float | None = None
         self.groups = TokenGroups(token_group)
         self.min_be_share = min_be_share
+        self.be_fills_rt_ends = be_fills_rt_ends
+        self.be_order = be_order
         self.share_alpha = 2.0 / (share_window + 1)
         self.be_share: float | None = None  # EMA of BE's token share over steps where BE waited
         self.cap: AdaptiveCap | None = None
         self.last = Decision()
 
     def kv_components(self) -> tuple[partial[TwoEndedBlocks], ...]:
-        return (partial(TwoEndedBlocks, is_be=_is_be),)
+        return (partial(TwoEndedBlocks, is_be=_is_be, lend_rt_ends=self.be_fills_rt_ends),)
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
@@ -280,10 +306,10 @@ class _Step:
 
     def _pack_be(self) -> None:
         d = self.decision
-        for b in self._be_order():
-            if b in self.pack.items:
-                continue  # packed first for the minimum share
+        order = [b for b in self._be_order() if b not in self.pack.items]  # owed ones are packed
+        for i, b in enumerate(order):
             if self.pack.tokens_left <= 0:
+                d.be_no_time.extend(order[i:])
                 break
             full = len(self.pack) >= d.cap
             outcome = _Outcome.COST if full else self._try(b, be=True, force=not self.pack.items)
@@ -291,7 +317,10 @@ class _Step:
                 outcome = self._replace_least_urgent(b)
             if outcome is _Outcome.OK:
                 d.be_scheduled.append(b)
-            elif outcome is _Outcome.COST and (full or self._no_decode_fits()):
+                continue
+            (d.be_no_memory if outcome is _Outcome.MEMORY else d.be_no_time).append(b)
+            if outcome is _Outcome.COST and (full or self._no_decode_fits()):
+                d.be_no_time.extend(order[i + 1 :])
                 break  # nothing behind it can fit either (first-fit otherwise: a decode may)
 
     def _no_decode_fits(self) -> bool:
@@ -303,7 +332,9 @@ class _Step:
         return sorted(candidates, key=self._be_key)
 
     def _be_key(self, r: Request) -> tuple[int, float, str]:
-        return self.kv.num_host_blocks(r), r.arrival_time, r.request_id  # a total order: no ties
+        """A total order (no ties): BE_ORDERS says why each exists."""
+        checkpointed = self.kv.num_host_blocks(r) if self.policy.be_order == "checkpointed" else 0
+        return checkpointed, r.arrival_time, r.request_id
 
     def _replace_least_urgent(self, b: Request) -> _Outcome:
         """Swap the last scheduled RT request for `b` if its own deadline survives the deferral."""
@@ -412,6 +443,8 @@ class _Step:
         if evict_rt or (be and force):
             return False
         available = self.kv.pool.num_free
+        if be and self.ends.lend_rt_ends:
+            available += 1  # the last new entry may go into an RT block's free end
         if not be:
             available += self.ends.num_stealable + self._be_device_blocks()
         base = r.num_computed_tokens if self.kv.holds(r) else 0

@@ -109,12 +109,28 @@ def aggregate(per_seed: list[dict]) -> dict:
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    """This bench's options on a parser of its own (`tandem repro ellm` parses its cells with it)."""
+    sub = argparse.ArgumentParser(prog="tandem bench").add_subparsers()
+    add_parser(sub)
+    return sub.choices["ellm-sim"]
+
+
 def run(args: argparse.Namespace) -> int:
     from loadgen.bench.common import write_json
+
+    write_json(measure(args), args.json_path)
+    return 0
+
+
+def measure(args: argparse.Namespace, *, quiet: bool = False) -> dict:
+    """The results document: per rate, each policy's per-seed runs, their aggregate and the
+    ratios to the first policy; provenance stamped at the start."""
     from loadgen.provenance import stamp
 
     policies = _policies(args.policies)
     seeds = list(range(args.seed, args.seed + args.seeds))
+    prov = stamp(extra={"target": "sim"}).as_dict()  # at the start: the code that runs is the code checked out now
     doc = {"bench": "ellm-sim", "config": {k: v for k, v in vars(args).items() if k != "func"}, "rates": {}}
     for rate in (float(r) for r in args.rates.split(",")):
         runs = {p: [run_policy(args, p, rate, seed) for seed in seeds] for p in policies}
@@ -129,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             for p, a in agg.items()
         }
         doc["rates"][str(rate)] = {"per_seed": runs, "aggregate": agg, "ratios_vs_first": ratios}
-        for p in policies:
+        for p in [] if quiet else policies:
             a = agg[p]
             dec = runs[p][0].get("decisions")
             print(
@@ -138,6 +154,5 @@ def run(args: argparse.Namespace) -> int:
                 f"TTFT mean {a['ttft_mean_s']['mean']:.1f} s, TPOT att {a['tpot_attainment']['mean']:.1%}"
                 + (f", ellm seed {seeds[0]}: {dec}" if dec else "")
             )
-    doc["provenance"] = stamp(extra={"target": "sim"}).as_dict()
-    write_json(doc, args.json_path)
-    return 0
+    doc["provenance"] = prov
+    return doc

@@ -1,12 +1,13 @@
 """What one paper's reproduction is: cells to run, the paper's own numbers, and what is missing.
 
-A `Cell` is one `tandem sim` (or `tandem loadgen compare --target inproc`) comparison given as
-its command line, so every cell can be re-run by hand exactly as the repro ran it; the repro
+A `Cell` is one `tandem sim` (or `tandem loadgen compare --target inproc`, or a `tandem bench`
+command such as `ellm-sim`) comparison given as its command line, so every cell can be re-run
+by hand exactly as the repro ran it; the repro
 writes each cell's compact result (config, summaries, ratios, seed spread, provenance; not the
 per-request records) to `<out>/<cell>.json` and a README.md with the paper's figure beside
-ours. `Repro` is the one interface every paper implements (`bros.py`, `symphony.py`); a paper
-whose setup another engineer is still building is a `Pending` repro, the seam where theirs
-plugs in (`registry.py`).
+ours. `Repro` is the one interface every paper implements (`bros.py`, `symphony.py`,
+`aptserve.py`, `ellm.py`); a paper whose setup is not built yet is a `Pending` repro, which
+says so and runs nothing (`registry.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Cell:
     argv: tuple[str, ...]  # `tandem sim` / `tandem loadgen compare` options (no --out)
     policies: tuple[str, ...]  # the first is the baseline of the ratios
     engine: bool = False  # the CPU engine (inproc) rather than the simulator
+    bench: str | None = None  # a `tandem bench` command that writes its own document (run.BENCHES)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class Repro(abc.ABC):
     @abc.abstractmethod
     def paper_rows(self) -> list[PaperRow]:
         """The paper's figure, as rows our cells answer."""
+
+    def figure(self, docs: dict[str, dict]) -> list[str]:
+        """README lines for a figure `paper_rows` cannot express (one metric's per-seed ratio
+        in one cell): a table across cells, say. Default: none."""
+        return []
 
     def not_implemented(self) -> list[str]:
         """Parts of the paper's comparison we cannot run yet, each a sentence."""

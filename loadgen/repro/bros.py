@@ -133,8 +133,6 @@ class BROSRepro(Repro):
 
     def not_implemented(self) -> list[str]:
         return [
-            "BE filling the free ends of RT blocks (the paper's second sharing direction): ours lets "
-            "only RT take BE blocks' free ends (docs/bros.md)",
             "the 70B model and 15 req/s cells (Fig. 10c/f): no roofline profile for them",
             "TGI baseline (Fig. 12) and the KV ablation at RT 10 req/s on OPT-30B (Fig. 13)",
         ]

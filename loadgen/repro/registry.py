@@ -1,15 +1,17 @@
-"""The papers `tandem repro` knows, by name. Apt-Serve's and eLLM's setups are being built in
-their engineers' worktrees; each replaces its `Pending` entry with its `Repro` class here."""
+"""The papers `tandem repro` knows, by name (a paper whose setup is not built yet would be a
+`Pending` entry, which says so and runs nothing)."""
 
 from __future__ import annotations
 
-from loadgen.repro.base import Pending, Repro
+from loadgen.repro.aptserve import AptServeRepro
+from loadgen.repro.base import Repro
 from loadgen.repro.bros import BROSRepro
+from loadgen.repro.ellm import EllmRepro
 from loadgen.repro.symphony import SymphonyRepro
 
 REPROS: dict[str, Repro] = {
     "bros": BROSRepro(),
     "symphony": SymphonyRepro(),
-    "aptserve": Pending("aptserve", "Apt-Serve (hybrid KV + hidden cache)", "issue 17, worktree /work/wt/apt"),
-    "ellm": Pending("ellm", "eLLM (partial KV residency)", "issue 18, worktree /work/wt/ellm"),
+    "aptserve": AptServeRepro(),
+    "ellm": EllmRepro(),
 }

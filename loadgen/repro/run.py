@@ -21,14 +21,34 @@ def cell_args(cell: Cell) -> argparse.Namespace:
     return p.parse_args([*cell.argv, "--no-progress"])
 
 
+def _ellm_sim(cell: Cell) -> dict:
+    """`tandem bench ellm-sim`: its document as it is (it keeps no per-request records)."""
+    from loadgen.bench import ellm_sim
+
+    args = ellm_sim.parser().parse_args([*cell.argv, "--policies", ",".join(cell.policies)])
+    return ellm_sim.measure(args, quiet=True)
+
+
+BENCHES = {"ellm-sim": _ellm_sim}  # `Cell.bench` -> how to run it
+
+
+def command_line(cell: Cell) -> str:
+    """The cell as a `tandem` command a reader can run."""
+    tool = f"bench {cell.bench}" if cell.bench else "loadgen compare" if cell.engine else "sim"
+    return f"tandem {tool} {' '.join(cell.argv)} --policies {','.join(cell.policies)}"
+
+
 def run_cell(cell: Cell) -> dict:
     """One cell's compact document: what results.json holds, less the per-request records."""
     from loadgen.orchestrate import run_policies
 
+    if cell.bench is not None:
+        if cell.bench not in BENCHES:
+            raise ValueError(f"cell {cell.name}: unknown bench {cell.bench!r} (known: {sorted(BENCHES)})")
+        return {**BENCHES[cell.bench](cell), "command": command_line(cell)}
     doc = run_policies(cell_args(cell), list(cell.policies), comparison=len(cell.policies) > 1, progress=False)
     out = {k: doc[k] for k in _KEEP if k in doc}
-    out["command"] = "tandem " + ("loadgen compare" if cell.engine else "sim") + " " + " ".join(cell.argv)
-    out["command"] += " --policies " + ",".join(cell.policies)
+    out["command"] = command_line(cell)
     if "runs" in doc:
         out["targets"] = {name: run["target"] for name, run in doc["runs"].items()}
     elif "target" in doc:
@@ -74,6 +94,7 @@ def readme(repro: Repro, docs: dict[str, dict], *, quick: bool) -> list[str]:
                 cells.append(_fmt(ratio_over_seeds(doc, r), r.as_change) if doc else "—")
             lines.append(f"| {r.label} | {r.paper} | " + " | ".join(cells) + " |")
         lines += ["", "Ours: mean over seeds [min, max] of the paired per-seed ratio.", ""]
+    lines += repro.figure(docs)
     if any("summary" in d and "rt" in d["summary"] for d in docs.values()):
         lines += [
             "## Cells (single runs)",

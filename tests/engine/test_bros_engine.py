@@ -83,12 +83,19 @@ def _run_bros(engine: LLMEngine, jobs) -> tuple[dict[str, list[int]], dict[str, 
     pending = sorted(jobs, key=lambda j: j[3])
     out: dict[str, list[int]] = {}
     copies = {"checkpoint": 0, "restore": 0, "swap_out": 0, "relocate": 0, "preempted": 0}
+    copies |= {"lent": 0, "lent_checkpoint": 0}  # BE entries in RT blocks' free ends, and RT growth over them
     orig = engine.scheduler.schedule
+    ends = engine.kv.component(TwoEndedBlocks)
+    bs = engine.kv.block_size
 
     def schedule(now=None):
+        lent = {(s.block_id, s.be_id) for s in ends.shares.values() if s.be_rev}
         batch = orig(now)
         for c in batch.copies:
             copies[c.reason] += 1
+            lent_here = c.reason == "checkpoint" and (c.src_slots[0] // bs, c.request_id) in lent
+            copies["lent_checkpoint"] += lent_here
+        copies["lent"] += sum(s.be_rev for s in ends.shares.values())
         copies["preempted"] += len(batch.preempted)
         _check(engine, [it.request for it in batch.items])
         return batch
@@ -168,3 +175,38 @@ def test_heavy_pressure_checkpoints_swaps_and_still_matches(engines):
         for k, v in copies.items():
             totals[k] = totals.get(k, 0) + v
     assert totals["checkpoint"] and totals["restore"] and totals["swap_out"] and totals["preempted"], totals
+
+
+@pytest.mark.timeout(600)
+def test_be_in_rt_block_ends_checkpointed_by_rt_growth_still_matches(engines):
+    """RT requests hold most blocks, each with a partly filled last block; BE requests then
+    take those free ends (no block is free) and RT decodes grow back over them."""
+    totals: dict[str, int] = {}
+    for seed in range(4):
+        rng = random.Random(100 + seed)
+        jobs = [
+            (
+                f"rt{next(_ids)}",
+                [rng.randrange(49152) for _ in range(4 * rng.randint(2, 3) + rng.randint(1, 2))],
+                rng.randint(6, 10),
+                0,
+                RequestClass.RT,
+            )
+            for _ in range(4)
+        ]
+        jobs += [
+            (
+                f"be{next(_ids)}",
+                [rng.randrange(49152) for _ in range(rng.randint(2, 6))],
+                rng.randint(4, 8),
+                1,
+                RequestClass.BE,
+            )
+            for _ in range(3)
+        ]
+        expected = _reference(engines["reference"], jobs)
+        got, copies = _run_bros(engines["tight"], jobs)
+        assert got == expected
+        for k, v in copies.items():
+            totals[k] = totals.get(k, 0) + v
+    assert totals["lent"] and totals["lent_checkpoint"], totals

@@ -34,7 +34,7 @@ def fingerprint(kv: KVCacheManager) -> tuple:
     for c in kv.components:
         if isinstance(c, TwoEndedBlocks):
             shares = sorted(
-                (s.block_id, s.be_id, s.be_entry, s.be_fill, s.be_len, s.rt_id or "", s.rt_entry)
+                (s.block_id, s.be_id, s.be_entry, s.be_fill, s.be_len, s.rt_id or "", s.rt_entry, s.be_rev)
                 for s in c.shares.values()
             )
             best = c.steal_index.best()

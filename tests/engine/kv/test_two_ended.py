@@ -17,9 +17,10 @@ from engine.scheduling import Request
 BS = 4
 
 
-def _kv(num_blocks: int, host_blocks: int | None = None) -> tuple[KVCacheManager, TwoEndedBlocks]:
+def _kv(num_blocks: int, host_blocks: int | None = None, lend: bool = True) -> tuple[KVCacheManager, TwoEndedBlocks]:
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching=False), BS, bytes_per_token=8, host_blocks=host_blocks)
-    return kv, kv.attach(partial(TwoEndedBlocks, is_be=lambda r: r.request_id.startswith("be")))
+    is_be = lambda r: r.request_id.startswith("be")  # noqa: E731
+    return kv, kv.attach(partial(TwoEndedBlocks, is_be=is_be, lend_rt_ends=lend))
 
 
 def _req(rid: str, n: int = 64) -> Request:
@@ -80,6 +81,80 @@ def test_be_leaving_a_shared_block_leaves_it_to_the_rt_end(slot_memory):
     assert not ends.shares and kv.table(rt).ids[0] == block and kv.table(rt).rev[0]
     assert kv.pool.blocks[block].ref_count == 1
     mem.check_resident(kv, "rt0", 2)
+    kv.check_invariants()
+
+
+def test_be_fills_the_free_end_of_an_rt_block_and_rt_growth_checkpoints_it(slot_memory):
+    kv, ends = _kv(4)  # 3 usable blocks
+    mem = slot_memory()
+    be, rt = _req("be0"), _req("rt0")
+    assert _run(kv, mem, rt, 5)  # two RT blocks: full, and 1 of 4 slots
+    assert _run(kv, mem, be, 4)  # the last free block, full
+    lent = kv.table(rt).ids[1]
+    assert _run(kv, mem, be, 1)  # no free block: the right end of RT's partly filled block
+    assert kv.table(be).ids[1] == lent and kv.table(be).rev[1] and not kv.table(rt).rev[1]
+    assert kv.slot(be, 4) == lent * BS + BS - 1 and kv.pool.blocks[lent].ref_count == 2
+    share = ends.shares[lent]
+    assert share.be_rev and share.rt_id == "rt0" and share.rt_entry == 1 and ends.num_stealable == 1
+    assert _run(kv, mem, be, 2)  # grows towards the RT end into the empty middle: no copy
+    assert kv.is_resident(be) and not kv.take_copies()
+    assert kv.allocate(rt, 1)  # RT offset 1 meets BE offset 2 (slot 1): exactly that slot goes to host
+    (copy,) = kv.take_copies()
+    assert copy.kind is CopyKind.D2H and copy.reason == "checkpoint" and copy.src_slots == (lent * BS + 1,)
+    assert share.checkpointed(BS) == [s - lent * BS for s in copy.src_slots]
+    assert kv.host_tokens(be) == 1 and not kv.publishable(kv.table(rt), 1)
+    mem.run([copy])
+    mem.write(kv, "rt0", 5, 6)
+    rt.num_computed_tokens = 6
+    mem.check_resident(kv, "rt0", 6)
+    kv.check_invariants()
+    assert not kv.restore(be)  # no free block to restore into
+    kv.free(rt)  # the BE end keeps the block; a restore moves it to a fresh forward block
+    assert kv.pool.blocks[lent].ref_count == 1 and share.rt_id is None and kv.restore(be)
+    copies = kv.take_copies()
+    assert [(c.kind, c.reason) for c in copies] == [(CopyKind.D2D, "relocate"), (CopyKind.H2D, "restore")]
+    assert copies[0].src_slots == (lent * BS + 3, lent * BS + 2)  # BE offsets 0, 1 of the reversed end
+    mem.run(copies)
+    mem.check_resident(kv, "be0", 7)
+    assert not kv.table(be).rev[1]
+    kv.check_invariants()
+
+
+def test_be_takes_an_rt_end_only_for_its_last_block_and_only_when_enabled(slot_memory):
+    kv, _ = _kv(4)
+    mem = slot_memory()
+    be, rt = _req("be0"), _req("rt0")
+    assert _run(kv, mem, rt, 5) and _run(kv, mem, be, 4)
+    assert not kv.allocate(be, 4)  # a whole block never fits a partly filled one
+    assert not kv.allocate(be, 3 + BS)  # nor a growth whose middle entry would need one
+    assert kv.allocate(be, 3)  # the last 3 slots do
+    kv, _ = _kv(4, lend=False)
+    be, rt = _req("be0"), _req("rt0")
+    assert _run(kv, mem, rt, 5) and _run(kv, mem, be, 4)
+    assert not kv.allocate(be, 1)
+    kv.check_invariants()
+
+
+def test_a_freed_rt_end_can_be_stolen_back_from_the_other_side(slot_memory):
+    kv, ends = _kv(4)
+    mem = slot_memory()
+    be, rt, rt1 = _req("be0"), _req("rt0"), _req("rt1")
+    assert _run(kv, mem, rt, 5) and _run(kv, mem, be, 5)
+    lent = kv.table(be).ids[1]
+    kv.free(rt)  # one block freed; the lent one stays with BE's reversed entry
+    assert _run(kv, mem, rt1, 4)  # the free block
+    assert _run(kv, mem, rt1, 1)  # then the free (left) end of BE's reversed block, forward
+    assert kv.table(rt1).ids[1] == lent and not kv.table(rt1).rev[1] and ends.shares[lent].rt_id == "rt1"
+    assert _run(kv, mem, rt1, 2) and not kv.take_copies()  # slots 1-2 were empty
+    mem.check_resident(kv, "be0", 5)
+    assert kv.allocate(rt1, 1)  # RT offset 3 takes slot 3, BE offset 0: checkpointed
+    (copy,) = kv.take_copies()
+    assert copy.reason == "checkpoint" and copy.src_slots == (lent * BS + 3,)
+    mem.run([copy])
+    mem.write(kv, "rt1", 7, 8)
+    rt1.num_computed_tokens = 8
+    assert not kv.is_resident(be) and lent not in ends.shares
+    mem.check_resident(kv, "rt1", 8)
     kv.check_invariants()
 
 

@@ -277,3 +277,31 @@ def test_policy_needs_a_cost_model():
         s.schedule(0.0)
     with pytest.raises(ValueError, match="TTFT and TPOT"):
         make_policy("bros", default_slo=SLO(None, 0.2))
+
+
+@pytest.mark.parametrize("order, first", [("arrival", "be0"), ("checkpointed", "be1")])
+def test_be_order_arrival_restores_the_oldest_and_the_papers_order_runs_the_least_checkpointed(order, first):
+    """With one seat, the older BE request whose KV went to host runs first in arrival order
+    (restored); the paper's order runs the one with fewer blocks on host."""
+    rng = random.Random(0)
+    kv = KVCacheManager(BlockPool(32, enable_caching=False), 4, bytes_per_token=64)
+    policy = make_policy("bros", cost_model=COST, default_slo=DEFAULT_SLO, base_cap=2, be_order=order)
+    s = Scheduler(kv, BatchLimits(2, 64), policy)
+    be0, be1 = (_request(f"be{i}", 6, 8, BE, float(i), rng) for i in range(2))
+    s.add(be0), s.add(be1)
+    batch = s.schedule(0.0)
+    assert {it.request.request_id for it in batch.items} == {"be0", "be1"}
+    _pretend_run(s, batch, 0.01, rng)
+    s.step_done(batch, 0.01)
+    assert kv.swap_out(be0) and kv.num_host_blocks(be0) > kv.num_host_blocks(be1) == 0
+    kv.take_copies()
+    policy.cap.value = policy.cap.limit = 1  # one seat
+    batch = s.schedule(0.02)
+    assert [it.request.request_id for it in batch.items] == [first]
+    assert kv.is_resident(be0) == (first == "be0")
+    kv.check_invariants()
+
+
+def test_unknown_be_order_is_refused():
+    with pytest.raises(ValueError, match="be_order"):
+        make_policy("bros", cost_model=COST, default_slo=DEFAULT_SLO, be_order="lifo")

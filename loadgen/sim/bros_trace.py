@@ -1,0 +1,210 @@
+"""`python -m loadgen.sim.bros_trace`: where BE throughput goes in a simulated RT + BE run —
+memory or time? (docs/bros.md, "Why BE loses throughput").
+
+Runs `tandem sim`'s own fair setup (same options, same planning model, noise and swap space)
+for each policy on one seed and logs every step: the RT and BE tokens it carried, how many
+BE requests were outstanding, resident, on host or not yet admitted, the blocks each class
+held, and for `bros` why each BE request left out was left out (`Decision.be_no_memory` /
+`be_no_time`). It then sums the simulated time up by what held BE back:
+
+- `be_tokens_per_s`: BE tokens computed per second of simulated time;
+- `time_be_out_*`: seconds during which some outstanding BE request did not run, split by the
+  first reason that applies — `host` (some BE request had KV on host), `memory` (the policy
+  found no KV for it), `time` (the time budget or the batch cap), `other` (baselines, whose
+  reasons are not recorded);
+- `time_be_tail`: seconds when fewer than a quarter of a BE batch were outstanding (the
+  workload refills only when the whole batch is done, so a straggler idles the backlog);
+- `step_s_mean` and `fixed_cost_share`: how long steps were and which part of the simulated
+  time was the profile's per-step fixed cost (β), which smaller steps pay more often.
+
+Writes one JSON document with the provenance stamp (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class StepLog:
+    """One simulated step, as the trace sees it."""
+
+    start_s: float
+    duration_s: float
+    rt_tokens: int
+    be_tokens: int
+    be_rows: int
+    be_outstanding: int  # BE requests submitted and not finished
+    be_on_host: int  # admitted BE requests with KV on host
+    be_unadmitted: int  # BE requests waiting for their first step
+    blocks_rt: int
+    blocks_be: int
+    free_blocks: int
+    be_no_memory: int  # bros only: BE left out for want of KV
+    be_no_time: int  # bros only: BE left out for want of time or a seat
+    be_swapped_out: int  # BE requests moved to host by this step
+    be_dropped_tokens: int  # computed BE tokens thrown away by recompute preemption this step
+    rt_dropped_tokens: int
+    swap_s: float  # host-link time of the step's copies (overlapped with the pass on a GPU profile)
+    exec_s: float  # the cost model's forward-pass time for the step, without copies or noise
+    rows: int = 0  # requests in the step
+    decode_rows: int = 0  # of which decode rows (one new token)
+
+
+def trace(args: argparse.Namespace, policy: str) -> dict:
+    from engine.scheduling import RequestClass
+    from loadgen.driver import Driver
+    from loadgen.factory import workload_config
+    from loadgen.metrics import summarize
+    from loadgen.orchestrate import _install_policy, _SloScale, _target
+    from loadgen.sim.step_time import swap_bytes
+    from loadgen.workloads.build import build_workload
+
+    scale = _SloScale(args)
+    bundle = _target(args, policy, scale)
+    cfg = workload_config(args, max_len=bundle.max_len, slo_scale=scale.value(bundle), rate=args.rate)
+    _install_policy(bundle, policy, cfg)
+    (worker,) = bundle.target.workers.values()
+    kv, scheduler = worker.kv, worker.scheduler
+    logs: list[StepLog] = []
+    start_step = worker.start_step
+
+    def logged(now: float) -> float | None:
+        computed = {r: r.num_computed_tokens for r in scheduler.running}
+        duration = start_step(now)
+        if duration is None:
+            return None
+        be = RequestClass.BE
+        items = worker.batch.items
+        dropped = {c: sum(computed.get(r, 0) for r in worker.batch.preempted if r.req_class is c) for c in RequestClass}
+        live = [*scheduler.running, *scheduler.waiting]
+        held = {c: sum(kv.device_blocks(r) for r in scheduler.running if r.req_class is c) for c in RequestClass}
+        decision = getattr(scheduler.policy, "last", None)
+        logs.append(
+            StepLog(
+                now,
+                duration,
+                sum(it.num_new_tokens for it in items if it.request.req_class is not be),
+                sum(it.num_new_tokens for it in items if it.request.req_class is be),
+                sum(1 for it in items if it.request.req_class is be),
+                sum(1 for r in live if r.req_class is be),
+                sum(1 for r in scheduler.running if r.req_class is be and not kv.is_resident(r)),
+                sum(1 for r in scheduler.waiting if r.req_class is be and not kv.holds(r)),
+                held[RequestClass.RT],
+                held[be],
+                kv.pool.num_free,
+                len(getattr(decision, "be_no_memory", ())),
+                len(getattr(decision, "be_no_time", ())),
+                sum(1 for r in worker.batch.swapped_out if r.req_class is be),
+                dropped[be],
+                dropped[RequestClass.RT],
+                swap_bytes(worker.batch, worker.spec.kv_bytes_per_token) / worker.cost.swap_bytes_per_s,
+                worker.cost.estimate(*_rows(worker.batch), 0),
+                len(items),
+                sum(1 for it in items if it.num_new_tokens == 1),
+            )
+        )
+        return duration
+
+    worker.start_step = logged
+    workload = build_workload(cfg)
+    result = Driver(bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout).run()
+    bundle.target.close()
+    summary = summarize(result.records, result.elapsed_s)
+    return {
+        "policy": policy,
+        "rt_normalized_latency_s": summary["rt"]["normalized_latency_s"],
+        "be_throughput_rps": summary["be"]["throughput_rps"],
+        **_account(logs, args.be_batch or 16, worker.cost),
+        # prompt tokens finished requests took from the prefix cache: a recompute-preempted
+        # request whose blocks were still cached pays little for it
+        "prompt_tokens_cached": worker.prompt_tokens_cached,
+        "steps": [asdict(s) for s in logs] if args.steps else None,
+    }
+
+
+def _rows(batch) -> tuple[list, list]:
+    from loadgen.sim.step_time import batch_rows
+
+    return batch_rows(batch.items)
+
+
+def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
+    """Sum simulated time up by what held BE back (module docstring)."""
+    span = sum(s.duration_s for s in logs) or 1.0
+    out = dict.fromkeys(("time_be_out_host", "time_be_out_memory", "time_be_out_time", "time_be_out_other"), 0.0)
+    tail = 0.0
+    for s in logs:
+        if s.be_outstanding < max(1, be_batch // 4):
+            tail += s.duration_s
+        if s.be_rows >= s.be_outstanding:
+            continue
+        if s.be_on_host:
+            out["time_be_out_host"] += s.duration_s
+        elif s.be_no_memory:
+            out["time_be_out_memory"] += s.duration_s
+        elif s.be_no_time:
+            out["time_be_out_time"] += s.duration_s
+        else:
+            out["time_be_out_other"] += s.duration_s
+    fixed = min(cost.prefill.beta, cost.decode.beta)
+    return {
+        "simulated_busy_s": span,
+        "steps_count": len(logs),
+        "be_tokens_per_s": sum(s.be_tokens for s in logs) / span,
+        "rt_tokens_per_s": sum(s.rt_tokens for s in logs) / span,
+        "step_s_mean": statistics.mean(s.duration_s for s in logs) if logs else 0.0,
+        "fixed_cost_share": fixed * len(logs) / span,
+        "time_with_be_in_batch": sum(s.duration_s for s in logs if s.be_rows) / span,
+        "mean_be_rows_when_running": _mean([s.be_rows for s in logs if s.be_rows]),
+        "mean_blocks_be": _mean([s.blocks_be for s in logs]),
+        "mean_blocks_rt": _mean([s.blocks_rt for s in logs]),
+        "time_be_tail": tail,
+        "swap_s": sum(s.swap_s for s in logs),
+        "exec_s": sum(s.exec_s for s in logs),
+        "steps_swap_bound": sum(1 for s in logs if s.swap_s > s.exec_s),
+        "mean_rows": _mean([s.rows for s in logs]),
+        "mean_decode_rows": _mean([s.decode_rows for s in logs]),
+        "tokens_per_step": _mean([s.rt_tokens + s.be_tokens for s in logs]),
+        "decode_token_share": sum(s.decode_rows for s in logs) / max(1, sum(s.rt_tokens + s.be_tokens for s in logs)),
+        "be_swapped_out": sum(s.be_swapped_out for s in logs),
+        "be_dropped_tokens_per_s": sum(s.be_dropped_tokens for s in logs) / span,
+        "rt_dropped_tokens_per_s": sum(s.rt_dropped_tokens for s in logs) / span,
+        **out,
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return statistics.mean(xs) if xs else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadgen.cli import add_run_args
+    from loadgen.provenance import stamp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap, target_default="sim", workload_default="rt-be")
+    ap.add_argument("--policies", default="fcfs-prefill-first,bros")
+    ap.add_argument("--steps", action="store_true", help="keep every step's log in the JSON")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    args = ap.parse_args(argv)
+    prov = stamp().as_dict()  # at the start: the code that runs is the code checked out now
+    runs = []
+    for policy in args.policies.split(","):
+        runs.append(trace(args, policy))
+        print(json.dumps({k: v for k, v in runs[-1].items() if k != "steps"}), flush=True)
+    if args.json:
+        doc = {"config": {k: v for k, v in vars(args).items()}, "runs": runs, "provenance": prov}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
