@@ -61,6 +61,17 @@ class StreamRegistry:
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
+    def fail_open(self, failure: Callable[[RequestStream], Failed]) -> list[str]:
+        """End every open stream with the `Failed` event `failure` makes for it (the broker
+        restarted: their results will never come); returns their request ids."""
+        ended = []
+        for rid, stream in self._streams.items():
+            if not stream.finished:
+                stream.finished = True
+                stream.events.put_nowait(failure(stream))
+                ended.append(rid)
+        return ended
+
     async def on_batch(self, batch: ResultBatch, sent_ns: int | None = None, read_ns: int = 0) -> None:
         """Route `batch`'s events; `sent_ns`/`read_ns` (its send and read times) time the first
         token's Kafka hop."""
