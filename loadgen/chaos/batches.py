@@ -73,9 +73,9 @@ def _body(cid: str, max_tokens: int) -> dict:
     return body
 
 
-async def count(gateways: Gateways, batch_id: str, ids: list[str], timeout_s: float) -> BatchCount:
-    """Wait (up to `timeout_s`) for the job to end, then count its items."""
-    deadline = time.monotonic() + timeout_s
+async def count(gateways: Gateways, batch_id: str, ids: list[str], deadline: float) -> BatchCount:
+    """Wait (until the monotonic `deadline`, shared by all jobs) for the job to end, then count
+    its items (a job not ended by then: its unfinished items count as lost)."""
     while True:
         b = (await _call(gateways, lambda c, u: c.get(f"{u}/v1/batches/{batch_id}"), "retrieve")).json()
         if b["status"] in FINAL or time.monotonic() > deadline:

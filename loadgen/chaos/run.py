@@ -93,7 +93,8 @@ async def _drive(cfg: ChaosConfig, stack: ChaosStack) -> dict:
         await asyncio.wait(drivers, timeout=cfg.retry_budget_s + 30)
         for d in drivers:
             d.cancel()
-    counts = [await batches.count(gateways, bid, ids, cfg.batch_timeout_s) for bid, ids in jobs]
+    deadline = time.monotonic() + cfg.batch_timeout_s
+    counts = [await batches.count(gateways, bid, ids, deadline) for bid, ids in jobs]
     return {"baseline_probe_s": baseline, **_summary(cfg, faults, rt, counts)}
 
 
