@@ -125,7 +125,13 @@ def test_stack_survives_a_broker_restart(stack, broker):
     assert error["code"] == "broker_restarted", error
 
     # A new request is served, with the same greedy text as before.
-    after = httpx.post(f"{stack.url}/v1/chat/completions", json=prompt, timeout=300)
+    # Right after a restart tansu refuses some produces for a while: a clear 503 with Retry-After
+    # that a client retries, never a 500 or a hang.
+    for _ in range(5):
+        after = httpx.post(f"{stack.url}/v1/chat/completions", json=prompt, timeout=300)
+        if after.status_code != 503:
+            break
+        assert after.json()["error"]["code"] == "broker_unavailable" and after.headers["Retry-After"], after.text
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["message"]["content"] == reference_text
 
