@@ -23,6 +23,7 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.worker.cli_chat", "add_parser"),
     ("services.worker.cli_profile", "add_parser"),
     ("loadgen.bench.cli", "add_parser"),
+    ("loadgen.chaos.cli", "add_parser"),
     ("loadgen.cli", "add_parser"),
     ("loadgen.repro.cli", "add_parser"),
     ("services.gateway.cli", "add_parser"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -63,6 +64,9 @@ class KafkaClient:
         self._idempotence = idempotence
         self.producer: AIOKafkaProducer | None = None
         self._consumers: list[AIOKafkaConsumer] = []
+        # Every topic this client created or was told it relies on, by name: what a broker-restart
+        # repair recreates with the right partition count (shared/broker_watch.py).
+        self.catalogue: dict[str, TopicSpec] = {}
         # Only for a broker that cannot long-poll; made on first use (it needs the event loop).
         self._doorbell: Doorbell | None = None
 
@@ -92,6 +96,7 @@ class KafkaClient:
 
     async def ensure_topics(self, topics: Sequence[TopicSpec]) -> None:
         """Create missing topics (creating an existing one is a no-op)."""
+        self.remember(*topics)
         if not topics:
             return
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
@@ -106,6 +111,41 @@ class KafkaClient:
                     pass  # another service won the race
         finally:
             await admin.close()
+
+    def remember(self, *topics: TopicSpec) -> None:
+        """Add topics to the catalogue without creating them (one this service produces to that
+        another creates, such as a worker's dispatch topic for the scheduler)."""
+        for t in topics:
+            self.catalogue[t.name] = t
+
+    async def refresh_metadata(self) -> None:
+        """Re-read topic metadata now in the producer and every consumer (after topics were
+        recreated with other partition counts; aiokafka refreshes only every 5 minutes)."""
+        clients = [self.producer.client] if self.producer is not None else []
+        # A consumer stopped by its user (a replay reader) never answers: skipped.
+        live = [c for c in self._consumers if not getattr(c, "_closed", False)]  # noqa: SLF001
+        clients += [c._client for c in live]  # noqa: SLF001 (aiokafka has no public refresh)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):  # the next metadata refresh or send retries it
+                log.warning("metadata refresh failed: %r", r)
+
+    def rewind_consumers(self) -> None:
+        """Move every consumer to offset 0 of each partition it holds: after a broker lost its
+        data, all records of its topics are new (readers drop what they already applied by id).
+        A position below a partition's start falls back to its auto reset (earliest)."""
+        for c in self._consumers:
+            if getattr(c, "_closed", False):  # noqa: SLF001 (stopped by its user)
+                continue
+            try:
+                for tp in c.assignment():
+                    c.seek(tp, 0)
+            except Exception:  # noqa: BLE001 (a group mid-rebalance: its new assignment starts from committed offsets, which are gone, so from the beginning anyway)
+                log.warning("consumer not rewound", exc_info=True)
+            if isinstance(c, QuietConsumer):
+                c.wake()
 
     async def send(
         self,
@@ -270,12 +310,25 @@ async def tail(
                 apply_safely(on_message, m)
 
 
-async def read_to_end(consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None]) -> None:
+async def read_to_end(
+    consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None], *, stall_s: float = 10.0
+) -> None:
     """Apply every message up to the current end of the consumer's assigned partitions (rebuilding
-    state from a compacted topic); the consumer then tails from there."""
+    state from a compacted topic); the consumer then tails from there.
+
+    Gives up on reaching the end after `stall_s` without a record: tansu, right after a restart,
+    acknowledges records at offsets it can never serve (a produce that raced the topic's
+    creation), so its reported end can stay out of reach, and a restarted scheduler waited on it
+    forever (found by `tandem chaos`). What could be read has been applied; the gap is logged."""
     end = await consumer.end_offsets(list(consumer.assignment()))
+    last_record = time.monotonic()
     while not await _caught_up(consumer, end):
+        if time.monotonic() - last_record > stall_s:
+            behind = {f"{tp.topic}[{tp.partition}]": (await consumer.position(tp), e) for tp, e in end.items()}
+            log.warning("replay stalled below the reported end (position, end): %s; going on", behind)
+            return
         for msgs in (await consumer.getmany(timeout_ms=200)).values():
+            last_record = time.monotonic()
             for m in msgs:
                 apply_safely(on_message, m)
 

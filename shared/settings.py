@@ -32,6 +32,9 @@ class ServiceSettings(BaseSettings):
     otlp_endpoint: str = ""
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
     heartbeat_interval_s: float = 0.5
+    # How often each service checks that the broker has not restarted (lost its topics) under
+    # it: one metadata request per check (shared/broker_watch.py).
+    broker_watch_interval_s: float = 1.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
 
     @classmethod

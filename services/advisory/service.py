@@ -21,6 +21,7 @@ from aiokafka import ConsumerRecord
 from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
+from shared.broker_watch import BrokerWatch, log_restart
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -44,6 +45,10 @@ class AdvisoryService:
         self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self._tasks: list[asyncio.Task] = []
+        # The advisory keeps its placements in memory; a broker restart needs only the repair.
+        self.broker_watch = BrokerWatch(
+            self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -78,8 +83,10 @@ class AdvisoryService:
             self._expiry_loop(),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
+        await self.broker_watch.start()
 
     async def stop(self) -> None:
+        await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -7,6 +7,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+from aiokafka.errors import KafkaError
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -180,7 +181,7 @@ class _Handlers:
         stream.trace = self.core.tracing.start_request(request.headers)
         ctx = _Ctx(self, stream, body, time.perf_counter(), caller)
         try:
-            await self.core.submit(gen, accepted_ns)
+            await self._publish(gen, accepted_ns)
             await ctx.wait_accepted()
         except BaseException:
             ctx.close(completed=False)
@@ -197,6 +198,19 @@ class _Handlers:
                 },
             )
         return await ctx.collect(request)
+
+    async def _publish(self, gen, accepted_ns: int) -> None:
+        """Publish the request; a broker that refuses it (tansu answers some produces with an
+        error for a while after a restart) is a 503 the client can retry, not a 500."""
+        try:
+            await self.core.submit(gen, accepted_ns)
+        except KafkaError as exc:
+            raise APIError(
+                503,
+                f"the message broker refused the request ({exc}); retry it",
+                code="broker_unavailable",
+                headers={"Retry-After": "1"},
+            ) from None
 
     def _is_open(self, request_id: str) -> bool:
         return request_id in self.core.streams._streams  # noqa: SLF001

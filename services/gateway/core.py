@@ -11,14 +11,15 @@ import time
 import zlib
 
 from services.gateway.settings import GatewaySettings
-from services.gateway.streams import StreamRegistry
+from services.gateway.streams import RequestStream, StreamRegistry
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
 from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import ResultBatch
+from shared.schemas.results import Failed, ResultBatch
 from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
 from shared.tracing import Tracing, sent_ns
@@ -42,6 +43,9 @@ class GatewayCore:
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self.metrics = ServiceMetrics("gateway")
         self.tracing = Tracing("gateway", self.metrics, settings.otlp_endpoint)
+        self.broker_watch = BrokerWatch(
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
+        )
         self._tasks: list[asyncio.Task] = []
         self._fire_and_forget: set[asyncio.Task] = set()
         self.ready = False
@@ -60,11 +64,13 @@ class GatewayCore:
             asyncio.create_task(self._fence_loop(control)),
             asyncio.create_task(self._owner_heartbeat_loop()),
         ]
+        await self.broker_watch.start()
         self.ready = True
         log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
 
     async def stop(self) -> None:
         self.ready = False
+        await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._fire_and_forget, return_exceptions=True)
@@ -131,3 +137,24 @@ class GatewayCore:
             for envelope in await fetch_decoded(consumer, ControlEnvelope):
                 if isinstance(envelope.message, Fence):
                     self.workers.on_fence(envelope.message.worker_id, envelope.message.epoch)
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """The broker lost its data: the results of every open stream are gone with it. Each
+        stream ends now with 503 `broker_restarted` (the client may retry at once; a new request
+        is served) rather than hanging until its timeout, and its request is cancelled on its
+        worker so its KV is freed. A stream opened after the restart but before this check is
+        ended too: we cannot tell it apart, and a clear error is better than a possible hang."""
+
+        def failure(stream: RequestStream) -> Failed:
+            return Failed(
+                request_id=stream.request.request_id,
+                attempt=stream.attempt,
+                status=503,
+                code="broker_restarted",
+                message="the message broker restarted and this request's results were lost; retry it",
+            )
+
+        ended = self.streams.fail_open(failure)
+        for request_id in ended:
+            self.cancel_soon(request_id)
+        log.warning("broker restarted: ended %d open streams with 503 broker_restarted", len(ended))

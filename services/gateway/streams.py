@@ -61,6 +61,17 @@ class StreamRegistry:
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
+    def fail_open(self, failure: Callable[[RequestStream], Failed]) -> list[str]:
+        """End every open stream with the `Failed` event `failure` makes for it (the broker
+        restarted: their results will never come); returns their request ids."""
+        ended = []
+        for rid, stream in self._streams.items():
+            if not stream.finished:
+                stream.finished = True
+                stream.events.put_nowait(failure(stream))
+                ended.append(rid)
+        return ended
+
     async def on_batch(self, batch: ResultBatch, sent_ns: int | None = None, read_ns: int = 0) -> None:
         """Route `batch`'s events; `sent_ns`/`read_ns` (its send and read times) time the first
         token's Kafka hop."""
@@ -69,11 +80,12 @@ class StreamRegistry:
             if stream is None or stream.finished or event.attempt != stream.attempt:
                 continue  # not ours (shared partition), already done, or a stale attempt
             if isinstance(event, Rerouted):
-                await self._resume(stream, event)
+                await self._resume(stream, event.reason)
             elif isinstance(event, Delta):
                 if stream.first_batch_ns is None and not stream.token_ids and event.token_ids:
                     stream.first_batch_ns = (sent_ns, read_ns)
-                self._apply_delta(stream, event)
+                if not self._apply_delta(stream, event):
+                    await self._resume(stream, f"delta gap: have {len(stream.token_ids)}, got {event.index}")
             else:
                 self._apply_other(stream, event)
 
@@ -86,25 +98,30 @@ class StreamRegistry:
             stream.finished = True
         stream.events.put_nowait(event)
 
-    def _apply_delta(self, stream: RequestStream, d: Delta) -> None:
+    def _apply_delta(self, stream: RequestStream, d: Delta) -> bool:
+        """Apply `d` in order; False when it skips ahead (the deltas between were lost)."""
         have = len(stream.token_ids)
         if d.index + len(d.token_ids) <= have and d.finish_reason is None:
-            return  # a duplicate
+            return True  # a duplicate
         if d.index != have:
-            log.error(
-                "delta gap: have %d tokens, delta starts at %d", have, d.index, extra={"request_id": d.request_id}
-            )
-            return
+            return False
         stream.token_ids.extend(d.token_ids)
         stream.text += d.text
         if d.finish_reason is not None:
             stream.finished = True
         stream.events.put_nowait(d)
+        return True
 
-    async def _resume(self, stream: RequestStream, event: Rerouted) -> None:
+    async def _resume(self, stream: RequestStream, reason: str) -> None:
+        """Submit the next attempt, continuing from the tokens the client has (after a worker
+        loss, or a gap: result records lost on their way, as a broker restart can do; the
+        attempt that lost them is stale from now on, so the rest of its deltas are dropped)."""
         stream.request = stream.request.resumed(stream.token_ids)
         self.resumed += 1
         log.warning(
-            "resuming after %d tokens: %s", len(stream.token_ids), event.reason, extra={"request_id": event.request_id}
+            "resuming after %d tokens: %s",
+            len(stream.token_ids),
+            reason,
+            extra={"request_id": stream.request.request_id},
         )
         await self._resubmit(stream.request)

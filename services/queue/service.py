@@ -23,6 +23,7 @@ from services.queue.validation import validate_input
 from shared.batchstore.db import BatchDatabase, BatchRow, ItemRow, now
 from shared.batchstore.objects import errors_object
 from shared.batchstore.run_store import BatchRunStore, Finished
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -58,6 +59,9 @@ class QueueService:
         self.started = time.monotonic()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.broker_watch = BrokerWatch(
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -88,6 +92,7 @@ class QueueService:
             self._tick_loop(),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
+        await self.broker_watch.start()
         log.info("queue %s reading results partition %d", self.queue_id, self.partition)
 
     async def _tail(self, topic: str, hot: bool = False, partitions: list[int] | None = None):
@@ -96,11 +101,25 @@ class QueueService:
         return c
 
     async def stop(self) -> None:
+        await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.kafka.stop()
         await self.db.close()
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """The broker lost its data: the requests of the items in flight and their results may be
+        gone. The database is the source of truth: every item it has in flight is queued again as
+        a new attempt (released at the next tick), exactly as after the queue's own restart; a
+        late result of an old attempt is ignored, so each item still ends with one result. Old
+        attempts still running on workers run out unread (their work is wasted, not doubled)."""
+        self.runs.clear()
+        requeued = await self._db(self.store.requeue_in_flight)
+        self.m_in_flight.set(0)
+        self.capacity = None  # wait for the scheduler's next report on the new broker
+        log.warning("broker restarted: re-queued %d in-flight items as new attempts", requeued)
+        self._wake.set()
 
     # -- inputs ----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from services.scheduler.placement_inputs import (
 )
 from services.scheduler.registry import Admission, WorkerInfo, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.consumer_lag import consumer_lag
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
@@ -78,6 +79,9 @@ class SchedulerService:
         self.started = time.monotonic()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.broker_watch = BrokerWatch(
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -135,6 +139,7 @@ class SchedulerService:
             tail(self._plc, self._on_placement, 100),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
+        await self.broker_watch.start()
 
     async def _tail(self, topic: str):
         c = await self.kafka.consumer(group=None)
@@ -149,6 +154,7 @@ class SchedulerService:
         return c
 
     async def stop(self) -> None:
+        await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -195,6 +201,7 @@ class SchedulerService:
                 await self._fence(hb.worker_id, resend=True)
                 continue
             if admission is Admission.NEW:
+                self.kafka.remember(self.topics.dispatch(hb.worker_id))  # repaired by us too after a broker restart
                 log.info("worker %s joined (model %s, epoch %d)", hb.worker_id, hb.model, hb.epoch)
             info = self.registry.workers[hb.worker_id]
             self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
@@ -240,9 +247,27 @@ class SchedulerService:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._place_pending()
+            try:
+                await self._place_pending()
+            except Exception:  # noqa: BLE001 (a send failed, e.g. the broker restarting: the request's offset stays uncommitted and its assignment is re-routed if unaccounted)
+                log.exception("placement round failed")
             await self._commit()
             self._flow_control()
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """The broker lost its data (requests, state topic, group offsets). Requests read before
+        the restart are forgotten: their gateways end those streams, the queue re-releases its
+        items, and every request topic is read again from its new beginning (the watch rewound
+        the consumer). Assignments made before the last check that still saw the old broker are
+        dropped (the new state topic does not hold them); later ones are kept, since they may be
+        placements of new requests, and dropping those would place them twice."""
+        self.pending = {"rt": deque(), "be": deque()}
+        self.offsets = OffsetTracker()  # old offsets mean nothing in the new topics
+        old = [a.request_id for a in self.assignments.by_request.values() if a.assigned_at < restart.last_seen_alive]
+        for request_id in old:
+            self.assignments.by_request.pop(request_id, None)
+        log.warning("broker restarted: dropped %d assignments and the pending requests", len(old))
+        self._wake.set()
 
     async def _place_pending(self) -> None:
         for cls in ("rt", "be"):

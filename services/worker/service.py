@@ -37,6 +37,7 @@ from services.worker.owners import OwnerWatch
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
+from shared.broker_watch import BrokerWatch, log_restart
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -97,6 +98,11 @@ class WorkerService:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()
         self._background: list[asyncio.Task] = []
+        # After a broker restart a worker only needs the repair (its dispatch topic recreated with
+        # one partition, its readers rewound): what it runs belongs to owners that react themselves.
+        self.broker_watch = BrokerWatch(
+            self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -143,6 +149,7 @@ class WorkerService:
         )
         self._background = [asyncio.create_task(c) for c in loops]
         await self._send_heartbeat()
+        await self.broker_watch.start()
         self.metrics.serve(self.settings.metrics_port)
         log.info(
             "worker %s serving %r (dispatch topic %s; consuming %.2fs after the model was loaded)",
@@ -162,6 +169,7 @@ class WorkerService:
         for t in [*self._tasks.values(), *self._background]:
             t.cancel()
         await asyncio.gather(*self._tasks.values(), *self._background, return_exceptions=True)
+        await self.broker_watch.stop()
         await self.outbox.drain()
         await self.sessions.stop()
         await self.kafka.stop()

@@ -9,7 +9,7 @@ import pytest
 from services.gateway.streams import StreamRegistry
 from services.scheduler.placement import LeastLoaded, PlacementLimits, PlacementRequest, WorkerLoad, make_placement
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import Accepted, Delta, Rerouted, ResultBatch
+from shared.schemas.results import Accepted, Delta, Failed, Rerouted, ResultBatch
 
 RT = PlacementRequest("r", "rt")
 BE = PlacementRequest("b", "be")
@@ -85,3 +85,43 @@ def _drain(q: asyncio.Queue) -> list:
     while not q.empty():
         out.append(q.get_nowait())
     return out
+
+
+def test_a_delta_gap_resumes_from_the_delivered_tokens():
+    """Deltas lost on their way (a broker restart loses records) leave a gap: the stream
+    continues as a new attempt from what the client has, instead of waiting forever."""
+    resubmitted: list[GenerateRequest] = []
+
+    async def resubmit(req):
+        resubmitted.append(req)
+
+    async def run():
+        reg = StreamRegistry(resubmit)
+        s = reg.open(_req())
+        await reg.on_batch(ResultBatch(source="w", events=[Delta(request_id="r", index=0, token_ids=[1], text="a")]))
+        gap = Delta(request_id="r", index=3, token_ids=[4], text="d")
+        after = Delta(request_id="r", index=4, token_ids=[5], text="e")
+        await reg.on_batch(ResultBatch(source="w", events=[gap, after]))
+        assert [r.attempt for r in resubmitted] == [1] and resubmitted[0].resume_token_ids == [1]
+        assert s.token_ids == [1] and not s.finished  # nothing after the gap was applied
+        cont = Delta(request_id="r", attempt=1, index=1, token_ids=[2], text="b", finish_reason="length")
+        await reg.on_batch(ResultBatch(source="w", events=[cont]))
+        assert s.token_ids == [1, 2] and s.text == "ab" and s.finished
+
+    asyncio.run(run())
+
+
+def test_fail_open_ends_every_unfinished_stream_once():
+    async def resubmit(req):
+        raise AssertionError("nothing is resubmitted")
+
+    reg = StreamRegistry(resubmit)
+    open_one, done = reg.open(_req()), reg.open(_req().model_copy(update={"request_id": "r2"}))
+    done.finished = True
+    ended = reg.fail_open(
+        lambda s: Failed(request_id=s.request.request_id, status=503, code="broker_restarted", message="x")
+    )
+    assert ended == ["r"] and open_one.finished
+    (event,) = _drain(open_one.events)
+    assert (event.status, event.code) == (503, "broker_restarted")
+    assert _drain(done.events) == [] and reg.fail_open(lambda s: None) == []

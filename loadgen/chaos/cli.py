@@ -1,0 +1,65 @@
+"""`tandem chaos`: the command line of the chaos harness (loadgen/chaos/run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from loadgen.bench.common import write_json
+from loadgen.provenance import stamp
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from loadgen.chaos.run import PAIRS, SINGLE
+
+    p = sub.add_parser(
+        "chaos",
+        help="SIGKILL each service (and pairs) under RT streams and batch jobs; count losses and recovery",
+        description="Start a stack (harness-supervised), kill services in turn, report losses and recovery times.",
+    )
+    p.add_argument("--model", default="tiny", help="'tiny' (random 2-layer Llama), 'default', or a path")
+    p.add_argument(
+        "--faults",
+        default=",".join(SINGLE + PAIRS),
+        help="comma-separated fault kinds (gateway, scheduler, queue, advisory, worker, broker) or pairs a+b",
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rt-clients", type=int, default=2)
+    p.add_argument("--batch-items", type=int, default=24, help="items of the job submitted before each fault")
+    p.add_argument("--restart-delay", type=float, default=1.0, help="seconds between a kill and the restart")
+    p.add_argument("--log-dir", default=None, help="children's logs (default: a temporary directory)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from loadgen.bench.gateway import _tiny_model
+    from loadgen.chaos.run import ChaosConfig, run_chaos
+
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    cfg = ChaosConfig(
+        faults=faults,
+        repeats=args.repeats,
+        rt_clients=args.rt_clients,
+        batch_items=args.batch_items,
+        restart_delay_s=args.restart_delay,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _tiny_model(tmp) if args.model == "tiny" else args.model
+        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            result = uvloop.run(run_chaos(cfg, model, log_dir))
+        except ValueError as exc:
+            print(f"tandem chaos: {exc}", file=sys.stderr)
+            return 2
+    result["model"] = args.model
+    result["provenance"] = stamp(dtype="float32").as_dict()
+    print(json.dumps({k: result[k] for k in ("baseline_probe_s", "faults", "rt", "batch", "crashed")}, indent=1))
+    write_json(result, args.json)
+    return 0

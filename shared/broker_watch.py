@@ -1,0 +1,205 @@
+"""Notice a restarted broker and repair what the restart broke, for one service's `KafkaClient`.
+
+The embedded broker (tansu, in memory) keeps nothing across a restart, and aiokafka clients
+reconnect to it without noticing (docs/reliability.md, "Broker restarts"): topics come back
+auto-created with tansu's default 4 partitions on the first metadata request or produce
+(`results` needs 8: sends to its partitions 4-7 then fail forever), a consumer assigned by hand
+keeps its old position and silently skips the new topic's first records, and consumer groups,
+committed offsets and the compacted topics are gone.
+
+How a restart is noticed. Every `interval_s` the watch reads the broker's topic list with
+partition counts (one metadata request) and finds a restart when:
+- its incarnation marker is gone. Each watch makes sure a topic `<prefix>.incarnation.<ms>-<hex>`
+  exists (it adopts any one it finds, or creates one) and remembers its name; only a broker
+  that lost its data loses it. This catches a restart even when another service repaired the
+  topics first, which the two checks below cannot.
+- a catalogue topic (every `TopicSpec` this client ensured or was told about) is missing or has
+  fewer partitions than the catalogue says.
+A cluster id would be the natural marker, but tansu reports the same one (`tansu_cluster`) after
+a restart; a consumer's position past its partition's end is not checked either: reading end
+offsets blocks for 40 s on a partition an auto-created topic lacks, and new records soon hide it.
+
+What the repair does, in this order, before the service hears of it:
+1. Catalogue topics with the wrong partition count are deleted and created again with the
+   catalogue's (tansu has no CreatePartitions); missing ones are created. It is idempotent and
+   safe when several services repair at once: each deletes only a topic it has just seen short
+   (re-read right before the delete), and "already exists" on create is success.
+2. The client's producer and consumers refresh their metadata (aiokafka otherwise keeps the old
+   partition counts for 5 minutes and fails sends to partitions it thinks are missing).
+3. Every consumer is moved to the beginning of what it reads: all records of the new topics
+   were written after the restart, so nothing there has been seen; readers are idempotent.
+4. The service's callback gets a `BrokerRestart`: what to do with in-flight work is the
+   service's decision (the gateway fails its open streams, the queue re-releases from its
+   database, the scheduler drops its old assignments; docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+log = logging.getLogger(__name__)
+
+# One metadata request, or one repair step, that takes longer than this is treated as a failure
+# (the broker is still down or starting) and the next check tries again with a new connection. A
+# request in flight when the broker died waits this long, so it bounds how late a restart is seen
+# (with 10 s a scheduler noticed 10 s after the others in the test).
+_CALL_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class BrokerRestart:
+    """What the watch knows about a restart it repaired."""
+
+    last_seen_alive: float  # wall time of the last check that still saw the old broker's data
+    detected_at: float  # wall time the restart was noticed
+    reasons: tuple[str, ...]  # what gave it away (marker gone, a short or missing topic)
+    recreated: tuple[str, ...]  # topics deleted and created again with the catalogue's partitions
+
+
+OnRestart = Callable[[BrokerRestart], Awaitable[None]]
+
+
+async def log_restart(restart: BrokerRestart) -> None:
+    """The reaction of a service that needs nothing beyond the repair (the watch already logs)."""
+
+
+class BrokerWatch:
+    """Checks the broker for a restart every `interval_s` and repairs it (module docstring).
+
+    `kafka` is the service's `KafkaClient` (its `catalogue`, producer and consumers); `prefix` the
+    topic prefix the marker lives under; `on_restart` the service's reaction, called once per
+    restart after the repair.
+    """
+
+    def __init__(self, kafka, prefix: str, on_restart: OnRestart, *, interval_s: float = 1.0) -> None:
+        self._kafka = kafka
+        self._marker_prefix = f"{prefix}.incarnation."
+        self._on_restart = on_restart
+        self._interval_s = interval_s
+        self._admin: AIOKafkaAdminClient | None = None
+        self._marker: str | None = None
+        self._last_alive = time.time()
+        self._task: asyncio.Task | None = None
+        self.restarts = 0  # restarts repaired since start (tests and metrics read it)
+
+    async def start(self) -> None:
+        """Adopt or create the incarnation marker, then check in the background."""
+        topics = await self.partition_counts()
+        self._marker = await self._ensure_marker(topics)
+        self._last_alive = time.time()
+        self._task = asyncio.create_task(self._run(), name="broker-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.close_admin()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.check()
+            except Exception as exc:  # noqa: BLE001 (the broker is down or starting: the next check retries)
+                log.debug("broker check failed: %s", exc)
+                await self.close_admin()  # a fresh admin client next time (it may hold a dead connection)
+
+    async def check(self) -> BrokerRestart | None:
+        """One check; repairs and reports a restart when it finds one."""
+        topics = await self.partition_counts()
+        reasons = self._restart_signs(topics)
+        if not reasons:
+            self._last_alive = time.time()
+            return None
+        restart = await self._repair(topics, reasons)
+        self.restarts += 1
+        log.warning(
+            "broker restarted (%s); recreated %s; telling the service",
+            "; ".join(restart.reasons),
+            ", ".join(restart.recreated) or "nothing",
+        )
+        await self._on_restart(restart)
+        return restart
+
+    def _restart_signs(self, topics: dict[str, int]) -> list[str]:
+        reasons = []
+        if self._marker is not None and self._marker not in topics:
+            reasons.append(f"marker {self._marker} gone")
+        for spec in self._kafka.catalogue.values():
+            have = topics.get(spec.name)
+            if have is None:
+                reasons.append(f"{spec.name} missing")
+            elif have < spec.partitions:
+                reasons.append(f"{spec.name} has {have} partitions, not {spec.partitions}")
+        return reasons
+
+    async def _repair(self, topics: dict[str, int], reasons: list[str]) -> BrokerRestart:
+        detected = time.time()
+        recreated = await self._recreate_short(topics)
+        await self._kafka.ensure_topics(list(self._kafka.catalogue.values()))
+        self._marker = await self._ensure_marker(await self.partition_counts())
+        await self._kafka.refresh_metadata()
+        self._kafka.rewind_consumers()
+        restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(recreated))
+        self._last_alive = time.time()
+        return restart
+
+    async def _recreate_short(self, topics: dict[str, int]) -> list[str]:
+        """Delete the catalogue topics an auto-creation left with too few partitions (seen short
+        in `topics` and again right now, so a topic another service just fixed is kept)."""
+        short = [s.name for s in self._kafka.catalogue.values() if 0 < topics.get(s.name, 0) < s.partitions]
+        if not short:
+            return []
+        now = await self.partition_counts()
+        specs = self._kafka.catalogue
+        short = [name for name in short if 0 < now.get(name, 0) < specs[name].partitions]
+        if short:
+            admin = await self._admin_client()
+            await asyncio.wait_for(admin.delete_topics(short), _CALL_TIMEOUT_S)
+        return short
+
+    async def _ensure_marker(self, topics: dict[str, int]) -> str:
+        """The marker this watch remembers: one that exists already (any: they all vanish
+        together), else a new one named by time and chance so that two creators never collide."""
+        existing = sorted(name for name in topics if name.startswith(self._marker_prefix))
+        if existing:
+            return existing[0]
+        name = f"{self._marker_prefix}{int(time.time() * 1000)}-{secrets.token_hex(4)}"
+        admin = await self._admin_client()
+        try:
+            await asyncio.wait_for(admin.create_topics([NewTopic(name, 1, 1)]), _CALL_TIMEOUT_S)
+        except TopicAlreadyExistsError:
+            pass
+        return name
+
+    async def partition_counts(self) -> dict[str, int]:
+        """Every topic on the broker and its partition count (one metadata request)."""
+        admin = await self._admin_client()
+        described = await asyncio.wait_for(admin.describe_topics(), _CALL_TIMEOUT_S)
+        return {t["topic"]: len(t["partitions"]) for t in described if t.get("error_code", 0) == 0}
+
+    async def _admin_client(self) -> AIOKafkaAdminClient:
+        if self._admin is None:
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self._kafka.bootstrap, client_id=f"{self._kafka.client_id}-watch"
+            )
+            await asyncio.wait_for(admin.start(), _CALL_TIMEOUT_S)
+            self._admin = admin
+        return self._admin
+
+    async def close_admin(self) -> None:
+        if self._admin is not None:
+            with contextlib.suppress(Exception):
+                await self._admin.close()
+            self._admin = None
