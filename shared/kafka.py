@@ -119,11 +119,9 @@ class KafkaClient:
         """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
         trace context and send time (`shared/tracing.py`)."""
         value = None if message is None else message.encode()
-        ack = await self.producer.send(
+        await self.producer.send_and_wait(
             topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
         )
-        self._ring(topic)  # early: readers wake while the record travels (see `_ring`)
-        await ack
         self._ring(topic)
 
     async def send_nowait(
@@ -140,20 +138,11 @@ class KafkaClient:
             topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
         )
         if self.doorbell is not None:
-            self._ring(topic)  # early (see `_ring`)
             ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic))
         return ack
 
     def _ring(self, topic: str) -> None:
-        """Wake the quiet consumers of `topic`. Every send rings twice: once when the record is
-        handed to the producer, so a sleeping reader resumes fetching (every
-        `kafka_fetch_wait_ms` on the token path) while the record travels and picks it up as
-        soon as the broker has it, instead of only after the ack has come back to this process
-        and been processed (on a busy machine the ack reaches a loaded event loop late: that
-        wait was on every hop's critical path); and once on the ack, which guarantees the wake
-        (a reader that went back to sleep before the record landed, on a very slow broker, is
-        woken again, now with the record there). A reader already awake only stays awake a
-        little longer."""
+        """Wake the quiet consumers of `topic` now that the broker has the record."""
         if self.doorbell is not None:
             self.doorbell.ring(topic)
 

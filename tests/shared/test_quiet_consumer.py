@@ -175,37 +175,3 @@ def test_quiet_consumer_never_rearms_a_sub_millisecond_timer(kafka_bootstrap, mo
 
     uvloop.run(run())
     assert short == []
-
-
-def test_a_send_rings_when_handed_over_and_again_on_the_ack(kafka_bootstrap):
-    """The early ring takes the ack's way back off each hop's critical path; the ring on the ack
-    keeps the guarantee that a reader is woken once the broker has the record."""
-    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap)
-
-    async def run() -> list[bool]:
-        topic = "qc-early"
-        kafka = KafkaClient(settings, "qc")
-        await kafka.start([TopicSpec(topic, 1, "none")])
-        acks: list[asyncio.Future] = []
-        real_send = kafka.producer.send
-
-        async def send(*args, **kwargs):
-            acks.append(await real_send(*args, **kwargs))
-            return acks[-1]
-
-        kafka.producer.send = send
-        acked_at_ring: list[bool] = []
-        bell = kafka.doorbell
-        real_ring = bell.ring
-        bell.ring = lambda t: (acked_at_ring.append(acks[-1].done()), real_ring(t))
-        consumer = await kafka.consumer(group=None, hot=True)
-        await kafka.assign_all(consumer, topic, from_end=True)
-        await kafka.send(topic, _envelope(1))
-        assert await _ids(consumer, 1) == ["r1"]
-        ack = await kafka.send_nowait(topic, _envelope(2))
-        await ack
-        await _until(lambda: len(acked_at_ring) == 4, "the ring on the second ack")
-        await kafka.stop()
-        return acked_at_ring
-
-    assert asyncio.run(run()) == [False, True, False, True]
