@@ -64,6 +64,17 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(_Up(args).main())
 
 
+# Workers share the cores with the broker, gateway and scheduler here: spinning OpenMP threads
+# (the engine's default) starve them. Passive waiting measured ~30% better on both batch
+# throughput and RT TTFT with the whole stack on 2 cores. A user setting wins.
+OMP_WAIT_POLICY = "passive"
+
+
+def worker_threads(workers: int) -> int:
+    """Torch threads per CPU worker: the machine's cores split between the workers."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *argv]
 
@@ -73,15 +84,12 @@ class _Up:
         self.args = args
         self.children: list[Child] = []
         self.env = dict(os.environ)
-        # Workers share the cores with the broker, gateway and scheduler here: spinning OpenMP
-        # threads (the engine's default) starve them. Passive waiting measured ~30% better on
-        # both batch throughput and RT TTFT with the whole stack on 2 cores. A user setting wins.
-        self.env.setdefault("OMP_WAIT_POLICY", "passive")
+        self.env.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
         self.shutdown = asyncio.Event()
 
     def _plan(self) -> None:
         a = self.args
-        threads = max(1, (os.cpu_count() or 1) // a.workers)
+        threads = worker_threads(a.workers)
         self.children.append(Child("scheduler", _cli("scheduler")))
         self.children.append(Child("advisory", _cli("advisory")))  # sessions: hints -> placement + prefetch
         passed = [

@@ -12,6 +12,7 @@
 | `<p>.owners`               |          1 | gateway id   | gateways → workers (a dead gateway's requests end)  |
 | `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
 | `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
+| `<p>.batches`              |          1 | batch id     | gateway → queue (a batch was created or cancelled)  |
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
 | `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
 | `<p>.sessions.placement`   | 4, compact | session id   | advisory → scheduler, advisory (after a restart)    |
@@ -91,6 +92,10 @@ class Topics:
         return self._t("be.capacity", 1, "scheduler id")
 
     @property
+    def batches(self) -> TopicSpec:
+        return self._t("batches", 1, "batch id")
+
+    @property
     def advisory(self) -> TopicSpec:
         return self._t("advisory", 4, "session id")
 
@@ -114,6 +119,7 @@ class Topics:
             self.owners,
             self.scheduler_state,
             self.be_capacity,
+            self.batches,
             self.advisory,
             self.sessions_directory,
             self.sessions_placement,

@@ -1,9 +1,11 @@
 """`tandem bench gateway`: what the Kafka path costs.
 
-Runs the same requests one at a time (a) straight into an in-process `AsyncLLM` and (b) through
+Runs the same requests one at a time (a) straight into an `AsyncLLM` built and run as the
+worker under `tandem up` builds and runs it (a child process with the worker's settings, torch
+threads, OpenMP wait policy and GIL switch interval: `loadgen/bench/inproc.py`) and (b) through
 the full stack (`tandem up`: broker, scheduler, worker, gateway as separate processes) over
 loopback HTTP/SSE, and reports the TTFT and inter-token latency each adds: the difference is
-what gateway → Kafka → scheduler → worker → Kafka → gateway costs. Then it measures the request
+what gateway → Kafka → scheduler → worker → Kafka → gateway costs, and nothing else. Then it measures the request
 rate the stack sustains with a trivial model (closed loop, one-token completions).
 The model defaults to a tiny random-weight Llama (`--model tiny`) so model time is small and
 the transport's share is visible; pass a path or `default` to measure with a real model.
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import secrets
+import sys
 import tempfile
 import time
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.bench.inproc import PROMPT
 from loadgen.otlp_sink import OtlpSink, ReceivedSpan
 from loadgen.provenance import stamp
 
@@ -74,9 +79,6 @@ def _tiny_model(tmp: str) -> str:
     return path
 
 
-PROMPT = "Write one sentence about the sea."
-
-
 async def _bench(args, model: str) -> dict:
     inproc = await _inproc(args, model)
     stack = await _through_stack(args, model)
@@ -94,24 +96,21 @@ async def _bench(args, model: str) -> dict:
 
 
 async def _inproc(args, model: str) -> dict:
-    from engine import ChatPrompt, EngineConfig, SamplingParams
-    from engine.async_llm import AsyncLLM
+    """The same requests into the worker's engine in a child process that runs as the worker
+    under `tandem up` does (`loadgen/bench/inproc.py`): same settings, threads, OpenMP policy."""
+    from loadgen.bench.inproc import child_env
+    from services import lifeline
+    from services.up import worker_threads
 
-    llm = AsyncLLM(EngineConfig(model=model, dtype="float32", kv_cache_gib=0.25))
-    await llm.start()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    prompt = await llm.encode(ChatPrompt([{"role": "user", "content": PROMPT}]))
-    ttfts, itls = [], []
-    for i in range(args.requests + 3):  # 3 warm-up requests
-        t0 = time.perf_counter()
-        times = []
-        async for d in llm.generate(f"b{i}", prompt, params):
-            times += [time.perf_counter()] * len(d.token_ids)
-        if i >= 3:
-            ttfts.append(times[0] - t0)
-            itls += [b - a for a, b in zip(times, times[1:])]
-    await llm.shutdown()
-    return _latency(ttfts, itls)
+    env = child_env({k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"})
+    argv = [sys.executable, "-m", "loadgen.bench.inproc", "--model", model, "--requests", str(args.requests)]
+    argv += ["--max-tokens", str(args.max_tokens), "--num-threads", str(worker_threads(1))]
+    proc = await asyncio.create_subprocess_exec(*argv, env=lifeline.tied_env(env), stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the in-process baseline failed (exit {proc.returncode})")
+    r = json.loads(out.decode().strip().splitlines()[-1])
+    return {**_latency(r["ttfts_s"], r["itls_s"]), "runtime": r["runtime"]}
 
 
 async def _through_stack(args, model: str) -> dict:

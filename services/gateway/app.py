@@ -56,7 +56,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.get("/health")(api.health)
     app.get("/metrics")(api.metrics)
-    register_batch_api(app, settings, db)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
+    register_batch_api(app, settings, db, core.notify_batch)  # /v1/files, /v1/batches (the batch store; docs/batch.md)
     register_sessions_api(app, core)  # typing hints (docs/sessions.md)
     register_keys_api(app, db, auth)  # /v1/keys: key management for admin keys
     register_chat_page(app)  # the chat page at / (services/gateway/static)

@@ -14,6 +14,7 @@ batch quota bounds the requests in its unfinished batches: a batch that would ex
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -45,8 +46,11 @@ def parse_window(window: object) -> int:
 BATCH_QUOTA_RETRY_S = 60  # a quota frees as batches finish: no exact time to promise
 
 
-def register_batch_api(app: FastAPI, settings: GatewaySettings, db: GatewayDatabase) -> None:
-    api = _BatchAPI(settings, db)
+def register_batch_api(
+    app: FastAPI, settings: GatewaySettings, db: GatewayDatabase, notify: Callable[[str, str], None]
+) -> None:
+    """`notify(batch_id, change)` tells the queue service that a batch was created or cancelled."""
+    api = _BatchAPI(settings, db, notify)
     app.post("/v1/files")(api.upload)
     app.get("/v1/files")(api.list_files)
     app.get("/v1/files/{file_id}")(api.get_file)
@@ -59,9 +63,10 @@ def register_batch_api(app: FastAPI, settings: GatewaySettings, db: GatewayDatab
 
 
 class _BatchAPI:
-    def __init__(self, settings: GatewaySettings, db: GatewayDatabase) -> None:
+    def __init__(self, settings: GatewaySettings, db: GatewayDatabase, notify: Callable[[str, str], None]) -> None:
         self.settings = settings
         self.db = db
+        self.notify = notify
 
     async def store(self) -> BatchAPIStore:
         return BatchAPIStore(await self.db.get())
@@ -143,6 +148,7 @@ class _BatchAPI:
         f = await self._input_file(body.get("input_file_id"), caller.owner)
         await self._check_quota(caller, f)
         row = await (await self.store()).add_batch(f.id, endpoint, window, window_s, metadata, caller.owner)
+        self.notify(row.id, "created")
         return batch_object(row)
 
     async def _check_quota(self, caller: Caller, input_file) -> None:
@@ -187,7 +193,9 @@ class _BatchAPI:
         owner = caller_of(request).owner
         store = await self.store()
         row = await self._batch(batch_id, owner)
-        if not await store.request_cancel(batch_id, owner):
+        if await store.request_cancel(batch_id, owner):
+            self.notify(row.id, "cancelling")
+        else:
             row = await self._batch(batch_id, owner)
             if row.status not in ("cancelling", "cancelled"):
                 raise APIError(409, f"cannot cancel a batch with status {row.status!r}", code="batch_not_cancellable")

@@ -17,6 +17,7 @@ from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
+from shared.schemas.batches import BatchNotice
 from shared.schemas.control import Cancel, ControlEnvelope, Fence
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Failed, ResultBatch
@@ -95,6 +96,20 @@ class GatewayCore:
         task = asyncio.ensure_future(self._cancel(request_id))
         self._fire_and_forget.add(task)
         task.add_done_callback(self._fire_and_forget.discard)
+
+    def notify_batch(self, batch_id: str, change: str) -> None:
+        """Tell the queue service a batch was created or cancelled, so it acts now rather than at
+        its safety poll (shared/schemas/batches.py). Not awaited: the row is already written,
+        and a lost notice only delays the batch."""
+        task = asyncio.ensure_future(self._notify_batch(BatchNotice(batch_id=batch_id, change=change)))
+        self._fire_and_forget.add(task)
+        task.add_done_callback(self._fire_and_forget.discard)
+
+    async def _notify_batch(self, notice: BatchNotice) -> None:
+        try:
+            await self.kafka.send(self.topics.batches.name, notice, key=notice.batch_id)
+        except Exception:  # noqa: BLE001
+            log.warning("batch notice for %s not published", notice.batch_id, exc_info=True)
 
     async def _cancel(self, request_id: str) -> None:
         try:

@@ -1,12 +1,13 @@
 """The queue service: turns batch jobs into BE requests and their results into output files.
 
-Every `tick_interval_s` (or sooner, when something finished) it validates new batches, handles
-cancels and expiry, releases queued items while fewer than the scheduler's published BE
-capacity are in flight, and finalises batches whose items are all done. Results come back on its
-own results partition, like a gateway's; each item's events are assembled in memory and its
-outcome recorded once in the database. Nothing that matters lives only in memory: after a crash,
-items that were in flight are queued again as a new attempt (a late result of the old attempt
-is ignored), so every custom_id ends with exactly one result.
+When something happens (a batch created or cancelled, an item finished, more BE capacity while
+items wait), at a batch's expiry, or every `idle_tick_s` as a safety net (`wakeup.py`), it
+validates new batches, handles cancels and expiry, releases queued items while fewer than the
+scheduler's published BE capacity are in flight, and finalises batches whose items are all
+done. Results come back on its own results partition, like a gateway's; each item's events are
+assembled in memory and its outcome recorded once in the database. Nothing that matters lives
+only in memory: after a crash, items that were in flight are queued again as a new attempt (a
+late result of the old attempt is ignored), so every custom_id ends with exactly one result.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zlib
 from services.queue.items import ItemRun, item_request, item_request_id, unfinished_line
 from services.queue.settings import QueueSettings
 from services.queue.validation import validate_input
+from services.queue.wakeup import TickClock
 from shared.batchstore.db import BatchDatabase, BatchRow, ItemRow, now
 from shared.batchstore.objects import errors_object
 from shared.batchstore.run_store import BatchRunStore, Finished
@@ -28,6 +30,7 @@ from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.openai_api.translate import ReplyTo
+from shared.schemas.batches import BatchNotice
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.results import Rerouted, ResultBatch
@@ -57,7 +60,8 @@ class QueueService:
         self.capacity: BECapacity | None = None
         self.capacity_seen = 0.0  # monotonic time of the last report
         self.started = time.monotonic()
-        self._wake = asyncio.Event()
+        self.clock = TickClock(settings.idle_tick_s)
+        self._may_have_queued = True  # items may wait for budget (cleared when a claim comes up short)
         self._tasks: list[asyncio.Task] = []
         self.broker_watch = BrokerWatch(
             self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
@@ -83,12 +87,14 @@ class QueueService:
         results = await self._tail(self.topics.results.name, hot=True, partitions=[self.partition])
         heartbeats = await self._tail(self.topics.heartbeats.name)
         capacity = await self._tail(self.topics.be_capacity.name)
+        notices = await self._tail(self.topics.batches.name)
         self.metrics.serve(self.settings.metrics_port)
         self.started = time.monotonic()
         loops = (
             self._results_loop(results),
             self._heartbeat_loop(heartbeats),
             self._capacity_loop(capacity),
+            self._notice_loop(notices),
             self._tick_loop(),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
@@ -134,7 +140,14 @@ class QueueService:
             if reports:
                 self.capacity, self.capacity_seen = reports[-1], time.monotonic()
                 self.m_budget.set(self.capacity.slots)
-                self._wake.set()
+                if self._may_have_queued and self.budget() > len(self.runs):
+                    self.clock.wake()  # room for items that wait; otherwise the report changes nothing
+
+    async def _notice_loop(self, consumer) -> None:
+        """The gateway created or cancelled a batch: run the work loop now."""
+        while True:
+            if await fetch_decoded(consumer, BatchNotice):
+                self.clock.wake()
 
     def budget(self) -> int:
         """Items that may be in flight now: the scheduler's BE slots, or 0 when it has gone quiet."""
@@ -183,7 +196,7 @@ class QueueService:
         for r in recorded:
             self.m_finished.labels("completed" if r.succeeded else "failed").inc()
         self.m_in_flight.set(len(self.runs))
-        self._wake.set()
+        self.clock.wake()
 
     async def _db(self, fn, *args, attempts: int = 5):
         """A database call, retried a few times (a busy SQLite file, a PostgreSQL restart)."""
@@ -201,17 +214,15 @@ class QueueService:
 
     async def _tick_loop(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.tick_interval_s)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await self.clock.wait()
             try:
                 await self.tick()
-            except Exception:  # noqa: BLE001 (the database or broker hiccuped: the next tick retries)
+            except Exception:  # noqa: BLE001 (the database or broker hiccuped: retry soon)
                 log.exception("queue tick failed")
+                self.clock.wake_at(time.time() + 1.0)
 
     async def tick(self) -> None:
+        self.clock.clear_deadlines()  # each step below sets the deadlines it still has
         await self._validate_new()
         await self._handle_cancels()
         await self._expire()
@@ -220,7 +231,9 @@ class QueueService:
 
     async def _validate_new(self) -> None:
         for batch in await self.store.batches_in("validating"):
-            if time.monotonic() - self.started < self.settings.worker_timeout_s:
+            wait_s = self.settings.worker_timeout_s - (time.monotonic() - self.started)
+            if wait_s > 0:
+                self.clock.wake_at(time.time() + wait_s)
                 return  # learn which models the live workers serve first
             await self._validate(batch)
 
@@ -254,6 +267,7 @@ class QueueService:
             return
         ids = [item_request_id(batch.id, ln.line) for ln in v.lines]
         if await self.store.start_batch(batch, v.lines, ids):
+            self._may_have_queued = True
             log.info("batch %s in progress: %d items", batch.id, len(v.lines))
 
     async def _handle_cancels(self) -> None:
@@ -267,6 +281,8 @@ class QueueService:
             if t >= batch.expires_at:
                 await self._stop_items(batch, "expired")
                 await self._finish(batch, batch.status, "expired", expired_at=t)
+            else:  # `now()` is whole seconds: wake just past the second it expires in
+                self.clock.wake_at(batch.expires_at + 0.01)
 
     async def _stop_items(self, batch: BatchRow, status: str) -> None:
         """Stop releasing the batch's items and end those in flight on their workers."""
@@ -276,7 +292,10 @@ class QueueService:
         self.m_in_flight.set(len(self.runs))
 
     async def _release(self) -> None:
-        claimed = await self.store.claim(self.budget() - len(self.runs))
+        room = self.budget() - len(self.runs)
+        claimed = await self.store.claim(room)
+        if room > 0:
+            self._may_have_queued = len(claimed) == room  # fewer: nothing else is queued now
         acks = []
         for c in claimed:
             item = c.item
@@ -300,6 +319,7 @@ class QueueService:
                 log.warning("release failed; re-queued", exc_info=True, extra={"request_id": item.request_id})
                 self.runs.pop(item.request_id, None)
                 await self.store.requeue(item.batch_id, item.custom_id, item.attempt)
+                self._may_have_queued = True
         self.m_in_flight.set(len(self.runs))
 
     async def _finalize_done(self) -> None:

@@ -17,11 +17,20 @@ from tests.services.conftest import chat_body, openai_client, worker_heartbeat
 
 pytestmark = pytest.mark.timeout(600)
 BE_PER_WORKER = 8
+# The queue service's safety poll, set past any test's length: every step of a job (validation,
+# release, cancel, expiry, finalisation) must then be started by its event or deadline
+# (services/queue/wakeup.py); a step that waited for the poll would hang its test.
+IDLE_TICK_S = 3600
 
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack(TANDEM_BE_PER_WORKER=BE_PER_WORKER, TANDEM_MAX_BATCH_LINES=300, TANDEM_MAX_FILE_BYTES=200_000)
+    s = make_stack(
+        TANDEM_BE_PER_WORKER=BE_PER_WORKER,
+        TANDEM_MAX_BATCH_LINES=300,
+        TANDEM_MAX_FILE_BYTES=200_000,
+        TANDEM_IDLE_TICK_S=IDLE_TICK_S,
+    )
     return s.start(("w0", "w1"), queue=True)
 
 

@@ -23,6 +23,7 @@ from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body, openai_client, worker_heartbeat
 from tests.services.test_batch_api import (
+    IDLE_TICK_S,
     attempts,
     chat_lines,
     comparable,
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    return make_stack(TANDEM_BE_PER_WORKER=6).start(("w0", "w1"), queue=True)
+    return make_stack(TANDEM_BE_PER_WORKER=6, TANDEM_IDLE_TICK_S=IDLE_TICK_S).start(("w0", "w1"), queue=True)
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,7 @@ def test_topic_catalogue_is_complete():
         "p.owners",
         "p.scheduler.state",
         "p.be.capacity",
+        "p.batches",
         "p.advisory",
         "p.sessions.directory",
         "p.sessions.placement",

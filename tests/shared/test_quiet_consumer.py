@@ -139,3 +139,39 @@ def test_long_poll_brokers_get_plain_consumers_and_no_doorbell(kafka_bootstrap):
         await kafka.stop()
 
     asyncio.run(run())
+
+
+def test_quiet_consumer_never_rearms_a_sub_millisecond_timer(kafka_bootstrap, monkeypatch):
+    """uvloop may fire a timer up to 1 ms early; the awake window must then count as over rather
+    than re-arm a near-zero timer in a loop (it did: ~40 wake-ups a second per idle consumer)."""
+    import sys
+
+    import uvloop
+
+    real_sleep = asyncio.sleep
+    short: list[float] = []
+
+    async def counting_sleep(delay, *args):
+        if sys._getframe(1).f_code.co_name == "_watch" and delay < 0.001:
+            short.append(delay)
+        return await real_sleep(delay, *args)
+
+    monkeypatch.setattr(asyncio, "sleep", counting_sleep)
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_idle_poll_ms=60_000)
+
+    async def run() -> None:
+        topic = "qc-timer"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 1, "none")])
+        hot = await kafka.consumer(group=None, hot=True)
+        cold = await kafka.consumer(group=None)
+        for c in (hot, cold):
+            await kafka.assign_all(c, topic, from_end=True)
+        for i in range(10):  # each record wakes both, and both fall asleep again
+            await _until(lambda: hot.sleeping and cold.sleeping, "both consumers to sleep")
+            await kafka.send(topic, _envelope(i))
+            assert await _ids(hot, 1) == [f"r{i}"] and await _ids(cold, 1) == [f"r{i}"]
+        await kafka.stop()
+
+    uvloop.run(run())
+    assert short == []
