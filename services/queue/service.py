@@ -125,7 +125,7 @@ class QueueService:
         self.m_in_flight.set(0)
         self.capacity = None  # wait for the scheduler's next report on the new broker
         log.warning("broker restarted: re-queued %d in-flight items as new attempts", requeued)
-        self._wake.set()
+        self.clock.wake()
 
     # -- inputs ----------------------------------------------------------------------------
 
