@@ -100,6 +100,11 @@ class EngineConfig:
     # graph (models/decode_graph.py; Llama family); False keeps them op by op; None (auto):
     # `layers_compiled` below decides per dtype
     compile_layers: bool | None = None
+    # the decoder layers' elementwise work (add + RMSNorm, q/k norm + RoPE, SiLU * up, the KV
+    # write): "auto" runs the fused C++ kernels (kernels/cpu/elementwise.cpp) on a CPU in
+    # float32 or bfloat16 where they build, PyTorch op by op elsewhere; "cpp" requires them;
+    # "off" is op by op (kernels/layer_ops.py; measurements in docs/engine.md)
+    fused_ops: str = "auto"
     # repeat each KV head for its query heads after loading (models/kv_expand.py): the same
     # function with multi-head attention's KV memory shape (the hybrid cache's MHA test model)
     kv_heads_expand: bool = False
@@ -134,6 +139,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.cache_form not in ("auto", "kv", "hidden"):
             raise ValueError(f"cache_form must be auto, kv or hidden, not {self.cache_form!r}")
+        if self.fused_ops not in ("auto", "cpp", "off"):
+            raise ValueError(f"fused_ops must be auto, cpp or off, not {self.fused_ops!r}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` decided for this machine (kernels/cpu_caps.py), logged.

@@ -46,6 +46,7 @@ from engine.scheduling import (
 )
 from engine.sessions import KVLayout, SessionStore
 from engine.snapshot import EngineInfo, EngineSnapshot, take_snapshot
+from kernels.layer_ops import choose_layer_ops
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class LLMEngine:
         self.tokenizer = arch.tokenizer  # None: token ids in and out only
         self.max_model_len = self._max_model_len(config, self.model_config)
         self.device = torch.device(config.device)
-        self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device)
+        layer_ops = choose_layer_ops(config.fused_ops, self.device, config.torch_dtype)
+        self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device, layer_ops)
         load_weights(self.model, arch, config.load_format, config.seed)
         if config.kv_heads_expand:  # before packing: the QKV projection is rebuilt
             self.model_config = expand_kv_heads(self.model, self.model_config)

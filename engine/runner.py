@@ -29,7 +29,6 @@ from kernels import (
     PrefillSpan,
     prepare_decode_kernel,
     triton_unavailable,
-    write_kv_cache_layers,
 )
 
 log = logging.getLogger(__name__)
@@ -168,7 +167,7 @@ class ModelRunner:
         hidden, keys, values = self.decode_graph(
             self._tensor(input_ids), self._tensor(positions), self.storage.layers, context
         )
-        write_kv_cache_layers(self.storage.data, keys, values, self._tensor(slots))
+        self.model.ops.write_kv_layers(self.storage.data, keys, values, self._tensor(slots))
         return StepResult(self.model.compute_logits(hidden), sampled)
 
     def _flatten(self, items: list[ScheduledItem]):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from kernels.reference.elementwise import rms_norm, rope
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,6 +36,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole [max_positions, D] cos and sin tables in `dtype` (the model's: no copy)."""
+        return self.cos.to(dtype), self.sin.to(dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D] tables for the step's positions, shared by all layers."""
@@ -62,9 +64,7 @@ def linear_rows(linear: nn.Module, x: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return rope(x, cos, sin)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -11,7 +11,6 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
@@ -23,7 +22,8 @@ from engine.models.layers import (
     load_checkpoint,
     output_logits,
 )
-from kernels import AttentionMetadata, decode_attention_with_new, hidden_attention, paged_attention, write_kv_cache
+from kernels import AttentionMetadata, decode_attention_with_new, hidden_attention, paged_attention
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 KVCache = torch.Tensor  # one layer's [2, kv_heads, num_blocks, block_size, head_dim]
 
@@ -40,9 +40,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        q, k, v = self._qkv(x, cos, sin)
-        write_kv_cache(cache, k, v, meta.slot_mapping)
+    def forward(self, x, rope: tuple, meta: AttentionMetadata, cache: KVCache, ops: LayerOps) -> torch.Tensor:
+        """`rope`: the step's `ops.rope_tables(...)`."""
+        q, k, v = self._qkv(x, rope, ops)
+        ops.write_kv(cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, cache, meta)
         if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
             hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale, meta.decode_kernel)
@@ -62,18 +63,19 @@ class LlamaAttention(nn.Module):
         """Decode-only step without touching the cache (see models/decode_graph.py): returns
         the output and this step's k, v for the caller to write. `context` is the step's
         `kernels.decode_graph_context` for the decode `kernel`."""
-        q, k, v = self._qkv(x, cos, sin)
+        q, k, v = self._qkv(x, (cos, sin), TORCH_LAYER_OPS)  # PyTorch ops: Inductor fuses them
         out = decode_attention_with_new(q, k, v, cache, context, scale, kernel)
         # reshape: with one query head per KV head (MHA, kv_heads_expand) the kernel's output is a strided view
         return self.o_proj(out.reshape(x.shape[0], self.q_size)), k, v
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, rope: tuple, ops: LayerOps):
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            qk = torch.cat((self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads are adjacent: rotate them in one op
+        # q and k heads are adjacent: normed (Qwen3) and rotated in one op
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        eps = self.q_norm.eps if self.qk_norm else 0.0
+        qk = ops.qk_norm_rope(qk, rope, self.num_heads, *norms, eps)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v.view(t, self.num_kv_heads, self.head_dim)
 
@@ -85,9 +87,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps = TORCH_LAYER_OPS) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,9 +99,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c)
 
-    def forward(self, x, cos, sin, meta, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta, cache, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried separately (vLLM's form) so each residual add fuses
+        with the norm after it: in, this layer's input is `x + residual` (`residual` None: `x`
+        alone, the first layer); out, (the MLP's output, the residual before it)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = (
+            ops.add_rms_norm(x, None, ln1.weight, ln1.eps)
+            if residual is None
+            else ops.add_rms_norm(residual, x, ln1.weight, ln1.eps)
+        )
+        h = self.self_attn(h, rope, meta, cache, ops)
+        h, residual = ops.add_rms_norm(residual, h, ln2.weight, ln2.eps)
+        return self.mlp(h, ops), residual
 
     def decode(self, x, cos, sin, cache, context, scale: float, kernel: str):
         """`forward` for a decode-only step, as one compiled graph: returns (x, k, v)."""
@@ -110,9 +121,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, c: ModelConfig, max_positions: int) -> None:
+    def __init__(self, c: ModelConfig, max_positions: int, ops: LayerOps = TORCH_LAYER_OPS) -> None:
+        """`ops`: the layers' elementwise ops (kernels/layer_ops.py), chosen at engine start."""
         super().__init__()
         self.config = c
+        self.ops = ops
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -120,12 +133,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, caches: list[KVCache]) -> torch.Tensor:
-        x, cos, sin = self.layer_inputs(input_ids, positions)
+        ops = self.ops
+        x = self.embed_tokens(input_ids)
+        rope = ops.rope_tables(*self.rotary.tables(x.dtype), positions)
+        residual = None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if meta.wait_layer is not None:  # layer i's KV may still be arriving
                 meta.wait_layer(i)
-            x = layer(x, cos, sin, meta, cache)
-        return x
+            x, residual = layer(x, residual, rope, meta, cache, ops)
+        return x if residual is None else x + residual
 
     def layer_inputs(self, input_ids, positions) -> tuple[torch.Tensor, ...]:
         """The embedded tokens and the per-token arguments every layer takes (RoPE tables)."""

@@ -12,7 +12,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.models.layers import linear_rows, load_checkpoint, output_logits
-from kernels import AttentionMetadata, hidden_attention, paged_attention, write_kv_cache
+from kernels import AttentionMetadata, hidden_attention, paged_attention
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 _POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -25,10 +26,11 @@ class OPTAttention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, 3 * self.size, bias=True)
         self.out_proj = nn.Linear(self.size, c.hidden_size, bias=True)
 
-    def forward(self, x, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def forward(self, x, meta: AttentionMetadata, cache, ops: LayerOps) -> torch.Tensor:
+        """`ops`: only the KV write applies to OPT (its LayerNorm and ReLU are single PyTorch ops)."""
         t = x.shape[0]
         q, k, v = (y.view(t, self.num_heads, self.head_dim) for y in self.qkv_proj(x).split(self.size, dim=-1))
-        write_kv_cache(cache, k, v, meta.slot_mapping)
+        ops.write_kv(cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, cache, meta)
         if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
             hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale, meta.decode_kernel)
@@ -55,9 +57,9 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.act = {"relu": F.relu, "gelu": F.gelu}[c.hidden_act]
 
-    def forward(self, x, meta, cache) -> torch.Tensor:
+    def forward(self, x, meta, cache, ops: LayerOps) -> torch.Tensor:
         h = self.self_attn_layer_norm(x) if self.pre_ln else x
-        x = x + self.self_attn(h, meta, cache)
+        x = x + self.self_attn(h, meta, cache, ops)
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
         h = self.final_layer_norm(x) if self.pre_ln else x
@@ -66,9 +68,11 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
-    def __init__(self, c: ModelConfig, max_positions: int) -> None:
+    def __init__(self, c: ModelConfig, max_positions: int, ops: LayerOps = TORCH_LAYER_OPS) -> None:
+        """`ops`: the layers' elementwise ops (kernels/layer_ops.py), chosen at engine start."""
         super().__init__()
         self.config = c
+        self.ops = ops
         proj = c.word_embed_proj_dim or c.hidden_size
         self.embed_tokens = nn.Embedding(c.vocab_size, proj)
         self.embed_positions = nn.Embedding(c.max_position_embeddings + _POSITION_OFFSET, c.hidden_size)
@@ -87,7 +91,7 @@ class OPTForCausalLM(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             if meta.wait_layer is not None:  # layer i's KV may still be arriving
                 meta.wait_layer(i)
-            x = layer(x, meta, cache)
+            x = layer(x, meta, cache, self.ops)
         return x
 
     def position_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -8,18 +8,26 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.opt import OPTForCausalLM
+from kernels.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 _MODELS: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "opt": OPTForCausalLM}
 
 
-def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """An empty model of the right class, in `dtype` on `device`, ready for `load_weights`."""
+def build_model(
+    config: ModelConfig,
+    max_positions: int,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    ops: LayerOps = TORCH_LAYER_OPS,
+) -> nn.Module:
+    """An empty model of the right class, in `dtype` on `device`, ready for `load_weights`;
+    `ops`: its layers' elementwise ops (`kernels.layer_ops.choose_layer_ops`)."""
     try:
         cls = _MODELS[config.architecture]
     except KeyError:
         raise ValueError(f"unsupported architecture {config.architecture!r}; supported: {sorted(_MODELS)}") from None
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, ops)
     model = model.to_empty(device=device)
     _reinit_buffers(model, config, max_positions)
     return model.to(dtype=dtype).eval().requires_grad_(False)

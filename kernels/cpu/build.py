@@ -10,7 +10,7 @@ load a lesser target next to the native one and compare them.
 Decisions:
 - *One compiler call, no ninja.* `torch.utils.cpp_extension.load` needs ninja, which is not
   one of our dependencies; the kernels are two small files, so one `c++` invocation builds
-  the shared library (~20 s cold on the 2-core development machine).
+  the shared library (decode attention and the fused elementwise ops) (~20 s cold on the 2-core development machine).
 - *Cached by content.* The library is written under `$TANDEM_CACHE_DIR/cpu-kernels/` (default
   `~/.cache/tandem`) with a name hashing the sources, the flags, the compiler's version and
   torch's version; a changed source or toolchain builds a new file, and concurrent builders
@@ -42,7 +42,7 @@ from kernels.cpu_caps import CpuCaps, probe
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("decode.cpp",)
+SOURCES = ("decode.cpp", "elementwise.cpp")
 HEADERS = ("simd.h",)
 
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DTANDEM_TARGET_AVX512")
@@ -118,6 +118,7 @@ def _flags(target: str) -> list[str]:
         "-fPIC",
         "-fopenmp",
         "-fno-math-errno",
+        "-ffp-contract=off",  # a*b + c stays two roundings unless the source asks for an FMA
         "-Wno-unused-function",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-DTANDEM_OPS={namespace(target)}",

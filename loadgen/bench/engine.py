@@ -69,6 +69,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="run decode-only steps op by op instead of through compiled layers",
     )
+    p.add_argument(
+        "--fused-ops",
+        default=None,
+        choices=["auto", "cpp", "off"],
+        help="the layers' fused C++ elementwise kernels (off: PyTorch op by op, for A/B runs); default: auto",
+    )
     add_cache_form_options(p)
     p.add_argument(
         "--dump-prompts",
@@ -104,6 +110,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "block_size",
         "attention",
         "compile_layers",
+        "fused_ops",
         "kv_heads_expand",
         "cache_form",
         "uncached_ratio",
@@ -159,6 +166,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "engine_args": cfg,
         "engine_config": _asdict(engine_cfg),
+        "layer_ops": llm.engine.model.ops.name,  # what fused_ops resolved to: cpp or torch
         "torch_version": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
     }

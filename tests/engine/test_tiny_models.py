@@ -28,10 +28,18 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
 
 
 @pytest.mark.parametrize(
-    "attention", ["reference", pytest.param("fused", marks=requires_cxx), pytest.param("cpp", marks=requires_cxx)]
+    "attention,fused_ops",
+    [
+        ("reference", "off"),  # PyTorch end to end: the oracle path
+        pytest.param("reference", "cpp", marks=requires_cxx),
+        pytest.param("fused", "auto", marks=requires_cxx),
+        pytest.param("cpp", "auto", marks=requires_cxx),
+    ],
 )
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_logits_match_transformers(name, attention, tiny_model_dir):
+def test_logits_match_transformers(name, attention, fused_ops, tiny_model_dir):
+    """`fused_ops`: the layers' elementwise work by the C++ kernels (auto resolves to them here)
+    or PyTorch op by op (off)."""
     path = tiny_model_dir(name)
     rng = random.Random(1)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 37, 18)]
@@ -43,8 +51,10 @@ def test_logits_match_transformers(name, attention, tiny_model_dir):
             block_size=16,
             max_num_batched_tokens=32,
             attention=attention,
+            fused_ops=fused_ops,
         )
     )  # 37-token prompt is chunked
+    assert engine.model.ops.name == ("torch" if fused_ops == "off" else "cpp")
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
     ours: dict[str, list[torch.Tensor]] = {str(i): [] for i in range(len(prompts))}
@@ -81,13 +91,25 @@ def test_bfloat16_close_to_float32(tiny_model_dir):
 def test_bfloat16_decode_kernel_close_to_reference(tiny_model_dir, kernel):
     """The bf16 CPU decode kernels (the C++ one is the serving default) against the
     gather+matmul reference, step by step over a batch whose contexts span several blocks."""
-    path = tiny_model_dir("llama")
+    _bfloat16_runs_close(tiny_model_dir("llama"), dict(attention=kernel), dict(attention="reference"))
+
+
+@requires_cxx
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bfloat16_fused_layer_ops_close_to_pytorch(tiny_model_dir, name):
+    """The fused C++ elementwise ops in bf16 (one rounding per op instead of PyTorch's one per
+    elementary op) against PyTorch op by op, same decode kernel."""
+    _bfloat16_runs_close(tiny_model_dir(name), dict(fused_ops="cpp"), dict(fused_ops="off"))
+
+
+def _bfloat16_runs_close(path, candidate: dict, reference: dict) -> None:
     rng = random.Random(2)
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (3, 40, 17, 66)]
-    runs = {}
-    for attention in (kernel, "reference"):
-        cfg = EngineConfig(model=str(path), dtype="bfloat16", num_blocks=64, block_size=8, attention=attention)
-        assert cfg.decode_kernel == attention
+    runs = []
+    for overrides in (candidate, reference):
+        cfg = EngineConfig(model=str(path), dtype="bfloat16", num_blocks=64, block_size=8, **overrides)
+        if "attention" in overrides:
+            assert cfg.decode_kernel == overrides["attention"]
         engine = LLMEngine(cfg)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
@@ -96,14 +118,14 @@ def test_bfloat16_decode_kernel_close_to_reference(tiny_model_dir, kernel):
             engine.step()
             reqs, logits = engine.last_logits
             steps.append(dict(zip((r.request_id for r in reqs), logits)))
-        runs[attention] = steps
+        runs.append(steps)
     # Compare while both runs have fed the same tokens: after a near-tie flips a greedy
     # token (bf16 rounding differs), the sequences differ and so do their logits.
     diverged: set[str] = set()
-    for fused, ref in zip(runs[kernel], runs["reference"], strict=True):
+    for mine, ref in zip(*runs, strict=True):
         for rid in ref.keys() - diverged:
-            torch.testing.assert_close(fused[rid], ref[rid], atol=0.1, rtol=0.05)
-            if fused[rid].argmax() != ref[rid].argmax():
+            torch.testing.assert_close(mine[rid], ref[rid], atol=0.1, rtol=0.05)
+            if mine[rid].argmax() != ref[rid].argmax():
                 diverged.add(rid)
     assert len(diverged) < len(prompts)  # not every sequence ran into a near-tie
 
@@ -148,6 +170,7 @@ def test_auto_attention_falls_back_when_the_kernel_cannot_be_built(tiny_model_di
     engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, num_blocks=32))
     assert engine.runner.decode_kernel == "reference" and engine.runner.decode_graph is None
     assert "decode attention unavailable" in caplog.text
+    assert engine.model.ops.name == "torch" and "fused layer ops unavailable" in caplog.text  # same library
     engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
