@@ -15,6 +15,7 @@
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
 | `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
 | `<p>.sessions.placement`   | 4, compact | session id   | advisory → scheduler, advisory (after a restart)    |
+| `<p>.leases`               |          1 | role         | scheduler, queue, advisory → themselves, status     |
 
 Results carry no key: they are produced to an explicit partition that the request names
 (`reply_partition`, chosen by the gateway, or by the queue service for batch items), and each
@@ -28,7 +29,8 @@ SIGTERM). The advisory service reads the request topics only to see a session's 
 Dispatch is one topic per worker so a worker reads only its own work and a dead worker's backlog
 is simply abandoned (the scheduler re-places it). The two session topics are compacted: a
 restarted advisory service or scheduler reads them from the start and has the latest location
-and placement of every session (docs/sessions.md).
+and placement of every session (docs/sessions.md). `leases` elects the active instance of each
+doubled service (shared/lease.py); one partition, so all readers agree on the order of claims.
 """
 
 from __future__ import annotations
@@ -102,6 +104,10 @@ class Topics:
     def sessions_placement(self) -> TopicSpec:
         return self._t("sessions.placement", 4, "session id", compacted=True)
 
+    @property
+    def leases(self) -> TopicSpec:
+        return self._t("leases", 1, "role (scheduler, queue, advisory)")
+
     def static(self) -> list[TopicSpec]:
         """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
         return [
@@ -117,4 +123,5 @@ class Topics:
             self.advisory,
             self.sessions_directory,
             self.sessions_placement,
+            self.leases,
         ]
