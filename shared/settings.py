@@ -33,6 +33,10 @@ class ServiceSettings(BaseSettings):
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
     heartbeat_interval_s: float = 0.5
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
+    # The doubled services (scheduler, queue, advisory): the active renews its lease every
+    # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a
+    # takeover after a crash takes lease_s to 4/3 lease_s plus the new active's start.
+    lease_s: float = 3.0
 
     @classmethod
     def env_names(cls) -> set[str]:

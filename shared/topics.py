@@ -11,6 +11,7 @@
 | `<p>.heartbeats`           |          1 | worker id    | workers → scheduler, gateways, queue, advisory      |
 | `<p>.owners`               |          1 | gateway id   | gateways → workers (a dead gateway's requests end)  |
 | `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
+| `<p>.scheduler.fences`     | 1, compact | worker id    | scheduler → scheduler, queue, advisory (fences)     |
 | `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
 | `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
@@ -89,6 +90,10 @@ class Topics:
         return self._t("scheduler.state", 1, "request id", compacted=True)
 
     @property
+    def scheduler_fences(self) -> TopicSpec:
+        return self._t("scheduler.fences", 1, "worker id", compacted=True)
+
+    @property
     def be_capacity(self) -> TopicSpec:
         return self._t("be.capacity", 1, "scheduler id")
 
@@ -119,6 +124,7 @@ class Topics:
             self.heartbeats,
             self.owners,
             self.scheduler_state,
+            self.scheduler_fences,
             self.be_capacity,
             self.advisory,
             self.sessions_directory,

@@ -8,6 +8,12 @@ Outputs: `SessionPlacement` on `sessions.placement` (the scheduler routes the tu
 `Prefetch` on `control` (the target promotes or pulls the KV), and tombstones for placements
 whose turn did not come within their TTL. The target releases its prefetch pin on its own after
 `Prefetch.ttl_s` (no release message: a lost message could otherwise pin KV forever).
+
+Two advisory services may run at once: one active, one standby (`services/standby.py`). The
+standby waits; taking over is the restart above (directory and live placements rebuilt from
+their compacted topics), and hints are read from the group's committed offsets. Placements carry
+the lease term (the scheduler drops one of an older term than it has seen), and the active
+publishes only while its lease holds.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from aiokafka import ConsumerRecord
 from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
+from services.standby import ActiveStandby
+from shared.fence_feed import follow_fences
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -44,6 +52,9 @@ class AdvisoryService:
         self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self._tasks: list[asyncio.Task] = []
+        self.lease = ActiveStandby(
+            self.kafka, self.topics.leases.name, "advisory", settings.advisory_id, settings.lease_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -56,6 +67,11 @@ class AdvisoryService:
 
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
+        self.metrics.serve(self.settings.metrics_port)
+        await self.lease.start(self._activate)
+
+    async def _activate(self, term: int) -> None:
+        """Holding the lease: rebuild the directory and placements, then read hints."""
         await self._restore_placements()
         directory = await self._from_start(self.topics.sessions_directory.name)
         await read_to_end(directory, self._on_location)
@@ -66,9 +82,10 @@ class AdvisoryService:
             await self._from_end(t.name)
             for t in (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)
         ]
-        hints = await self.kafka.consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
-        self.metrics.serve(self.settings.metrics_port)
+        # Assigned, not subscribed (the lease makes this the only reader): no group join to wait for.
+        hints = await self.kafka.owned_consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
         loops = (
+            follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
             self._directory_loop(directory),
             self._heartbeat_loop(tails[0]),
             self._telemetry_loop(tails[1]),
@@ -83,6 +100,7 @@ class AdvisoryService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.lease.stop()
         await self.kafka.stop()
 
     async def _from_start(self, topic: str):
@@ -149,6 +167,8 @@ class AdvisoryService:
                     log.warning("hint offsets not committed", exc_info=True)
 
     async def _on_hint(self, hint: TypingHint) -> None:
+        if not self.lease.is_active():
+            return  # deposed or lapsed: the hint is only advice, the turn still runs
         advice = self.advisor.on_hint(hint, self.workers.live())
         if isinstance(advice, str):
             self.m_hints.labels(advice).inc()
@@ -166,12 +186,15 @@ class AdvisoryService:
     async def _publish(self, advice: Advice) -> None:
         # The prefetch first: the transfer starts while the placement travels to the scheduler.
         sid = advice.placement.session_id
+        placement = advice.placement.model_copy(update={"term": self.lease.term})
         await self.kafka.send(self.topics.control.name, ControlEnvelope(message=advice.prefetch), key=sid)
-        await self.kafka.send(self.topics.sessions_placement.name, advice.placement, key=sid)
+        await self.kafka.send(self.topics.sessions_placement.name, placement, key=sid)
 
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
+            if not self.lease.is_active():
+                continue
             for sid in self.advisor.expire():
                 try:
                     await self.kafka.send(self.topics.sessions_placement.name, None, key=sid)

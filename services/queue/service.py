@@ -7,6 +7,11 @@ own results partition, like a gateway's; each item's events are assembled in mem
 outcome recorded once in the database. Nothing that matters lives only in memory: after a crash,
 items that were in flight are queued again as a new attempt (a late result of the old attempt
 is ignored), so every custom_id ends with exactly one result.
+
+Two queue services may run at once: one active, one standby (`services/standby.py`). The
+standby waits; taking over is the restart above (items in flight re-queued as new attempts),
+so whatever a deposed active still releases or records is of an attempt the database no longer
+accepts. The active ticks only while its lease holds.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import zlib
 from services.queue.items import ItemRun, item_request, item_request_id, unfinished_line
 from services.queue.settings import QueueSettings
 from services.queue.validation import validate_input
+from services.standby import ActiveStandby
 from shared.batchstore.db import BatchDatabase, BatchRow, ItemRow, now
 from shared.batchstore.objects import errors_object
 from shared.batchstore.run_store import BatchRunStore, Finished
+from shared.fence_feed import follow_fences
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -58,6 +65,7 @@ class QueueService:
         self.started = time.monotonic()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.lease = ActiveStandby(self.kafka, self.topics.leases.name, "queue", self.queue_id, settings.lease_s)
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -72,18 +80,23 @@ class QueueService:
 
     async def start(self) -> None:
         await self.db.start()
+        await self.kafka.start(self.topics.static())
+        self.metrics.serve(self.settings.metrics_port)
+        await self.lease.start(self._activate)
+
+    async def _activate(self, term: int) -> None:
+        """Holding the lease: re-queue what the last active had in flight, then run."""
         requeued = await self.store.requeue_in_flight()
         if requeued:
             log.info("re-queued %d items that were in flight before the restart", requeued)
-        await self.kafka.start(self.topics.static())
         results = await self._tail(self.topics.results.name, hot=True, partitions=[self.partition])
         heartbeats = await self._tail(self.topics.heartbeats.name)
         capacity = await self._tail(self.topics.be_capacity.name)
-        self.metrics.serve(self.settings.metrics_port)
         self.started = time.monotonic()
         loops = (
             self._results_loop(results),
             self._heartbeat_loop(heartbeats),
+            follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
             self._capacity_loop(capacity),
             self._tick_loop(),
         )
@@ -99,6 +112,7 @@ class QueueService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.lease.stop()
         await self.kafka.stop()
         await self.db.close()
 
@@ -148,6 +162,8 @@ class QueueService:
         """Its worker was lost: run the item again from scratch as the next attempt."""
         attempt = run.request.attempt
         rid = run.request.request_id
+        if not self.lease.is_active():
+            return  # deposed: the new active re-queued this item at takeover
         if not await self._db(self.store.bump_attempt, run.batch_id, run.custom_id, attempt):
             self.runs.pop(rid, None)  # cancelled or expired meanwhile
             return
@@ -187,6 +203,8 @@ class QueueService:
             except TimeoutError:
                 pass
             self._wake.clear()
+            if not self.lease.is_active():
+                continue  # the lease lapsed (a long pause): nothing is released until it is renewed
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 (the database or broker hiccuped: the next tick retries)

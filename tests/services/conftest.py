@@ -85,11 +85,14 @@ class Stack:
         self.stopped.discard(name)  # a child started again under the same name (a restart)
         return proc
 
-    def scheduler(self, name: str = "scheduler") -> None:
-        """A scheduler, with its metrics endpoint on: `wait_workers` reads its view of the workers."""
+    def scheduler(self, name: str = "scheduler", **env) -> str:
+        """A scheduler, with its metrics endpoint on: `wait_workers` reads its view of the workers
+        (of the one started last, unless a test points `scheduler_url` at another: the active of
+        a pair). Returns its metrics URL."""
         port = free_port()
-        self.spawn(name, "scheduler", TANDEM_METRICS_PORT=port)
+        self.spawn(name, "scheduler", TANDEM_METRICS_PORT=port, TANDEM_SCHEDULER_ID=name, **env)
         self.scheduler_url = f"http://127.0.0.1:{port}"
+        return self.scheduler_url
 
     def worker(self, worker_id: str, **env) -> None:
         self.spawn(

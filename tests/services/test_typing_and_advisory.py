@@ -95,7 +95,7 @@ def stack(make_stack):
     fakes.start()
     s.gateway()
     s.advisory()
-    s.wait_log("advisory", "advisory ready")
+    s.wait_log("advisory", "advisory active (term")  # ready to act: it holds the lease
     s.wait_gateway()
     yield s
     fakes.stop()
@@ -269,7 +269,7 @@ def test_a_restarted_advisory_service_rebuilds_its_directory_from_the_topic(stac
     stack.kill("advisory", signal.SIGKILL)
     asyncio.run(_publish_locations(stack, ["s4"]))  # known only through the compacted topic
     stack.advisory("advisory-2")
-    stack.wait_log("advisory-2", "advisory ready")
+    stack.wait_log("advisory-2", "advisory active (term")  # after the killed one's lease ran out
     assert "directory rebuilt: 4 sessions" in (stack.log_dir / "advisory-2.log").read_text()
     pre, plc = asyncio.run(_hint_and_collect(stack, "s4"))
     assert plc.worker_id == "wb" and pre.source_worker == "wa"

@@ -74,6 +74,7 @@ def test_topic_catalogue_is_complete():
         "p.heartbeats",
         "p.owners",
         "p.scheduler.state",
+        "p.scheduler.fences",
         "p.be.capacity",
         "p.advisory",
         "p.sessions.directory",
