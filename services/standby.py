@@ -28,10 +28,14 @@ DEPOSED_EXIT = 75  # EX_TEMPFAIL: "try again", for a supervisor that restarts it
 
 def exit_deposed() -> None:
     """Leave now, without running anything else (the lease says another instance is active)."""
+    _exit_now(DEPOSED_EXIT)
+
+
+def _exit_now(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(DEPOSED_EXIT)
+    os._exit(code)
 
 
 class ActiveStandby:
@@ -61,7 +65,7 @@ class ActiveStandby:
             await activate(term)
         except Exception:  # a half-started active must not hold the lease: let the standby take it
             log.exception("%s: activation failed; exiting so the standby takes over", self.role)
-            exit_deposed()
+            _exit_now(1)  # a failure, not a deposition: a supervisor must not restart it in a loop
         log.warning("%s active (term %d)", self.role, term)
 
     async def stop(self) -> None:
