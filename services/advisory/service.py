@@ -68,6 +68,17 @@ class AdvisoryService:
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
         self.metrics.serve(self.settings.metrics_port)
+        # The live-worker view (load, fences) is kept from the start, standby too: a standby
+        # that takes over places its first hints on current loads, not on holders alone.
+        heartbeats, telemetry = [await self._from_end(t.name) for t in (self.topics.heartbeats, self.topics.telemetry)]
+        self._tasks = [
+            asyncio.create_task(c)
+            for c in (
+                self._heartbeat_loop(heartbeats),
+                self._telemetry_loop(telemetry),
+                follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
+            )
+        ]
         await self.lease.start(self._activate)
 
     async def _activate(self, term: int) -> None:
@@ -78,23 +89,29 @@ class AdvisoryService:
         log.info(
             "directory rebuilt: %d sessions, %d live placements", len(self.advisor.directory), len(self.advisor.pending)
         )
-        tails = [
-            await self._from_end(t.name)
-            for t in (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)
-        ]
+        requests = [await self._from_end(t.name) for t in (self.topics.rt_requests, self.topics.be_requests)]
         # Assigned, not subscribed (the lease makes this the only reader): no group join to wait for.
         hints = await self.kafka.owned_consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
+        await self._await_loads()
         loops = (
-            follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
             self._directory_loop(directory),
-            self._heartbeat_loop(tails[0]),
-            self._telemetry_loop(tails[1]),
-            self._request_loop(tails[2]),
-            self._request_loop(tails[3]),
+            self._request_loop(requests[0]),
+            self._request_loop(requests[1]),
             self._hint_loop(hints),
             self._expiry_loop(),
         )
-        self._tasks = [asyncio.create_task(c) for c in loops]
+        self._tasks += [asyncio.create_task(c) for c in loops]
+
+    async def _await_loads(self) -> None:
+        """Until every heartbeating worker has reported its load (at most `worker_timeout_s`): a
+        hint decided before that sees every worker idle and goes to the session's holder.
+        Bounded, since a worker that never sends telemetry must not stop all placements."""
+        deadline = time.monotonic() + self.settings.worker_timeout_s
+        while time.monotonic() < deadline:
+            live = self.workers.live()
+            if live and all(w.telemetry is not None for w in live.values()):
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         for t in self._tasks:
