@@ -238,6 +238,12 @@ class KafkaClient:
         for c in self._consumers:
             try:
                 await c.stop()
+            except asyncio.CancelledError:
+                # aiokafka's fetcher close re-raises the cancellation of a fetch it cancelled
+                # mid-retry (the broker is gone): not ours unless this task is being cancelled
+                if asyncio.current_task().cancelling():
+                    raise
+                log.warning("consumer stop: a fetch retry was cancelled (broker unreachable)")
             except Exception:  # noqa: BLE001 (best effort on shutdown)
                 log.exception("consumer stop")
         self._consumers.clear()

@@ -43,6 +43,7 @@ from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
 
 log = logging.getLogger(__name__)
+RELEASE_WAIT_S = 1.0  # how long a clean stop waits for its release to be acknowledged
 
 
 @dataclass
@@ -164,8 +165,10 @@ class LeaseKeeper:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if release and self.is_active():
-            with contextlib.suppress(Exception):  # the broker is away: the lease simply runs out
-                await self._send("released", self.active_term)
+            # Bounded: when the broker went away with us (a whole stack stopping), the lease
+            # simply runs out; an unacked send must not hold up the stop.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send("released", self.active_term), RELEASE_WAIT_S)
                 log.info("%s lease term %d released", self.role, self.active_term)
 
     # -- the loops -------------------------------------------------------------------------------
