@@ -164,7 +164,13 @@ class LeaseKeeper:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if release and self.is_active():
+        active = self.is_active()
+        if self._consumer is not None:
+            # First: the release rings this process's doorbell for `leases`, and a ring that
+            # wakes this (no longer read) consumer made its later stop hang (measured).
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+        if release and active:
             # Bounded: when the broker went away with us (a whole stack stopping), the lease
             # simply runs out; an unacked send must not hold up the stop.
             with contextlib.suppress(Exception):

@@ -43,6 +43,11 @@ from shared.topics import Topics
 # scheduler's grace for a dispatch its worker does not report yet gets the same margin.
 HEARTBEAT_INTERVAL_S = 0.25
 WORKER_TIMEOUT_S = 6.0
+# The lease of HA pairs in test stacks (shared/lease.py): like the worker timeout, it must exceed
+# the longest starvation of a live process. 2 s deposed a healthy active scheduler once at load
+# average 19 (its standby read no renewal for 2 s while two workers loaded their models), so the
+# tests that run pairs use this, and the handover figures they log come with it.
+LEASE_S = 5.0
 # Safety net for start-up waits (broker, scheduler, workers, gateway): a worker's start is ~10 s
 # of CPU (imports, model load, group join), which took 110 s of wall time at load 16. The waits
 # end on the event itself, or at once when a child dies; this bound only turns a hang into a

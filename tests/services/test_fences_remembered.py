@@ -22,7 +22,7 @@ from shared.schemas.control import Fence
 from shared.schemas.telemetry import Heartbeat
 from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import worker_heartbeat
+from tests.services.conftest import LEASE_S, worker_heartbeat
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -90,7 +90,7 @@ def test_the_queue_and_advisory_view_of_live_workers_reads_the_fences(kafka_boot
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    return make_stack(TANDEM_LEASE_S=2.0).start(("w0", "w1"))
+    return make_stack(TANDEM_LEASE_S=LEASE_S).start(("w0", "w1"))
 
 
 def test_a_scheduler_started_after_a_fence_still_fences_the_lost_epoch(stack):

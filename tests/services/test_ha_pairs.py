@@ -17,14 +17,13 @@ import time
 import httpx
 import pytest
 
-from tests.services.conftest import openai_client
+from tests.services.conftest import LEASE_S, openai_client
 from tests.services.test_batch_api import attempts, chat_lines, submit, wait_final, wait_until
 from tests.services.test_queue_service import _exactly_once, _same_as_sync, _wait_in_flight
 from tests.services.test_streaming_cluster import _bodies, _reference, _stream
 
 pytestmark = pytest.mark.timeout(600)
 log = logging.getLogger(__name__)
-LEASE_S = 2.0
 
 
 def _active_line(role: str, term: int) -> str:

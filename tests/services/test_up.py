@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from services.broker import free_port
+from tests.services.conftest import LEASE_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -192,7 +193,7 @@ def _status(lines: list[str], prefix: str = "tandem") -> dict:
     import os
 
     broker = next(ln.split("embedded broker on ")[1].split()[0] for ln in lines if "embedded broker on " in ln)
-    env = {**os.environ, "KAFKA_BOOTSTRAP": broker, "TANDEM_TOPIC_PREFIX": prefix, "TANDEM_LEASE_S": "2"}
+    env = {**os.environ, "KAFKA_BOOTSTRAP": broker, "TANDEM_TOPIC_PREFIX": prefix, "TANDEM_LEASE_S": str(LEASE_S)}
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "status", "--json"], env=env, capture_output=True, text=True, timeout=120
     )
@@ -214,7 +215,7 @@ def test_up_ha_reports_a_dead_scheduler_and_keeps_serving(tiny_model_dir):
 
     port = free_port()
     flags = ("--dtype", "float32", "--kv-cache-gib", "0.05", "--ha")
-    proc, lines = _start(tiny_model_dir("llama"), port, flags, env={"TANDEM_LEASE_S": "2"})
+    proc, lines = _start(tiny_model_dir("llama"), port, flags, env={"TANDEM_LEASE_S": str(LEASE_S)})
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
     reader.start()
     url = f"http://127.0.0.1:{port}/v1"
