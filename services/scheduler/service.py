@@ -330,6 +330,8 @@ class SchedulerService:
     async def _housekeeping_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            if not self.lease.is_active():
+                continue  # paused past its lease: the silence it would judge is its own
             for wid in self.registry.expire():
                 self.m.worker_up.remove(wid)
                 await self.failures.worker_lost(wid)
