@@ -63,4 +63,7 @@ def render(s) -> str:
         f"queues: requests.rt backlog {q.rt_backlog}, requests.be backlog {q.be_backlog}{held}{flight}",
         f"sessions: {s.sessions.sessions} with kept KV, {s.sessions.copies} copies, {s.sessions.bytes / 2**20:.1f} MiB",
     ]
+    for pair in s.pairs:
+        members = ", ".join(f"{i.instance} {i.state} ({i.age_s:.1f} s)" for i in pair.instances)
+        lines.append(f"{pair.role} term {pair.term}: {members}")
     return "\n".join(lines)

@@ -103,11 +103,21 @@ def watch_parent(parent: int, on_lost: Callable[[], None] | None = None) -> None
 
 
 def _stop_orphan() -> None:
-    sys.stderr.write(f"lifeline: parent process is gone; stopping (at most {ORPHAN_STOP_S:.0f}s)\n")
+    _say(f"lifeline: parent process is gone; stopping (at most {ORPHAN_STOP_S:.0f}s)\n")
     os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM after the kernel's is harmless
     time.sleep(ORPHAN_STOP_S)  # nobody is left to kill an orphan whose clean stop hangs
-    sys.stderr.write("lifeline: the clean stop hung; exiting\n")
+    _say("lifeline: the clean stop hung; exiting\n")
     os._exit(1)
+
+
+def _say(text: str) -> None:
+    """Best effort: stderr is often a pipe to the parent that just died (`tandem up` reads its
+    children's output), and a BrokenPipeError here used to end this thread before its hard exit."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 class Terminated(KeyboardInterrupt):

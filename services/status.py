@@ -12,6 +12,10 @@ Everything comes from Kafka, so the command needs no service to answer it and no
   last `be.capacity` report (BE it holds, BE in flight, BE slots).
 - **sessions**: the session directory (compacted topic, read from its start): sessions with
   kept KV, copies, bytes.
+- **pairs**: the doubled services (scheduler, queue, advisory) from the `leases` topic: each
+  role's current term and every instance heard, `active` (the term's holder, renewing),
+  `standby`, `stopped` (released its lease cleanly) or `silent` (its records stopped: dead or
+  paused; `tandem up --ha` reports the death too).
 
 Reading is group-less (no consumer group joins, nothing is committed), so running it never
 disturbs the services.
@@ -26,8 +30,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import BaseModel
 
+from shared.lease import LeaseLog
 from shared.records import decode_record
 from shared.schemas.capacity import BECapacity
+from shared.schemas.lease import LeaseRecord
 from shared.schemas.sessions import SessionLocation
 from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.session_state import SessionDirectory
@@ -72,6 +78,18 @@ class SessionStatus(BaseModel):
     bytes: int = 0
 
 
+class InstanceStatus(BaseModel):
+    instance: str  # service id / pid-start (unique per process)
+    state: str  # active | standby | stopped | silent
+    age_s: float  # since its last lease record
+
+
+class RoleStatus(BaseModel):
+    role: str
+    term: int
+    instances: list[InstanceStatus] = []
+
+
 class ClusterStatus(BaseModel):
     broker: str
     reachable: bool
@@ -82,6 +100,7 @@ class ClusterStatus(BaseModel):
     workers: list[WorkerStatus] = []
     queues: QueueStatus = QueueStatus()
     sessions: SessionStatus = SessionStatus()
+    pairs: list[RoleStatus] = []
 
 
 async def collect(settings: ServiceSettings, timeout_s: float = 5.0, window: int = 2000) -> ClusterStatus:
@@ -116,6 +135,8 @@ async def collect(settings: ServiceSettings, timeout_s: float = 5.0, window: int
         capacity = await _tail(consumer, topics.be_capacity.name, existing, 50, BECapacity)
         status.workers = _workers(beats, reports, settings.worker_timeout_s)
         status.sessions = await _sessions(consumer, topics.sessions_directory.name, existing)
+        leases = await _tail(consumer, topics.leases.name, existing, window, LeaseRecord)
+        status.pairs = _pairs(leases, settings.lease_s)
         status.queues = await _queues(settings, consumer, topics, existing, capacity, timeout_s)
     finally:
         await _quietly(consumer.stop())
@@ -191,6 +212,35 @@ def _workers(beats: list[Heartbeat], reports: list[Telemetry], timeout_s: float)
                 }
             )
         out.append(row)
+    return out
+
+
+def _pairs(records: list[LeaseRecord], lease_s: float) -> list[RoleStatus]:
+    """Each role's term and instances, by the lease rules (shared/lease.py) on the records read.
+    A standby announces itself every `lease_s`, the active renews every `lease_s / 3`: silent
+    means no record for twice the lease."""
+    now = time.time()
+    out = []
+    for role in sorted({r.role for r in records}):
+        book = LeaseLog(role)
+        last: dict[str, LeaseRecord] = {}
+        for r in (r for r in records if r.role == role):
+            book.apply(r, r.sent_at)
+            last[r.holder] = r
+        cur = book.current
+        rows = []
+        for holder, r in sorted(last.items()):
+            age = max(0.0, now - r.sent_at)
+            if r.state == "released":
+                state = "stopped"
+            elif age > 2 * lease_s:
+                state = "silent"
+            elif cur is not None and holder == cur.holder and not cur.released:
+                state = "active"
+            else:
+                state = "standby"
+            rows.append(InstanceStatus(instance=holder, state=state, age_s=age))
+        out.append(RoleStatus(role=role, term=cur.term if cur else 0, instances=rows))
     return out
 
 

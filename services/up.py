@@ -8,6 +8,12 @@ reverse order, each with SIGTERM first. Nothing outlives `up`: each child is tie
 (`services.lifeline`), so even a SIGKILLed `up` takes its stack with it, and an `up` started by a
 benchmark stops with that benchmark. Nothing is restarted silently: if a child exits, `up` says which
 one and with what code, stops the rest and exits non-zero.
+
+`--ha` runs the scheduler, the advisory and the queue service doubled (`<name>-a`, `<name>-b`:
+one active, one standby, services/standby.py). A child of a pair that dies is reported (a log
+line here; `tandem status` shows it silent) and the stack keeps serving on its partner; only
+when both of a pair are gone does `up` stop everything. A child that exits as deposed (code 75:
+its partner took the lease while it was paused) is restarted as the standby, and says so.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ from dataclasses import dataclass
 
 from services import lifeline
 from services.broker import broker_command, free_port, wait_listening
+from services.standby import DEPOSED_EXIT
+
+# The services that may run doubled, and the flag or variable that names each instance.
+_PAIRED = {"scheduler": "TANDEM_SCHEDULER_ID", "advisory": "TANDEM_ADVISORY_ID", "queue": "TANDEM_QUEUE_ID"}
 
 
 @dataclass
@@ -30,6 +40,8 @@ class Child:
     argv: list[str]
     proc: asyncio.subprocess.Process | None = None
     stopping: bool = False
+    env: dict[str, str] | None = None  # on top of `up`'s environment (an HA instance's id)
+    pair: str | None = None  # with --ha: the role this child is one instance of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None, help="default: TANDEM_KV_CACHE_GIB or 1.0")
     p.add_argument("--policy", default=None, help="default: TANDEM_POLICY or fcfs")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway")
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="run the scheduler, advisory and queue services doubled (active + standby); keep serving when one dies",
+    )
     p.set_defaults(func=run)
 
 
@@ -90,8 +107,8 @@ class _Up:
     def _plan(self) -> None:
         a = self.args
         threads = worker_threads(a.workers)
-        self.children.append(Child("scheduler", _cli("scheduler")))
-        self.children.append(Child("advisory", _cli("advisory")))  # sessions: hints -> placement + prefetch
+        self._add_paired("scheduler")
+        self._add_paired("advisory")  # sessions: hints -> placement + prefetch
         passed = [
             (flag, value)
             for flag, value in (
@@ -109,8 +126,17 @@ class _Up:
         for i in range(a.workers):
             argv = _cli("worker", *(str(x) for pair in passed for x in pair), "--worker-id", f"worker-{i}")
             self.children.append(Child(f"worker-{i}", argv))
-        self.children.append(Child("queue", _cli("queue")))  # batch jobs; shares the default data dir with the gateway
+        self._add_paired("queue")  # batch jobs; shares the default data dir with the gateway
         self.children.append(Child("gateway", _cli("gateway", "--host", a.host, "--port", str(a.port))))
+
+    def _add_paired(self, role: str) -> None:
+        """One child of `role`, or with --ha two (`-a` active first, `-b` its standby)."""
+        if not self.args.ha:
+            self.children.append(Child(role, _cli(role)))
+            return
+        for suffix in ("a", "b"):
+            name = f"{role}-{suffix}"
+            self.children.append(Child(name, _cli(role), env={_PAIRED[role]: name}, pair=role))
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -141,7 +167,7 @@ class _Up:
     async def _spawn(self, child: Child) -> None:
         child.proc = await asyncio.create_subprocess_exec(
             *child.argv,
-            env=lifeline.tied_env(self.env),
+            env=lifeline.tied_env({**self.env, **(child.env or {})}),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only `up`, which stops children in order
@@ -158,14 +184,32 @@ class _Up:
                 _say("shutting down")
                 return 0
             for t in done & set(exits):
-                child = exits[t]
-                _say(f"{child.name} exited unexpectedly with code {child.proc.returncode}; stopping everything")
-                return 1
+                child = exits.pop(t)
+                if not await self._survive(child):
+                    return 1
+                if child.proc.returncode is None:  # restarted: watch the new process
+                    exits[asyncio.create_task(child.proc.wait())] = child
             if ready in done:
                 if not ready.result():
                     _say(f"the gateway was not ready within {self.args.ready_timeout:.0f}s")
                     return 1
                 ready = asyncio.create_task(asyncio.Event().wait())  # never again
+
+    async def _survive(self, child: Child) -> bool:
+        """A child exited: False to stop everything, True when its HA partner keeps serving."""
+        code = child.proc.returncode
+        partner = next((c for c in self.children if c.pair and c.pair == child.pair and c is not child), None)
+        if partner is None or partner.proc is None or partner.proc.returncode is not None:
+            _say(f"{child.name} exited unexpectedly with code {code}; stopping everything")
+            return False
+        if code == DEPOSED_EXIT:
+            _say(
+                f"{child.name} was deposed ({partner.name} holds the {child.pair} lease); restarting it as the standby"
+            )
+            await self._spawn(child)
+            return True
+        _say(f"{child.name} died (code {code}); {partner.name} serves as the {child.pair} (HA: not restarted)")
+        return True
 
     async def _wait_ready(self) -> bool:
         import httpx

@@ -234,9 +234,10 @@ class KafkaClient:
         if isinstance(consumer, QuietConsumer) and self.doorbell is not None:
             self.doorbell.listen(topic, consumer.wake)
 
-    async def owned_consumer(self, topic: str, *, group: str, hot: bool = False) -> AIOKafkaConsumer:
-        """All partitions of a topic only this process reads (a worker's `dispatch.<id>`), with
-        commits under `group` but no group membership: nothing to join, so no rebalance.
+    async def owned_consumer(self, *topics: str, group: str, hot: bool = False) -> AIOKafkaConsumer:
+        """All partitions of topics only this process reads (a worker's `dispatch.<id>`; the
+        active scheduler's request topics, which its lease makes its own), with commits under
+        `group` but no group membership: nothing to join, so no rebalance.
 
         A subscribed consumer waits for the coordinator's join round (about 3 s on tansu, which
         delays the first assignment) before its first fetch, all of which is start-up time for a
@@ -247,9 +248,13 @@ class KafkaClient:
         unique (the scheduler treats two as one worker).
         """
         c = await self.consumer(group=group, subscribe=False, hot=hot)
-        parts = await with_backoff(f"metadata {topic}", lambda: _partitions(c, topic))
-        c.assign([TopicPartition(topic, p) for p in parts])  # positions: committed, else earliest
-        self._listen(c, topic)
+        tps = []
+        for topic in topics:
+            parts = await with_backoff(f"metadata {topic}", lambda t=topic: _partitions(c, t))
+            tps += [TopicPartition(topic, p) for p in parts]
+        c.assign(tps)  # positions: committed, else earliest
+        for topic in topics:
+            self._listen(c, topic)
         return c
 
     async def assign_all(
@@ -273,6 +278,12 @@ class KafkaClient:
         for c in self._consumers:
             try:
                 await c.stop()
+            except asyncio.CancelledError:
+                # aiokafka's fetcher close re-raises the cancellation of a fetch it cancelled
+                # mid-retry (the broker is gone): not ours unless this task is being cancelled
+                if asyncio.current_task().cancelling():
+                    raise
+                log.warning("consumer stop: a fetch retry was cancelled (broker unreachable)")
             except Exception:  # noqa: BLE001 (best effort on shutdown)
                 log.exception("consumer stop")
         self._consumers.clear()

@@ -6,8 +6,9 @@ keeps its own `WorkerRegistry` on purpose: it also tracks what each worker runs 
 and declares workers lost (its fences reach this view through `on_fence`).
 
 A worker is live when heard from within `timeout_s`, not draining, and not at an epoch the
-scheduler fenced (`on_fence`, fed from the `control` topic by the gateway: a worker declared
-lost that resumed; the queue and advisory views do not read fences yet).
+scheduler fenced (`on_fence`: a worker declared lost that resumed; fed from the `control` topic by
+the gateway, and from the scheduler's remembered fences, `scheduler.fences`, by the queue and
+advisory services through `shared/fence_feed.py`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,10 @@ class ServiceSettings(BaseSettings):
     # it: one metadata request per check (shared/broker_watch.py).
     broker_watch_interval_s: float = 1.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
+    # The doubled services (scheduler, queue, advisory): the active renews its lease every
+    # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a
+    # takeover after a crash takes lease_s to 4/3 lease_s plus the new active's start.
+    lease_s: float = 3.0
 
     @classmethod
     def env_names(cls) -> set[str]:

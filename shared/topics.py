@@ -11,11 +11,13 @@
 | `<p>.heartbeats`           |          1 | worker id    | workers → scheduler, gateways, queue, advisory      |
 | `<p>.owners`               |          1 | gateway id   | gateways → workers (a dead gateway's requests end)  |
 | `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
+| `<p>.scheduler.fences`     | 1, compact | worker id    | scheduler → scheduler, queue, advisory (fences)     |
 | `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
 | `<p>.batches`              |          1 | batch id     | gateway → queue (a batch was created or cancelled)  |
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
 | `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
 | `<p>.sessions.placement`   | 4, compact | session id   | advisory → scheduler, advisory (after a restart)    |
+| `<p>.leases`               |          1 | role         | scheduler, queue, advisory → themselves, status     |
 
 Results carry no key: they are produced to an explicit partition that the request names
 (`reply_partition`, chosen by the gateway, or by the queue service for batch items), and each
@@ -29,7 +31,8 @@ itself on SIGTERM). The advisory service reads the request topics only to see a 
 Dispatch is one topic per worker so a worker reads only its own work and a dead worker's backlog
 is simply abandoned (the scheduler re-places it). The two session topics are compacted: a
 restarted advisory service or scheduler reads them from the start and has the latest location
-and placement of every session (docs/sessions.md).
+and placement of every session (docs/sessions.md). `leases` elects the active instance of each
+doubled service (shared/lease.py); one partition, so all readers agree on the order of claims.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ class Topics:
         return self._t("scheduler.state", 1, "request id", compacted=True)
 
     @property
+    def scheduler_fences(self) -> TopicSpec:
+        return self._t("scheduler.fences", 1, "worker id", compacted=True)
+
+    @property
     def be_capacity(self) -> TopicSpec:
         return self._t("be.capacity", 1, "scheduler id")
 
@@ -107,6 +114,10 @@ class Topics:
     def sessions_placement(self) -> TopicSpec:
         return self._t("sessions.placement", 4, "session id", compacted=True)
 
+    @property
+    def leases(self) -> TopicSpec:
+        return self._t("leases", 1, "role (scheduler, queue, advisory)")
+
     def static(self) -> list[TopicSpec]:
         """Topics created at start-up by every service (per-worker dispatch topics are created by their worker)."""
         return [
@@ -118,9 +129,11 @@ class Topics:
             self.heartbeats,
             self.owners,
             self.scheduler_state,
+            self.scheduler_fences,
             self.be_capacity,
             self.batches,
             self.advisory,
             self.sessions_directory,
             self.sessions_placement,
+            self.leases,
         ]

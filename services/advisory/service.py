@@ -8,6 +8,12 @@ Outputs: `SessionPlacement` on `sessions.placement` (the scheduler routes the tu
 `Prefetch` on `control` (the target promotes or pulls the KV), and tombstones for placements
 whose turn did not come within their TTL. The target releases its prefetch pin on its own after
 `Prefetch.ttl_s` (no release message: a lost message could otherwise pin KV forever).
+
+Two advisory services may run at once: one active, one standby (`services/standby.py`). The
+standby waits; taking over is the restart above (directory and live placements rebuilt from
+their compacted topics), and hints are read from the group's committed offsets. Placements carry
+the lease term (the scheduler drops one of an older term than it has seen), and the active
+publishes only while its lease holds.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from aiokafka import ConsumerRecord
 from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
+from services.standby import ActiveStandby
 from shared.broker_watch import BrokerWatch, log_restart
+from shared.fence_feed import follow_fences
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -49,6 +57,9 @@ class AdvisoryService:
         self.broker_watch = BrokerWatch(
             self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
         )
+        self.lease = ActiveStandby(
+            self.kafka, self.topics.leases.name, "advisory", settings.advisory_id, settings.lease_s
+        )
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -61,35 +72,59 @@ class AdvisoryService:
 
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
+        self.metrics.serve(self.settings.metrics_port)
+        # The live-worker view (load, fences) is kept from the start, standby too: a standby
+        # that takes over places its first hints on current loads, not on holders alone.
+        heartbeats, telemetry = [await self._from_end(t.name) for t in (self.topics.heartbeats, self.topics.telemetry)]
+        self._tasks = [
+            asyncio.create_task(c)
+            for c in (
+                self._heartbeat_loop(heartbeats),
+                self._telemetry_loop(telemetry),
+                follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
+            )
+        ]
+        await self.broker_watch.start()  # standby too: any instance may repair the topics
+        await self.lease.start(self._activate)
+
+    async def _activate(self, term: int) -> None:
+        """Holding the lease: rebuild the directory and placements, then read hints."""
         await self._restore_placements()
         directory = await self._from_start(self.topics.sessions_directory.name)
         await read_to_end(directory, self._on_location)
         log.info(
             "directory rebuilt: %d sessions, %d live placements", len(self.advisor.directory), len(self.advisor.pending)
         )
-        tails = [
-            await self._from_end(t.name)
-            for t in (self.topics.heartbeats, self.topics.telemetry, self.topics.rt_requests, self.topics.be_requests)
-        ]
-        hints = await self.kafka.consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
-        self.metrics.serve(self.settings.metrics_port)
+        requests = [await self._from_end(t.name) for t in (self.topics.rt_requests, self.topics.be_requests)]
+        # Assigned, not subscribed (the lease makes this the only reader): no group join to wait for.
+        hints = await self.kafka.owned_consumer(self.topics.advisory.name, group="tandem-advisory", hot=True)
+        await self._await_loads()
         loops = (
             self._directory_loop(directory),
-            self._heartbeat_loop(tails[0]),
-            self._telemetry_loop(tails[1]),
-            self._request_loop(tails[2]),
-            self._request_loop(tails[3]),
+            self._request_loop(requests[0]),
+            self._request_loop(requests[1]),
             self._hint_loop(hints),
             self._expiry_loop(),
         )
-        self._tasks = [asyncio.create_task(c) for c in loops]
-        await self.broker_watch.start()
+        self._tasks += [asyncio.create_task(c) for c in loops]
+
+    async def _await_loads(self) -> None:
+        """Until every heartbeating worker has reported its load (at most `worker_timeout_s`): a
+        hint decided before that sees every worker idle and goes to the session's holder.
+        Bounded, since a worker that never sends telemetry must not stop all placements."""
+        deadline = time.monotonic() + self.settings.worker_timeout_s
+        while time.monotonic() < deadline:
+            live = self.workers.live()
+            if live and all(w.telemetry is not None for w in live.values()):
+                return
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.lease.stop()
         await self.kafka.stop()
 
     async def _from_start(self, topic: str):
@@ -156,6 +191,8 @@ class AdvisoryService:
                     log.warning("hint offsets not committed", exc_info=True)
 
     async def _on_hint(self, hint: TypingHint) -> None:
+        if not self.lease.is_active():
+            return  # deposed or lapsed: the hint is only advice, the turn still runs
         advice = self.advisor.on_hint(hint, self.workers.live())
         if isinstance(advice, str):
             self.m_hints.labels(advice).inc()
@@ -173,12 +210,15 @@ class AdvisoryService:
     async def _publish(self, advice: Advice) -> None:
         # The prefetch first: the transfer starts while the placement travels to the scheduler.
         sid = advice.placement.session_id
+        placement = advice.placement.model_copy(update={"term": self.lease.term})
         await self.kafka.send(self.topics.control.name, ControlEnvelope(message=advice.prefetch), key=sid)
-        await self.kafka.send(self.topics.sessions_placement.name, advice.placement, key=sid)
+        await self.kafka.send(self.topics.sessions_placement.name, placement, key=sid)
 
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(_EXPIRY_INTERVAL_S)
+            if not self.lease.is_active():
+                continue
             for sid in self.advisor.expire():
                 try:
                     await self.kafka.send(self.topics.sessions_placement.name, None, key=sid)

@@ -8,6 +8,11 @@ done. Results come back on its own results partition, like a gateway's; each ite
 assembled in memory and its outcome recorded once in the database. Nothing that matters lives
 only in memory: after a crash, items that were in flight are queued again as a new attempt (a
 late result of the old attempt is ignored), so every custom_id ends with exactly one result.
+
+Two queue services may run at once: one active, one standby (`services/standby.py`). The
+standby waits; taking over is the restart above (items in flight re-queued as new attempts),
+so whatever a deposed active still releases or records is of an attempt the database no longer
+accepts. The active ticks only while its lease holds.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from services.queue.items import ItemRun, item_request, item_request_id, unfinis
 from services.queue.settings import QueueSettings
 from services.queue.validation import validate_input
 from services.queue.wakeup import TickClock
+from services.standby import ActiveStandby
 from shared.batchstore.db import BatchDatabase, BatchRow, ItemRow, now
 from shared.batchstore.objects import errors_object
 from shared.batchstore.run_store import BatchRunStore, Finished
 from shared.broker_watch import BrokerRestart, BrokerWatch
+from shared.fence_feed import follow_fences
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
@@ -66,6 +73,7 @@ class QueueService:
         self.broker_watch = BrokerWatch(
             self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
+        self.lease = ActiveStandby(self.kafka, self.topics.leases.name, "queue", self.queue_id, settings.lease_s)
         self._init_metrics()
 
     def _init_metrics(self) -> None:
@@ -80,19 +88,24 @@ class QueueService:
 
     async def start(self) -> None:
         await self.db.start()
+        await self.kafka.start(self.topics.static())
+        self.metrics.serve(self.settings.metrics_port)
+        await self.lease.start(self._activate)
+
+    async def _activate(self, term: int) -> None:
+        """Holding the lease: re-queue what the last active had in flight, then run."""
         requeued = await self.store.requeue_in_flight()
         if requeued:
             log.info("re-queued %d items that were in flight before the restart", requeued)
-        await self.kafka.start(self.topics.static())
         results = await self._tail(self.topics.results.name, hot=True, partitions=[self.partition])
         heartbeats = await self._tail(self.topics.heartbeats.name)
         capacity = await self._tail(self.topics.be_capacity.name)
         notices = await self._tail(self.topics.batches.name)
-        self.metrics.serve(self.settings.metrics_port)
         self.started = time.monotonic()
         loops = (
             self._results_loop(results),
             self._heartbeat_loop(heartbeats),
+            follow_fences(self.kafka, self.topics.scheduler_fences.name, self.workers),
             self._capacity_loop(capacity),
             self._notice_loop(notices),
             self._tick_loop(),
@@ -111,6 +124,7 @@ class QueueService:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.lease.stop()
         await self.kafka.stop()
         await self.db.close()
 
@@ -180,6 +194,8 @@ class QueueService:
         """Its worker was lost: run the item again from scratch as the next attempt."""
         attempt = run.request.attempt
         rid = run.request.request_id
+        if not self.lease.is_active():
+            return  # deposed: the new active re-queued this item at takeover
         if not await self._db(self.store.bump_attempt, run.batch_id, run.custom_id, attempt):
             self.runs.pop(rid, None)  # cancelled or expired meanwhile
             return
@@ -215,6 +231,11 @@ class QueueService:
     async def _tick_loop(self) -> None:
         while True:
             await self.clock.wait()
+            if not self.lease.is_active():
+                # the lease lapsed (a long pause): nothing is released until it is renewed;
+                # look again soon rather than at the next event
+                self.clock.wake_at(time.time() + 0.5)
+                continue
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 (the database or broker hiccuped: retry soon)

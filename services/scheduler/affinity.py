@@ -46,6 +46,7 @@ class SessionAffinity(ABC):
         self.placements = PlacementBook()
         self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> (worker, dispatched at)
         self._max = max_sessions
+        self._advisory_term = 0  # the highest advisory lease term on a placement read
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -53,6 +54,10 @@ class SessionAffinity(ABC):
         self.directory.apply(loc)
 
     def on_placement(self, session_id: str, placement: SessionPlacement | None) -> None:
+        if placement is not None:
+            if placement.term < self._advisory_term:
+                return  # a deposed advisory service's late placement: its successor decides
+            self._advisory_term = placement.term
         self.placements.apply(session_id, placement)
 
     def placed(self, session_id: str | None, worker_id: str) -> None:

@@ -2,7 +2,10 @@
 
 The table is the scheduler's memory of dispatched, unfinished requests. Every change is written
 to Kafka (key = request id, tombstone on end), so a restarted scheduler reads the topic to its end
-and resumes with the same table: requests already placed are not placed twice.
+and resumes with the same table: requests already placed are not placed twice. Each record
+carries its writer's lease term, so what a deposed scheduler wrote after its successor began is
+dropped on replay (a tombstone carries no term: one from a deposed scheduler can still end an
+assignment early; the request is then re-placed as unaccounted, never lost).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class AssignmentTable:
         self._kafka = kafka
         self._topic = topic
         self.by_request: dict[str, Assignment] = {}
+        self.term = 0  # the highest lease term among the records applied
+        self.stale = 0  # records dropped: written by a deposed scheduler after its successor's
 
     async def load(self) -> None:
         """Rebuild from the state topic (last value per key wins; tombstones delete)."""
@@ -40,8 +45,13 @@ class AssignmentTable:
             self.by_request.pop(request_id, None)
             return
         a = decode_record(Assignment, m)
-        if a is not None:
-            self.by_request[request_id] = a
+        if a is None:
+            return
+        if a.term < self.term:
+            self.stale += 1
+            return
+        self.term = a.term
+        self.by_request[request_id] = a
 
     def get(self, request_id: str) -> Assignment | None:
         return self.by_request.get(request_id)

@@ -95,5 +95,9 @@ class WorkerRegistry:
         info = self.workers.pop(worker_id)
         self.fenced[worker_id] = max(info.heartbeat.epoch, self.fenced.get(worker_id, -1))
 
+    def remember_fence(self, worker_id: str, epoch: int) -> None:
+        """A fence published before this scheduler started (read back from `scheduler.fences`)."""
+        self.fenced[worker_id] = max(epoch, self.fenced.get(worker_id, -1))
+
     def live(self) -> list[WorkerInfo]:
         return list(self.workers.values())

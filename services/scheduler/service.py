@@ -8,7 +8,12 @@ heartbeating, or a request it was given is neither running nor finished there af
 period, the owning gateway is told (`Rerouted`) and re-submits it with the tokens its client has
 already received: the stream resumes on another worker. A lost worker's epoch is fenced
 (`Fence` on `control`, again whenever a heartbeat of that epoch arrives): the worker drops that
-epoch's work and rejoins with a higher epoch, which re-admits it (registry.py).
+epoch's work and rejoins with a higher epoch, which re-admits it (registry.py; failures.py).
+
+Two schedulers may run at once: one active, one standby (`services/standby.py`). The standby
+reads nothing but its lease; on taking over it does what a restarted scheduler does (replays
+the state and the fences, reads the request topics from the committed offsets). Its dispatches
+and state records carry its lease term, and it acts only while its lease holds.
 """
 
 from __future__ import annotations
@@ -17,48 +22,38 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from aiokafka import TopicPartition
-from opentelemetry.context import Context
 
 from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_affinity
 from services.scheduler.assignments import AssignmentTable
+from services.scheduler.dispatch import Dispatcher, Pending
+from services.scheduler.failures import FailureHandler
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementDecision, WorkerLoad
 from services.scheduler.placement_inputs import (
     build_placement,
     placement_request,
-    rejection,
     session_kv,
     worker_load,
 )
-from services.scheduler.registry import Admission, WorkerInfo, WorkerRegistry
+from services.scheduler.registry import Admission, WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
+from services.standby import ActiveStandby
 from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.consumer_lag import consumer_lag
 from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
 from shared.schemas.capacity import BECapacity
-from shared.schemas.control import Cancel, ControlEnvelope, Fence
+from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
-from shared.schemas.results import Rerouted, ResultBatch
-from shared.schemas.scheduler import Assignment
 from shared.schemas.sessions import SessionLocation, SessionPlacement
 from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.topics import Topics
 from shared.tracing import Tracing, context_of, sent_ns
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Pending:
-    request: GenerateRequest
-    tp: TopicPartition
-    offset: int
-    trace: Context | None = None  # the request's trace context, from its record's headers
-    read_ns: int = 0  # when this scheduler read it (wall clock, for the `scheduler.place` hop)
 
 
 class SchedulerService:
@@ -75,58 +70,60 @@ class SchedulerService:
         )
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()
-        self._fence_sent: dict[str, float] = {}  # worker id -> when its fence was last published
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # when this instance became active
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self.broker_watch = BrokerWatch(
             self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
+        self._req = None  # the request consumer, once active
+        self.lease = ActiveStandby(
+            self.kafka, self.topics.leases.name, "scheduler", settings.scheduler_id, settings.lease_s
+        )
         self._init_metrics()
+        self.dispatcher = Dispatcher(
+            self.kafka, settings, self.assignments, self.affinity, self.registry, self.tracing, self.m, self.lease
+        )
+        self.failures = FailureHandler(
+            self.kafka, settings, self.registry, self.assignments, self.m.rerouted, self.lease.is_active
+        )
 
     def _init_metrics(self) -> None:
-        m = self.metrics = ServiceMetrics("scheduler")
+        self.metrics = ServiceMetrics("scheduler")
         self.tracing = Tracing("scheduler", self.metrics, self.settings.otlp_endpoint)
-        self.m_placed = m.counter("scheduler_placed_total", "requests placed", ("req_class",))
-        self.m_rerouted = m.counter("scheduler_rerouted_total", "requests re-placed after a worker loss")
-        self.m_pending = m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",))
-        self.m_decisions = m.counter(
-            "scheduler_placement_decisions_total",
-            "placements by outcome: meets_slo, over_slo_admitted, rejected, unpredicted (no SLO prediction)",
-            ("req_class", "outcome"),
-        )
-        self.m_lag = m.gauge("scheduler_consumer_lag", "request records not yet read by the scheduler", ("topic",))
-        self.m_predicted = m.histogram(
-            "scheduler_predicted_ttft_seconds", "TTFT the SLO placement predicted on the chosen worker"
-        )
-        self.m_workers = m.gauge("scheduler_live_workers", "workers heartbeating")
-        # Per worker: 1 while the scheduler places on it, 0 while it drains; removed once it is
-        # lost. Set as each heartbeat is applied, so it shows exactly when a worker can get work
-        # (the test stacks wait on it; docs/services.md, "Testing under load").
-        self.m_worker_up = m.gauge(
-            "scheduler_worker_up", "1: the scheduler places on this worker, 0: it drains", ("worker_id",)
-        )
-        self.m_sessions = m.counter(
-            "scheduler_session_turns_total",
-            "session turns by route: placement, holder, moved (with a KV source), other",
-            ("route",),
-        )
+        self.m = SchedulerMetrics.register(self.metrics)
 
     # -- life cycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
+        self.metrics.serve(self.settings.metrics_port)
+        await self.lease.start(self._activate)
+
+    async def _activate(self, term: int) -> None:
+        """Holding the lease: rebuild the state from Kafka and start placing."""
         await self.assignments.load()
-        log.info("recovered %d in-flight assignments", len(self.assignments.by_request))
+        stale = (
+            f" ({self.assignments.stale} stale records of a deposed scheduler dropped)"
+            if self.assignments.stale
+            else ""
+        )
+        log.info("recovered %d in-flight assignments%s", len(self.assignments.by_request), stale)
+        fences = await self.failures.load_fences()
+        if fences:
+            log.info("remembered %d fenced worker epochs", fences)
         self._hb = await self._tail(self.topics.heartbeats.name)
         self._tel = await self._tail(self.topics.telemetry.name)
         self._ctl = await self._tail(self.topics.control.name)
         self._dir = await self._replay(self.topics.sessions_directory.name, self._on_location)
         self._plc = await self._replay(self.topics.sessions_placement.name, self._on_placement)
-        self._req = await self.kafka.consumer(
+        # Assigned, not subscribed: the lease already makes this the only reader, and a group join
+        # would wait out the dead active's membership (seconds) on every takeover.
+        self._req = await self.kafka.owned_consumer(
             self.topics.rt_requests.name, self.topics.be_requests.name, group="tandem-scheduler", hot=True
         )
-        self.metrics.serve(self.settings.metrics_port)
+        self.started = time.monotonic()
+        self.m.active.set(1)
         loops = (
             self._request_loop(),
             self._heartbeat_loop(),
@@ -159,6 +156,7 @@ class SchedulerService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._commit()
+        await self.lease.stop()  # after the last commit: the successor starts from it
         await self.kafka.stop()
         self.tracing.shutdown()
 
@@ -198,15 +196,15 @@ class SchedulerService:
                 continue
             admission = self.registry.on_heartbeat(hb)
             if admission is Admission.STALE:  # a lost epoch is alive: tell it again to rejoin
-                await self._fence(hb.worker_id, resend=True)
+                await self.failures.fence(hb.worker_id, resend=True)
                 continue
             if admission is Admission.NEW:
                 self.kafka.remember(self.topics.dispatch(hb.worker_id))  # repaired by us too after a broker restart
                 log.info("worker %s joined (model %s, epoch %d)", hb.worker_id, hb.model, hb.epoch)
             info = self.registry.workers[hb.worker_id]
-            self.m_worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
+            self.m.worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
             try:
-                await self._retire_finished(info)
+                await self.failures.retire_finished(info)
             except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
                 log.warning("finished requests not retired", exc_info=True)
             self._wake.set()
@@ -270,6 +268,8 @@ class SchedulerService:
         self._wake.set()
 
     async def _place_pending(self) -> None:
+        if not self.lease.is_active():
+            return  # the lease lapsed (a long pause, the broker away): place once it is renewed
         for cls in ("rt", "be"):
             queue = self.pending[cls]
             while queue:
@@ -280,11 +280,12 @@ class SchedulerService:
                     break  # FIFO within a class: nothing behind it fits either
                 queue.popleft()
                 if decision.meets_slo is False and self.settings.slo_overload == "reject":
-                    await self._reject(p, decision)
-                    continue
-                self._count_decision(p.request, decision)
-                await self._dispatch(p, decision.worker_id, {w.worker_id for w in loads})
-            self.m_pending.labels(cls).set(len(queue))
+                    await self.dispatcher.reject(p, decision)
+                else:
+                    self._count_decision(p.request, decision)
+                    await self.dispatcher.dispatch(p, decision.worker_id, {w.worker_id for w in loads})
+                self.offsets.done(p.tp, p.offset)  # both written and acknowledged
+            self.m.pending.labels(cls).set(len(queue))
 
     def _choose(self, req: GenerateRequest, loads: list[WorkerLoad]) -> PlacementDecision:
         """A session's RT turn goes where its affinity says (placement or holder), else by load.
@@ -299,81 +300,19 @@ class SchedulerService:
 
     def _count_decision(self, req: GenerateRequest, d: PlacementDecision) -> None:
         outcome = {True: "meets_slo", False: "over_slo_admitted", None: "unpredicted"}[d.meets_slo]
-        self.m_decisions.labels(req.req_class, outcome).inc()
+        self.m.decisions.labels(req.req_class, outcome).inc()
         if d.predicted_ttft_s is not None:
-            self.m_predicted.observe(d.predicted_ttft_s)
+            self.m.predicted.observe(d.predicted_ttft_s)
         if d.meets_slo is False:
             log.info("admitted over its SLO: %s", d.reason, extra={"request_id": req.request_id})
-
-    async def _reject(self, p: Pending, d: PlacementDecision) -> None:
-        """No worker can serve this RT request in time: its owner answers 429 with Retry-After."""
-        req = p.request
-        await self.kafka.send(
-            self.topics.results.name,
-            ResultBatch(source=self.settings.scheduler_id, events=[rejection(req, d)]),
-            partition=req.reply_partition,
-        )
-        self.offsets.done(p.tp, p.offset)
-        self.m_decisions.labels(req.req_class, "rejected").inc()
-        log.info("rejected: %s", d.reason, extra={"request_id": req.request_id})
 
     def _loads(self, model: str) -> list[WorkerLoad]:
         counts = self.assignments.counts()
         return [worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
 
-    async def _dispatch(self, p: Pending, worker_id: str, live: set[str]) -> None:
-        req = p.request
-        kv_source = self.affinity.kv_source(req.session_id, worker_id, live)
-        # kv_source: where this worker can pull the KV; worker_epoch: a fenced worker drops it
-        epoch = self.registry.workers[worker_id].heartbeat.epoch
-        req = req.model_copy(update={"kv_source": kv_source, "worker_epoch": epoch})
-        a = Assignment(
-            request_id=req.request_id,
-            attempt=req.attempt,
-            worker_id=worker_id,
-            gateway_id=req.gateway_id,
-            reply_partition=req.reply_partition,
-            req_class=req.req_class,
-            assigned_at=time.time(),
-        )
-        # State and dispatch are written concurrently (one round trip, not two); the request's
-        # offset is committed only after both are acknowledged, so a crash in between redelivers
-        # it, and a restarted scheduler that finds the state record does not place it twice.
-        state_ack = await self.assignments.add_nowait(a)
-        send_ns = time.time_ns()
-        if p.read_ns:
-            self.tracing.hop("scheduler.place", p.trace, p.read_ns, send_ns)
-        dispatch_ack = await self.kafka.send_nowait(
-            self.topics.dispatch(worker_id).name, req, key=req.request_id, headers=Tracing.kafka_headers(p.trace)
-        )
-        await asyncio.gather(state_ack, dispatch_ack)
-        self.tracing.hop("scheduler.produce", p.trace, send_ns)
-        self.offsets.done(p.tp, p.offset)
-        self._count_session_turn(req, worker_id, live)
-        self.affinity.placed(req.session_id, worker_id)
-        self.m_placed.labels(req.req_class).inc()
-        log.debug(
-            "dispatched to %s%s",
-            worker_id,
-            f" (KV from {kv_source.worker_id})" if kv_source else "",
-            extra={"request_id": req.request_id},
-        )
-
-    def _count_session_turn(self, req: GenerateRequest, worker_id: str, live: set[str]) -> None:
-        if req.session_id is None:
-            return
-        placement = self.affinity.placements.live(req.session_id)
-        if placement is not None and placement.worker_id == worker_id:
-            route = "placement"
-        elif self.affinity.holder(req.session_id, live) == worker_id:
-            route = "holder"
-        else:
-            route = "moved" if req.kv_source is not None else "other"
-        self.m_sessions.labels(route).inc()
-
     async def _commit(self) -> None:
         offsets = self.offsets.committable()
-        if offsets:
+        if offsets and self.lease.is_active():
             try:
                 await self._req.commit(offsets)
             except Exception:  # noqa: BLE001 (a rebalance in progress: the next round commits)
@@ -391,6 +330,8 @@ class SchedulerService:
         """Tell the queue service how much BE the workers can absorb (its release budget)."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            if not self.lease.is_active():
+                continue
             try:
                 await self.kafka.send(self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id)
             except Exception:  # noqa: BLE001 (the broker may be briefly away; the next round retries)
@@ -414,55 +355,13 @@ class SchedulerService:
     async def _housekeeping_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            if not self.lease.is_active():
+                continue  # paused past its lease: the silence it would judge is its own
             for wid in self.registry.expire():
-                log.warning("worker %s lost: re-placing its requests", wid)
-                self.m_worker_up.remove(wid)
-                for a in self.assignments.on_worker(wid):
-                    await self._reroute(a, f"worker {wid} lost")
-                await self._fence(wid)
-            await self._reroute_unaccounted()
-            self.m_workers.set(len(self.registry.workers))
+                self.m.worker_up.remove(wid)
+                await self.failures.worker_lost(wid)
+            await self.failures.reroute_unaccounted(self.started)
+            self.m.workers.set(len(self.registry.workers))
             for topic, lag in (await consumer_lag(self._req)).items():
-                self.m_lag.labels(topic).set(lag)
+                self.m.lag.labels(topic).set(lag)
             self._wake.set()
-
-    async def _fence(self, worker_id: str, resend: bool = False) -> None:
-        """Publish the fence of a lost worker's epoch (re-sent at most once per heartbeat interval:
-        a stale worker heartbeats that often until it has rejoined)."""
-        now = time.monotonic()
-        if resend and now - self._fence_sent.get(worker_id, 0.0) < self.settings.heartbeat_interval_s:
-            return
-        self._fence_sent[worker_id] = now
-        fence = Fence(worker_id=worker_id, epoch=self.registry.fenced[worker_id])
-        try:
-            await self.kafka.send(self.topics.control.name, ControlEnvelope(message=fence), key=worker_id)
-        except Exception:  # noqa: BLE001 (the broker is briefly away: its next stale heartbeat re-sends it)
-            log.warning("fence of worker %s not published", worker_id, exc_info=True)
-
-    async def _retire_finished(self, info: WorkerInfo | None) -> None:
-        if info is None:
-            return
-        for a in self.assignments.on_worker(info.heartbeat.worker_id):
-            if f"{a.request_id}:{a.attempt}" in info.finished:
-                await self.assignments.remove(a.request_id)
-
-    async def _reroute_unaccounted(self) -> None:
-        """Assignments the worker neither runs nor finished (lost dispatch, or a worker we never saw)."""
-        if time.monotonic() - self.started < self.settings.worker_timeout_s:
-            return  # just restarted: heartbeats are still arriving
-        for a in self.assignments.older_than(self.settings.unknown_request_grace_s):
-            info = self.registry.workers.get(a.worker_id)
-            key = f"{a.request_id}:{a.attempt}"
-            if info is None or (key not in info.running and key not in info.finished):
-                await self._reroute(a, "request unaccounted for")
-
-    async def _reroute(self, a: Assignment, reason: str) -> None:
-        await self.assignments.remove(a.request_id)
-        event = Rerouted(request_id=a.request_id, attempt=a.attempt, reason=reason)
-        await self.kafka.send(
-            self.topics.results.name,
-            ResultBatch(source=self.settings.scheduler_id, events=[event]),
-            partition=a.reply_partition,
-        )
-        self.m_rerouted.inc()
-        log.info("rerouting: %s", reason, extra={"request_id": a.request_id})

@@ -92,6 +92,7 @@ class WorkerService:
         self.started_at = time.time()
         self.epoch = int(self.started_at * 1000)  # raised past each fence (re-admission)
         self.fenced_epoch = -1  # the highest epoch of ours the scheduler declared lost
+        self.scheduler_term = 0  # the highest scheduler lease term seen on a dispatch (older ones are dropped)
         self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
         self._requests: dict[str, GenerateRequest] = {}  # request_id -> the attempt that task serves
         self.owners = OwnerWatch(settings.worker_timeout_s)
@@ -199,6 +200,11 @@ class WorkerService:
             self.tracing.hop("worker.consume", hop.context, sent, read_ns)
         key = f"{req.request_id}:{req.attempt}"
         log.debug("dispatch received", extra={"request_id": req.request_id})
+        if req.scheduler_term is not None:  # a deposed scheduler's late dispatch: its successor placed it
+            if req.scheduler_term < self.scheduler_term:
+                log.info("dropped: dispatched at stale scheduler term %d", req.scheduler_term)
+                return
+            self.scheduler_term = req.scheduler_term
         if req.worker_epoch is not None and req.worker_epoch <= self.fenced_epoch:
             log.info("dropped: dispatched to fenced epoch %d", req.worker_epoch, extra={"request_id": req.request_id})
             return  # the scheduler re-placed it when it fenced that epoch

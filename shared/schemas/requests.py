@@ -82,6 +82,10 @@ class GenerateRequest(WireModel):
     # The epoch of the worker the scheduler dispatched this to (`Heartbeat.epoch`): a worker that
     # was fenced at that epoch drops it (the scheduler has re-placed it). None: not dispatched yet.
     worker_epoch: int | None = None
+    # The lease term of the scheduler that dispatched it (shared/lease.py): a worker drops a
+    # dispatch whose term is below one it has already seen (a deposed scheduler woke up and sent
+    # it). None: not dispatched yet, or by a scheduler older than HA pairs.
+    scheduler_term: int | None = None
 
     def resumed(self, token_ids: list[int]) -> GenerateRequest:
         return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

@@ -17,3 +17,6 @@ class Assignment(WireModel):
     reply_partition: int
     req_class: str
     assigned_at: float
+    # The lease term of the scheduler that wrote it: a record of a lower term read after one of a
+    # higher term comes from a deposed scheduler and is dropped on replay (assignments.py).
+    term: int = 0

@@ -70,6 +70,9 @@ class SessionPlacement(WireModel):
     hint_id: str
     expires_at: float  # wall clock; the scheduler ignores the placement after this
     source_worker: str | None = None  # the holder the target pulls from (None: the target holds it)
+    # The advisory service's lease term (shared/lease.py): the scheduler drops a placement of an
+    # older term than one it has read (a deposed advisory service woke up and published it).
+    term: int = 0
 
 
 class KVSourceRef(BaseModel):

@@ -43,6 +43,11 @@ from shared.topics import Topics
 # scheduler's grace for a dispatch its worker does not report yet gets the same margin.
 HEARTBEAT_INTERVAL_S = 0.25
 WORKER_TIMEOUT_S = 6.0
+# The lease of HA pairs in test stacks (shared/lease.py): like the worker timeout, it must exceed
+# the longest starvation of a live process. 2 s deposed a healthy active scheduler once at load
+# average 19 (its standby read no renewal for 2 s while two workers loaded their models), so the
+# tests that run pairs use this, and the handover figures they log come with it.
+LEASE_S = 5.0
 # Safety net for start-up waits (broker, scheduler, workers, gateway): a worker's start is ~10 s
 # of CPU (imports, model load, group join), which took 110 s of wall time at load 16. The waits
 # end on the event itself, or at once when a child dies; this bound only turns a hang into a
@@ -85,11 +90,14 @@ class Stack:
         self.stopped.discard(name)  # a child started again under the same name (a restart)
         return proc
 
-    def scheduler(self, name: str = "scheduler") -> None:
-        """A scheduler, with its metrics endpoint on: `wait_workers` reads its view of the workers."""
+    def scheduler(self, name: str = "scheduler", **env) -> str:
+        """A scheduler, with its metrics endpoint on: `wait_workers` reads its view of the workers
+        (of the one started last, unless a test points `scheduler_url` at another: the active of
+        a pair). Returns its metrics URL."""
         port = free_port()
-        self.spawn(name, "scheduler", TANDEM_METRICS_PORT=port)
+        self.spawn(name, "scheduler", TANDEM_METRICS_PORT=port, TANDEM_SCHEDULER_ID=name, **env)
         self.scheduler_url = f"http://127.0.0.1:{port}"
+        return self.scheduler_url
 
     def worker(self, worker_id: str, **env) -> None:
         self.spawn(

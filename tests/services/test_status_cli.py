@@ -112,3 +112,36 @@ def _cli_env() -> dict:
     import os
 
     return dict(os.environ)
+
+
+def test_pairs_are_read_from_the_lease_records():
+    """Each role's instances by the lease rules: the term's holder renewing is active, a standby
+    heard recently standby, an instance with no record for two leases silent, a released one
+    stopped; roles do not mix."""
+    import time
+
+    from services.status import _pairs
+    from shared.schemas.lease import LeaseRecord
+
+    now = time.time()
+
+    def rec(role, holder, term, state="held", age=0.0):
+        return LeaseRecord(role=role, holder=holder, term=term, state=state, sent_at=now - age)
+
+    records = [
+        rec("scheduler", "s-a/1", 1, age=30),
+        rec("scheduler", "s-b/2", 1, "standby", age=20),
+        rec("scheduler", "s-b/2", 2, age=1),  # took over
+        rec("queue", "q-a/3", 1, age=0.5),
+        rec("queue", "q-b/4", 1, "standby", age=0.5),
+        rec("advisory", "a-a/5", 4, age=2),
+        rec("advisory", "a-a/5", 4, "released", age=1),
+    ]
+    pairs = {p.role: p for p in _pairs(records, lease_s=3.0)}
+    states = {role: {i.instance: i.state for i in p.instances} for role, p in pairs.items()}
+    assert states == {
+        "scheduler": {"s-a/1": "silent", "s-b/2": "active"},
+        "queue": {"q-a/3": "active", "q-b/4": "standby"},
+        "advisory": {"a-a/5": "stopped"},
+    }
+    assert pairs["scheduler"].term == 2 and pairs["advisory"].term == 4

@@ -95,7 +95,7 @@ def stack(make_stack):
     fakes.start()
     s.gateway()
     s.advisory()
-    s.wait_log("advisory", "advisory ready")
+    s.wait_log("advisory", "advisory active (term")  # ready to act: it holds the lease
     s.wait_gateway()
     yield s
     fakes.stop()
@@ -269,7 +269,22 @@ def test_a_restarted_advisory_service_rebuilds_its_directory_from_the_topic(stac
     stack.kill("advisory", signal.SIGKILL)
     asyncio.run(_publish_locations(stack, ["s4"]))  # known only through the compacted topic
     stack.advisory("advisory-2")
-    stack.wait_log("advisory-2", "advisory ready")
+    stack.wait_log("advisory-2", "advisory active (term")  # after the killed one's lease ran out
     assert "directory rebuilt: 4 sessions" in (stack.log_dir / "advisory-2.log").read_text()
     pre, plc = asyncio.run(_hint_and_collect(stack, "s4"))
     assert plc.worker_id == "wb" and pre.source_worker == "wa"
+
+
+def test_an_advisory_pair_hands_over_and_a_hint_sent_meanwhile_is_placed_once(stack):
+    """Two advisory services: SIGKILL the active one and send a hint at once (no active reads
+    it): the standby takes over, reads it from the group's committed offsets and places the
+    session, stamped with its own, higher lease term."""
+    asyncio.run(_publish_locations(stack, ["s6"]))  # a session no hint has named yet
+    stack.advisory("advisory-3")
+    stack.wait_log("advisory-3", "advisory standing by")
+    stack.kill("advisory-2", signal.SIGKILL)
+    pre, plc = asyncio.run(_hint_and_collect(stack, "s6"))
+    assert plc.worker_id in ("wa", "wb") and pre.worker_id == plc.worker_id
+    assert plc.term == 3  # advisory (1), advisory-2 (2), now advisory-3
+    log = (stack.log_dir / "advisory-3.log").read_text(errors="replace")
+    assert "advisory active (term 3)" in log and "directory rebuilt: 5 sessions" in log

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from services.broker import free_port
+from tests.services.conftest import LEASE_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -184,3 +185,70 @@ def test_a_killed_up_takes_its_whole_stack_with_it(tiny_model_dir):
     # a child that never notices into a failure.
     left = _gone(children, 120)
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+def _status(lines: list[str], prefix: str = "tandem") -> dict:
+    """`tandem status --json` against the broker `up` started (its address is in `up`'s log)."""
+    import json
+    import os
+
+    broker = next(ln.split("embedded broker on ")[1].split()[0] for ln in lines if "embedded broker on " in ln)
+    env = {**os.environ, "KAFKA_BOOTSTRAP": broker, "TANDEM_TOPIC_PREFIX": prefix, "TANDEM_LEASE_S": str(LEASE_S)}
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "status", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _instances(status: dict, role: str) -> dict[str, str]:
+    """Instance name (the service id, without pid and start time) -> state, for one role."""
+    pair = next((p for p in status["pairs"] if p["role"] == role), {"instances": []})
+    return {i["instance"].split("/")[0]: i["state"] for i in pair["instances"]}
+
+
+def test_up_ha_reports_a_dead_scheduler_and_keeps_serving(tiny_model_dir):
+    """`up --ha`: two of scheduler, advisory and queue. SIGKILL the active scheduler: `up` says so
+    and keeps running, the standby takes over, requests are served, `tandem status` shows the
+    dead instance silent and the other active."""
+    import threading
+
+    port = free_port()
+    flags = ("--dtype", "float32", "--kv-cache-gib", "0.05", "--ha")
+    proc, lines = _start(tiny_model_dir("llama"), port, flags, env={"TANDEM_LEASE_S": str(LEASE_S)})
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        model = httpx.get(f"{url}/models").json()["data"][0]["id"]
+        pairs = {}
+        deadline = time.monotonic() + 120  # each standby announces itself within a lease
+        while time.monotonic() < deadline:
+            pairs = {role: _instances(_status(lines), role) for role in ("scheduler", "advisory", "queue")}
+            if all(sorted(p.values()) == ["active", "standby"] for p in pairs.values()):
+                break
+            time.sleep(0.5)
+        assert all(sorted(p.values()) == ["active", "standby"] for p in pairs.values()), pairs
+        active = next(name for name, state in pairs["scheduler"].items() if state == "active")
+        other = next(name for name in pairs["scheduler"] if name != active)
+        victim = next(
+            c for c in psutil.Process(proc.pid).children() if c.environ().get("TANDEM_SCHEDULER_ID") == active
+        )
+        victim.kill()
+        for i in range(3):  # placed by the standby once it holds the lease
+            r = httpx.post(
+                f"{url}/completions",
+                timeout=120,
+                json={"model": model, "prompt": f"after {i}", "max_tokens": 3, "temperature": 0},
+            )
+            assert r.status_code == 200, r.text
+        assert proc.poll() is None, "".join(lines[-40:])
+        assert any(f"{active} died (code -9); {other} serves as the scheduler" in ln for ln in lines)
+        deadline = time.monotonic() + 60  # silent: no record for two leases
+        while _instances(_status(lines), "scheduler") != {active: "silent", other: "active"}:
+            assert time.monotonic() < deadline, _status(lines)["pairs"]
+            time.sleep(0.5)
+        _batch_completes(url, model)  # the queue pair still serves batches
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)

@@ -74,11 +74,13 @@ def test_topic_catalogue_is_complete():
         "p.heartbeats",
         "p.owners",
         "p.scheduler.state",
+        "p.scheduler.fences",
         "p.be.capacity",
         "p.batches",
         "p.advisory",
         "p.sessions.directory",
         "p.sessions.placement",
+        "p.leases",
     } == names
     assert Topics("p").sessions_directory.compacted and Topics("p").sessions_placement.compacted
     assert Topics("p").scheduler_state.compacted and Topics("p").dispatch("w1").name == "p.dispatch.w1"

@@ -1,0 +1,252 @@
+"""Active/standby election for the doubled services (scheduler, queue, advisory), on `leases`.
+
+Each instance of a role runs a `LeaseKeeper`. They all read the one-partition `leases` topic from
+its start and apply the same rules (`LeaseLog`) in the same order, so they agree on each term's
+holder without talking to each other:
+
+- a `held` record of a term above the current one starts that term, and its sender holds it
+  (the *first* such record wins: a second claimant of the same term lost the race);
+- a `held` record of the current term by its holder renews it; anything else older is ignored
+  (a deposed active that woke up renewing its old term changes nothing);
+- a `released` record by the holder ends its term at once (a clean stop: the standby claims
+  without waiting out the lease).
+
+The active renews every `lease_s / 3`. A standby that has read no renewal for `lease_s` claims
+the next term. The active counts itself active only within `lease_s` of the *send* time of a
+renewal it has *read back* while still the holder (`is_active`): a paused active that wakes finds
+its window over before it can act, and a renewal it sends then is read back only after the
+standby's claim (one partition, one order), which deposes it. A standby claims no earlier than
+`lease_s` after it read the active's last renewal, which is after that renewal was sent, so the
+two windows do not overlap (on one clock rate; across hosts the skew of *rates* matters, not of
+clocks). What remains is the gap between an active's check and its send; every output that
+matters carries the term and readers drop stale ones (docs/reliability.md, "HA pairs").
+
+A deposed active does not step down in place: the service exits (`on_deposed`) and its
+supervisor starts it again as a standby, since its memory (pending requests, claimed items) may
+be stale in ways only a restart reliably clears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiokafka import ConsumerRecord
+
+from shared.kafka import KafkaClient, read_to_end
+from shared.records import decode_record
+from shared.schemas.lease import LeaseRecord, LeaseState
+
+log = logging.getLogger(__name__)
+RELEASE_WAIT_S = 1.0  # how long a clean stop waits for its release to be acknowledged
+
+
+@dataclass
+class Lease:
+    term: int
+    holder: str
+    heard: float  # reader's monotonic clock: when the holder's claim or latest renewal was read
+    released: bool = False
+
+
+@dataclass
+class StandbySeen:
+    holder: str
+    term: int
+    sent_at: float  # wall clock of its last record
+
+
+class LeaseLog:
+    """The rules, applied to one role's records in log order (no I/O: unit-testable)."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.current: Lease | None = None
+        self.members: dict[str, StandbySeen] = {}  # every instance heard, active or standby
+
+    def apply(self, r: LeaseRecord, now: float) -> bool:
+        """Apply one record; True when it renewed or started the current term."""
+        if r.role != self.role:
+            return False
+        self.members[r.holder] = StandbySeen(r.holder, r.term, r.sent_at)
+        cur = self.current
+        if r.state == "standby":
+            return False
+        if cur is None or r.term > cur.term:
+            if r.state == "held":
+                self.current = Lease(r.term, r.holder, now)
+                return True
+            return False
+        if r.term == cur.term and r.holder == cur.holder:
+            if r.state == "released":
+                cur.released = True
+                return False
+            cur.heard = now
+            return True
+        return False
+
+    def expired(self, now: float, lease_s: float) -> bool:
+        cur = self.current
+        return cur is None or cur.released or now - cur.heard > lease_s
+
+
+def instance_name(service_id: str) -> str:
+    """A holder name unique per process: a restarted instance is not its own predecessor."""
+    return f"{service_id}/{os.getpid()}-{int(time.time() * 1000)}"
+
+
+class LeaseKeeper:
+    """One instance's side of a role's election; `wait_active()` returns once it holds the lease."""
+
+    def __init__(
+        self,
+        kafka: KafkaClient,
+        topic: str,
+        role: str,
+        holder: str,
+        lease_s: float,
+        on_deposed: Callable[[], None] | None = None,
+    ) -> None:
+        self.kafka, self.topic, self.role, self.holder, self.lease_s = kafka, topic, role, holder, lease_s
+        self.log = LeaseLog(role)
+        self._on_deposed = on_deposed
+        self._seq = 0
+        self._sent: dict[int, float] = {}  # seq -> monotonic send time, until read back
+        self._renewed_at = float("-inf")  # send time of the latest own renewal read back as holder
+        self.active_term: int | None = None  # the term this instance holds (or held, once deposed)
+        self.deposed = False
+        self._active = asyncio.Event()
+        self._announced = float("-inf")  # when this standby last said it is there
+        self._tasks: list[asyncio.Task] = []
+        self._consumer = None
+
+    # -- what the service asks -----------------------------------------------------------------
+
+    def is_active(self) -> bool:
+        """True while this instance holds the lease and its window has not run out: check it
+        right before acting, and stamp `active_term` on what is produced."""
+        cur = self.log.current
+        return (
+            not self.deposed
+            and cur is not None
+            and cur.holder == self.holder
+            and cur.term == self.active_term
+            and time.monotonic() - self._renewed_at < self.lease_s
+        )
+
+    async def wait_active(self) -> int:
+        await self._active.wait()
+        assert self.active_term is not None
+        return self.active_term
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        c = self._consumer = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, self.topic, from_end=False)
+        await read_to_end(c, self._apply)
+        cur = self.log.current
+        log.info(
+            "%s lease: %s; this instance is %s",
+            self.role,
+            f"term {cur.term} held by {cur.holder}" if cur else "never held",
+            self.holder,
+        )
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._tick_loop())]
+
+    async def stop(self, release: bool = True) -> None:
+        """Stop; a clean stop of the active releases the lease so its standby claims at once."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        active = self.is_active()
+        if self._consumer is not None:
+            # First: the release rings this process's doorbell for `leases`, and a ring that
+            # wakes this (no longer read) consumer made its later stop hang (measured).
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+        if release and active:
+            # Bounded: when the broker went away with us (a whole stack stopping), the lease
+            # simply runs out; an unacked send must not hold up the stop.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send("released", self.active_term), RELEASE_WAIT_S)
+                log.info("%s lease term %d released", self.role, self.active_term)
+
+    # -- the loops -------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            for msgs in (await self._consumer.getmany(timeout_ms=1000)).values():
+                for m in msgs:
+                    self._apply(m)
+
+    def _apply(self, m: ConsumerRecord) -> None:
+        r = decode_record(LeaseRecord, m)
+        if r is None or r.role != self.role:
+            return
+        now = time.monotonic()
+        self.log.apply(r, now)
+        cur = self.log.current
+        if r.holder == self.holder and r.seq in self._sent:
+            sent = self._sent.pop(r.seq)
+            for old in [s for s in self._sent if s < r.seq]:
+                del self._sent[old]
+            if r.state == "held" and cur is not None and cur.holder == self.holder and cur.term == r.term:
+                self._renewed_at = sent
+                if self.active_term != r.term:
+                    self._became_active(r.term)
+        if self.active_term is not None and not self.deposed and cur is not None and cur.holder != self.holder:
+            self._was_deposed(cur)
+
+    def _became_active(self, term: int) -> None:
+        self.active_term = term
+        log.warning("%s: this instance (%s) is now active, term %d", self.role, self.holder, term)
+        self._active.set()
+
+    def _was_deposed(self, cur: Lease) -> None:
+        self.deposed = True
+        log.error(
+            "%s: deposed: term %d is held by %s (this instance held term %d and missed its renewals)",
+            self.role,
+            cur.term,
+            cur.holder,
+            self.active_term,
+        )
+        if self._on_deposed is not None:
+            self._on_deposed()
+
+    async def _tick_loop(self) -> None:
+        interval = self.lease_s / 3
+        while True:
+            try:
+                await self._tick()
+            except Exception:  # noqa: BLE001 (the broker is briefly away: the next tick retries)
+                log.warning("%s lease record not sent", self.role, exc_info=True)
+            await asyncio.sleep(interval)
+
+    async def _tick(self) -> None:
+        if self.deposed:
+            return
+        cur, now = self.log.current, time.monotonic()
+        if cur is not None and cur.holder == self.holder and not cur.released:
+            await self._send("held", cur.term)  # renew (read back, it extends the window)
+        elif self.log.expired(now, self.lease_s):
+            term = (cur.term if cur else 0) + 1
+            log.info("%s lease %s: claiming term %d", self.role, "free" if cur is None else "lapsed", term)
+            await self._send("held", term)
+        elif now - self._announced >= self.lease_s:  # a standby's presence needs no faster beat
+            self._announced = now
+            await self._send("standby", cur.term)
+
+    async def _send(self, state: LeaseState, term: int) -> None:
+        self._seq += 1
+        self._sent[self._seq] = time.monotonic()
+        record = LeaseRecord(
+            role=self.role, holder=self.holder, term=term, state=state, sent_at=time.time(), seq=self._seq
+        )
+        await self.kafka.send(self.topic, record, key=self.role)
