@@ -152,6 +152,14 @@ def add_run_args(
         default=None,
         help="sim: GB/s for moving a session's KV between workers (default: recompute)",
     )
+    e.add_argument(
+        "--session-mode",
+        choices=("recompute", "recompute-cached", "load-aware", "hints"),
+        default=None,
+        help="sim: sessions' KV between turns (docs/sessions.md, 'Symphony at its own scale'); "
+        "default: the plain path (--kv-bandwidth-gbps)",
+    )
+    e.add_argument("--session-host-gib", type=float, default=64.0, help="sim: host tier per worker for sessions' KV")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadgen.arrivals import ArrivalSpec
@@ -104,12 +104,16 @@ def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> Targe
 
     cost = load_cost_model(args.cost_model or DEFAULT_SIM_PROFILE)
     spec = worker_spec(args, cost.meta)
+    mode = getattr(args, "session_mode", None)
+    if mode == "recompute":  # vLLM without prefix caching: no history survives a turn
+        spec = replace(spec, enable_prefix_caching=False)
     noise = StepJitter.parse(getattr(args, "step_noise", DEFAULT_STEP_NOISE), seed=args.seed)
     plan = cost if getattr(args, "exact_planning", False) else planning_cost(args, cost, spec, noise)
     opts = policy_options(policy, plan, default_slo, policy_flags(args))
     workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
-    target = SimTarget(workers, ClusterSpec(args.placement, bw), planning_cost=plan)
+    cluster = ClusterSpec(args.placement, bw, mode, getattr(args, "session_host_gib", 64.0))
+    target = SimTarget(workers, cluster, planning_cost=plan)
     return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
 
 

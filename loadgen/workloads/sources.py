@@ -18,6 +18,13 @@ from loadgen.workloads.spec import RequestSpec, Submission
 
 WORDS_PER_TOKEN = 0.75  # English text: about 3/4 of a word per BPE token
 
+# Symphony's chatbot regime: the hint (typing starts) comes 11.3 s before the request on
+# average (paper §3.1, ShareGPT). At 40 wpm, ShareGPT's mean prompt (223 tokens, 167 words)
+# takes 250 s to type, so a closed loop of 512 users sent a turn every ~290 s each (~1.45 req/s
+# on 16 workers: the run issue 20 found idle). Most long ShareGPT prompts are pasted, not typed;
+# this speed makes the mean lead 11.3 s on the `sharegpt` profile (223 * 0.75 / 11.3 * 60).
+SYMPHONY_TYPING_WPM = 887.0
+
 
 class Source(ABC):
     @abstractmethod
