@@ -57,6 +57,10 @@ class Repro(abc.ABC):
     def paper_rows(self) -> list[PaperRow]:
         """The paper's figure, as rows our cells answer."""
 
+    def extra_readme(self, docs: dict[str, dict]) -> list[str]:
+        """Lines a paper adds to its README from the cells' documents (its own figure's shape)."""
+        return []
+
     def not_implemented(self) -> list[str]:
         """Parts of the paper's comparison we cannot run yet, each a sentence."""
         return []

@@ -89,6 +89,7 @@ def readme(repro: Repro, docs: dict[str, dict], *, quick: bool) -> list[str]:
                     f"{s.get('throughput_rps') or 0:.3f} |"
                 )
         lines.append("")
+    lines += repro.extra_readme(docs)
     missing = repro.not_implemented()
     if missing:
         lines += ["## Not implemented", "", *[f"- {m}" for m in missing], ""]

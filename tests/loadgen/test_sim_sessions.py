@@ -102,3 +102,31 @@ def test_unknown_session_mode_is_a_clear_error():
 
     with pytest.raises(ValueError, match="unknown session mode"):
         SessionRouter("sticky", {}, CopyCosts(1), 0)
+
+
+def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
+    from loadgen.repro.symphony import MODES, SymphonyRepro
+
+    cells = SymphonyRepro().cells(quick=False, engine=False)
+    assert {c.name for c in cells} == {f"sim-{m}-u{u}" for m in MODES for u in (64, 128, 256, 512, 1024)}
+    argvs = {c.argv[: c.argv.index("--users")] for c in cells}
+    assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+    assert not any("advisory path" in s for s in SymphonyRepro().not_implemented())
+
+
+def test_users_table_reports_the_most_users_under_each_ttft_bound():
+    from loadgen.repro.symphony import users_table
+
+    def doc(ttft):
+        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_p50_s": 0.02}}}
+
+    docs = {
+        "sim-recompute-u64": doc(0.05),
+        "sim-recompute-u512": doc(3.0),
+        "sim-hints-u64": doc(0.03),
+        "sim-hints-u512": doc(0.15),
+    }
+    lines = users_table(docs)
+    assert "| recompute | 64 | 64 | 64 |" in lines
+    assert "| hints | 64 | 512 | 512 |" in lines
+    assert "| load-aware | 0 | 0 | 0 |" in lines
