@@ -68,6 +68,12 @@ def add_run_args(
     g.add_argument("--turns-mean", type=float, default=4.0, help="sessions: mean turns")
     g.add_argument("--reading-wpm", type=float, default=250.0)
     g.add_argument("--typing-wpm", type=float, default=40.0)
+    g.add_argument(
+        "--users-ramp-s",
+        type=float,
+        default=0.0,
+        help="closed-loop sessions: users start at uniform offsets over this many seconds (default: all at 0)",
+    )
     g.add_argument("--drain-timeout", type=float, default=None, help="s to wait for RT after the window")
     g.add_argument("--attainment", type=float, default=0.9, help="target for --find-rate")
     g.add_argument(

@@ -183,4 +183,5 @@ def workload_config(
         be_refill=args.be_refill,
         turns_mean=args.turns_mean,
         speeds=HumanSpeeds(args.reading_wpm, args.typing_wpm),
+        users_ramp_s=getattr(args, "users_ramp_s", 0.0),
     )

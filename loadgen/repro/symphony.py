@@ -39,6 +39,8 @@ class SymphonyRepro(Repro):
             "llama-3-8b-h100",
             "--typing-wpm",
             str(SYMPHONY_TYPING_WPM),
+            "--users-ramp-s",
+            "60",  # about one mean turn cycle: first turns arrive at the steady rate
             "--seeds",
             "1" if quick else "3",
         )

@@ -96,7 +96,8 @@ class SessionUser(Source):
 
     When a session's last turn is answered the user reads it and starts a new session, so the
     number of live sessions stays at the user count (the closed-loop reading of Symphony's
-    trace generator). Session k of user i is `u{i}-s{k}`.
+    trace generator). Session k of user i is `u{i}-s{k}`. The user starts typing its first
+    prompt at `start_s` (a ramp spreads users' starts so the first turns do not all arrive at once).
     """
 
     def __init__(
@@ -108,14 +109,16 @@ class SessionUser(Source):
         rng: np.random.Generator,
         stop_s: float,
         max_len: int | None,
+        start_s: float = 0.0,
     ) -> None:
         self.user_id, self.turns_mean, self.profile, self.speeds = user_id, turns_mean, profile, speeds
+        self.start_s = start_s
         self.rng, self.stop_s, self.max_len = rng, stop_s, max_len
         self.count = 0
         self.session: Session | None = None
 
     def start(self) -> list[Submission]:
-        return self._new_session(0.0)
+        return self._new_session(self.start_s)
 
     def on_finish(self, spec: RequestSpec, finish_s: float, output_tokens: int) -> list[Submission]:
         out = self.session.on_finish(spec, finish_s, output_tokens)

@@ -130,3 +130,24 @@ def test_users_table_reports_the_most_users_under_each_ttft_bound():
     assert "| recompute | 64 | 64 | 64 |" in lines
     assert "| hints | 64 | 512 | 512 |" in lines
     assert "| load-aware | 0 | 0 | 0 |" in lines
+
+
+def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
+    from loadgen.arrivals import ArrivalSpec
+    from loadgen.workloads.build import WorkloadConfig, build_workload
+
+    def first(ramp):
+        cfg = WorkloadConfig(
+            "sessions", ArrivalSpec(kind="closed", users=64), duration_s=3000.0, users_ramp_s=ramp, seed=3
+        )
+        return [s.start()[0] for s in build_workload(cfg).sources]
+
+    flat, ramped = first(0.0), first(60.0)
+    assert [s.spec for s in flat] == [s.spec for s in ramped]
+    assert max(s.typing_at_s for s in flat) == 0.0
+    starts = [s.typing_at_s for s in ramped]
+    assert 0.0 <= min(starts) < 10.0 and 50.0 < max(starts) < 60.0
+    with pytest.raises(ValueError, match="ramp"):
+        build_workload(
+            WorkloadConfig("sessions", ArrivalSpec(kind="closed", users=2), duration_s=10.0, users_ramp_s=-1.0)
+        )
