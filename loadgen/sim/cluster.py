@@ -182,7 +182,9 @@ class SimTarget(StepTarget):
             request.req_class,
             len(request.prompt_ids),
             request.session_id,
-            self._session_worker.get(request.session_id or ""),
+            # session modes route by load alone (Symphony's request-level balancing); the
+            # plain path keeps the scheduler's holder preference
+            None if self.sessions is not None else self._session_worker.get(request.session_id or ""),
             slo_ttft_s=request.slo_ttft_s,
             slo_tpot_s=request.slo_tpot_s,
             max_tokens=request.max_tokens,

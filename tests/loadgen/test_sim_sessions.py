@@ -88,7 +88,7 @@ def test_hints_prefetch_ahead_so_turns_find_their_kv_on_the_device(modes):
 def test_load_aware_moves_kv_at_turn_time(modes):
     ev = modes["load-aware"]["session_events"]
     assert ev["turn_unhinted"] > 0 and "turn_hinted" not in ev
-    assert ev.get("kv_from_peer", 0) + ev.get("kv_from_host", 0) > 0
+    assert ev.get("kv_from_peer", 0) > 0  # routed by load, not to the holder: the KV follows
     assert modes["load-aware"]["kv_transfers"] > 0
 
 
