@@ -165,6 +165,19 @@ def add_run_args(
         help="sim: sessions' KV between turns (docs/sessions.md, 'Symphony at its own scale'); "
         "default: the plain path (--kv-bandwidth-gbps)",
     )
+    e.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="sim: KV bytes per token instead of the profile's (device capacity and copy costs scale; "
+        "step times do not)",
+    )
+    e.add_argument(
+        "--session-disk-gbps",
+        type=float,
+        default=None,
+        help="sim: an inclusive disk tier per worker read at this many GB/s (default: none)",
+    )
     e.add_argument("--session-host-gib", type=float, default=64.0, help="sim: host tier per worker for sessions' KV")
 
 

@@ -112,7 +112,8 @@ def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> Targe
     opts = policy_options(policy, plan, default_slo, policy_flags(args))
     workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
-    cluster = ClusterSpec(args.placement, bw, mode, getattr(args, "session_host_gib", 64.0))
+    disk = (getattr(args, "session_disk_gbps", None) or 0.0) * 1e9
+    cluster = ClusterSpec(args.placement, bw, mode, getattr(args, "session_host_gib", 64.0), disk_bytes_per_s=disk)
     target = SimTarget(workers, cluster, planning_cost=plan)
     return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
 
@@ -136,10 +137,11 @@ def worker_spec(args: argparse.Namespace, meta: dict):
     from loadgen.sim.worker import WorkerSpec
 
     block = int(meta.get("block_size", 16))
-    num_blocks = args.num_blocks or (
-        int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta else 4096
-    )
-    bytes_per_token = int(meta.get("kv_bytes_per_token", 0))
+    profile_bytes = int(meta.get("kv_bytes_per_token", 0))
+    bytes_per_token = getattr(args, "kv_bytes_per_token", None) or profile_bytes
+    # another KV size in the same device memory (e.g. Symphony's 1.1 MB/token): capacity scales
+    capacity = int(meta["kv_capacity_tokens"]) * profile_bytes // bytes_per_token if "kv_capacity_tokens" in meta else 0
+    num_blocks = args.num_blocks or (capacity // block + 1 if capacity else 4096)
     swap_gib = getattr(args, "swap_space_gib", DEFAULT_SWAP_SPACE_GIB)
     host_blocks = (
         int(swap_gib * 2**30) // (bytes_per_token * block) if bytes_per_token and swap_gib is not None else None

@@ -48,6 +48,7 @@ class ClusterSpec:
     session_mode: str | None = None
     session_host_gib: float = 64.0  # host tier per worker (Symphony: 256 GB DRAM per 4 GPUs)
     pcie_bytes_per_s: float = 25e9
+    disk_bytes_per_s: float = 0.0  # > 0: an inclusive disk tier per worker (Symphony's SSD)
 
 
 class SimTarget(StepTarget):
@@ -299,7 +300,7 @@ def _session_router(spec: ClusterSpec, workers: dict[str, SimWorker]) -> Session
     if per_token <= 0:
         raise ValueError("session modes need the profile's kv_bytes_per_token to price copies")
     net = spec.kv_transfer_bytes_per_s or CopyCosts(per_token).network_bytes_per_s
-    costs = CopyCosts(per_token, spec.pcie_bytes_per_s, net)
+    costs = CopyCosts(per_token, spec.pcie_bytes_per_s, net, spec.disk_bytes_per_s)
     return SessionRouter(spec.session_mode, workers, costs, int(spec.session_host_gib * GIB))
 
 

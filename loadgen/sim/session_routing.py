@@ -54,6 +54,10 @@ class SessionRouter:
         self.mode, self.workers, self.costs = mode, workers, costs
         tiered = mode in ("load-aware", "hints")
         self.host = {wid: HostTier(host_bytes, costs.kv_bytes_per_token) for wid in workers} if tiered else {}
+        # the inclusive disk copy (session -> history) per worker, when the costs name a disk
+        self.disk: dict[str, dict[str, list[int]]] = (
+            {wid: {} for wid in workers} if tiered and costs.disk_bytes_per_s > 0 else {}
+        )
         self.holder: dict[str, str] = {}  # session -> worker that served its last turn
         self.bindings: dict[str, Binding] = {}  # hinted sessions whose turn has not arrived
         self.target_rule = LeastLoadedTarget()
@@ -70,17 +74,19 @@ class SessionRouter:
         if holder is None or session_id in self.bindings:
             self.counts["hint_ignored" if holder is None else "hint_refresh"] += 1
             return None
-        history = self.host[holder].get(session_id)
-        if history is None:  # the holder's host tier evicted it: nothing to move
+        found = self._kept(holder, session_id)
+        if found is None:  # evicted from every tier of the holder: nothing to move
             self.counts["hint_no_copy"] += 1
             return None
+        history, on_disk = found
+        read_s = self.costs.disk_to_device_s(len(history)) - self.costs.host_to_device_s(len(history)) if on_disk else 0
         target = self.target_rule.pick(holder, self._candidates()) or holder
         if target == holder:
             cached = self.workers[holder].cached_prefix_tokens(history)
-            copy_s = self.costs.host_to_device_s(len(history) - cached)
+            copy_s = read_s + self.costs.host_to_device_s(len(history) - cached)
             self.counts["hint_stay"] += 1
         else:
-            copy_s = self.costs.worker_to_worker_s(len(history))
+            copy_s = read_s + self.costs.worker_to_worker_s(len(history))
             self.counts["hint_move"] += 1
         ready = now + copy_s
         self.bindings[session_id] = Binding(target, ready)
@@ -90,6 +96,8 @@ class SessionRouter:
         """A prefetch landed: the target keeps a host copy (inclusive) and fills its free device
         blocks with the history; returns the tokens placed on the device."""
         self.host[worker_id].keep(session_id, history, now, set(self.bindings))
+        if self.disk:
+            self.disk[worker_id][session_id] = history
         return self.workers[worker_id].import_prefix(history)
 
     # -- turns ---------------------------------------------------------------------------
@@ -125,6 +133,9 @@ class SessionRouter:
         for wid, tier in self.host.items():
             if wid != worker_id:
                 tier.drop(session_id)
+                self.disk.get(wid, {}).pop(session_id, None)
+        if self.disk:
+            self.disk[worker_id][session_id] = token_ids
         if not self.host[worker_id].keep(session_id, token_ids, now, set(self.bindings)):
             self.counts["host_too_small"] += 1
 
@@ -134,20 +145,30 @@ class SessionRouter:
         """The turn runs on `wid` now: its history from `wid`'s device, its host tier, or the
         holder's host tier over the network; recomputed when no tier kept it."""
         worker = self.workers[wid]
-        local = self.host[wid].get(session_id)
-        kept = local if local is not None else self.host[holder].get(session_id)
-        if kept is None:
+        local = self._kept(wid, session_id)
+        found = local if local is not None else self._kept(holder, session_id)
+        if found is None:
             self.counts["kv_recomputed"] += 1
             return Route(wid, 0.0, None)
+        kept, on_disk = found
         on_device = worker.cached_prefix_tokens(kept)
         if on_device >= len(kept) // worker.spec.block_size * worker.spec.block_size:
             self.counts["kv_device_hit"] += 1
             return Route(wid, 0.0, None)
+        read_s = self.costs.disk_to_device_s(len(kept)) - self.costs.host_to_device_s(len(kept)) if on_disk else 0
         if local is not None:
-            self.counts["kv_from_host"] += 1
-            return Route(wid, self.costs.host_to_device_s(len(kept) - on_device), kept)
+            self.counts["kv_from_disk" if on_disk else "kv_from_host"] += 1
+            return Route(wid, read_s + self.costs.host_to_device_s(len(kept) - on_device), kept)
         self.counts["kv_from_peer"] += 1
-        return Route(wid, self.costs.worker_to_worker_s(len(kept)), kept)
+        return Route(wid, read_s + self.costs.worker_to_worker_s(len(kept)), kept)
+
+    def _kept(self, wid: str, session_id: str) -> tuple[list[int], bool] | None:
+        """`wid`'s copy of the session: (history, whether it must be read from disk), or None."""
+        host = self.host[wid].get(session_id)
+        if host is not None:
+            return host, False
+        disk = self.disk.get(wid, {}).get(session_id)
+        return None if disk is None else (disk, True)
 
     def _candidates(self) -> list[Candidate]:
         pending = Counter(b.worker_id for b in self.bindings.values())

@@ -9,6 +9,9 @@ pool's LRU evicts them under pressure. This module adds what the engine keeps be
   `idle-layer-size` by default). The simulator has no disk tier, and the real host tier then
   evicts whole sessions (a partial copy could not be completed from anywhere), so each session
   is one candidate; "busy" means a pending hint, as in the engine.
+- A disk tier (optional, `CopyCosts.disk_bytes_per_s`): Symphony's inclusive copy of every
+  session, unbounded (the paper's 4 TB SSDs hold far more than a run writes); reading it costs
+  the disk's bandwidth before the PCIe copy.
 - `CopyCosts`: seconds to move KV host->device (PCIe) and worker->worker (the network). A copy
   is charged in full before the turn can run on the worker; the engine's layer-wise overlap
   would hide part of a host load behind the prefill, so this is the pessimistic side (it
@@ -29,9 +32,13 @@ class CopyCosts:
     kv_bytes_per_token: int
     pcie_bytes_per_s: float = 25e9  # PCIe 4.0 x16, effective (H100 SXM hosts: PCIe 5, ~2x)
     network_bytes_per_s: float = 12.5e9  # 100 Gbps Ethernet, Symphony's testbed
+    disk_bytes_per_s: float = 0.0  # 0: no disk tier (an NVMe SSD reads ~3e9)
 
     def host_to_device_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token / self.pcie_bytes_per_s
+
+    def disk_to_device_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.disk_bytes_per_s + self.host_to_device_s(tokens)
 
     def worker_to_worker_s(self, tokens: int) -> float:
         """Network transfer, then the target's host->device copy (not pipelined: pessimistic)."""

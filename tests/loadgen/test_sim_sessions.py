@@ -41,7 +41,7 @@ def test_symphony_typing_speed_gives_the_papers_mean_hint_lead():
     assert HumanSpeeds().typing_s(223) > 200
 
 
-def _cell(mode: str, users: int = 48, duration: int = 60) -> dict:
+def _cell(mode: str, users: int = 48, duration: int = 60, extra: tuple[str, ...] = ()) -> dict:
     argv = (
         "--workload",
         "sessions",
@@ -61,6 +61,7 @@ def _cell(mode: str, users: int = 48, duration: int = 60) -> dict:
         "1000",
         "--session-mode",
         mode,
+        *extra,
     )
     doc = run_cell(Cell(f"t-{mode}", argv, ("fcfs",)))
     return doc["targets"]["fcfs"]
@@ -151,3 +152,12 @@ def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
         build_workload(
             WorkloadConfig("sessions", ArrivalSpec(kind="closed", users=2), duration_s=10.0, users_ramp_s=-1.0)
         )
+
+
+def test_a_disk_tier_keeps_what_the_host_tier_evicts():
+    tiny_host = ("--session-host-gib", "0.05")  # ~400 tokens of Llama-3-8B KV: evicts nearly all
+    without = _cell("load-aware", extra=tiny_host)["session_events"]
+    with_disk = _cell("load-aware", extra=(*tiny_host, "--session-disk-gbps", "3"))["session_events"]
+    assert without.get("kv_recomputed", 0) > 0
+    assert with_disk.get("kv_recomputed", 0) == 0
+    assert with_disk.get("kv_from_disk", 0) + with_disk.get("kv_from_peer", 0) > 0
