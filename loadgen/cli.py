@@ -68,6 +68,12 @@ def add_run_args(
     g.add_argument("--turns-mean", type=float, default=4.0, help="sessions: mean turns")
     g.add_argument("--reading-wpm", type=float, default=250.0)
     g.add_argument("--typing-wpm", type=float, default=40.0)
+    g.add_argument(
+        "--users-ramp-s",
+        type=float,
+        default=0.0,
+        help="closed-loop sessions: users start at uniform offsets over this many seconds (default: all at 0)",
+    )
     g.add_argument("--drain-timeout", type=float, default=None, help="s to wait for RT after the window")
     g.add_argument("--attainment", type=float, default=0.9, help="target for --find-rate")
     g.add_argument(
@@ -178,6 +184,27 @@ def add_run_args(
         default=None,
         help="sim: GB/s for moving a session's KV between workers (default: recompute)",
     )
+    e.add_argument(
+        "--session-mode",
+        choices=("recompute", "recompute-cached", "load-aware", "hints"),
+        default=None,
+        help="sim: sessions' KV between turns (docs/sessions.md, 'Symphony at its own scale'); "
+        "default: the plain path (--kv-bandwidth-gbps)",
+    )
+    e.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="sim: KV bytes per token instead of the profile's (device capacity and copy costs scale; "
+        "step times do not)",
+    )
+    e.add_argument(
+        "--session-disk-gbps",
+        type=float,
+        default=None,
+        help="sim: an inclusive disk tier per worker read at this many GB/s (default: none)",
+    )
+    e.add_argument("--session-host-gib", type=float, default=64.0, help="sim: host tier per worker for sessions' KV")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadgen.arrivals import ArrivalSpec
@@ -109,12 +109,17 @@ def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> Targe
 
     cost = load_cost_model(args.cost_model or DEFAULT_SIM_PROFILE)
     spec = worker_spec(args, cost.meta)
+    mode = getattr(args, "session_mode", None)
+    if mode == "recompute":  # vLLM without prefix caching: no history survives a turn
+        spec = replace(spec, enable_prefix_caching=False)
     noise = StepJitter.parse(getattr(args, "step_noise", DEFAULT_STEP_NOISE), seed=args.seed)
     plan = cost if getattr(args, "exact_planning", False) else planning_cost(args, cost, spec, noise)
     opts = policy_options(policy, plan, default_slo, policy_flags(args))
     workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
-    target = SimTarget(workers, ClusterSpec(args.placement, bw), planning_cost=plan)
+    disk = (getattr(args, "session_disk_gbps", None) or 0.0) * 1e9
+    cluster = ClusterSpec(args.placement, bw, mode, getattr(args, "session_host_gib", 64.0), disk_bytes_per_s=disk)
+    target = SimTarget(workers, cluster, planning_cost=plan)
     return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
 
 
@@ -137,10 +142,11 @@ def worker_spec(args: argparse.Namespace, meta: dict):
     from loadgen.sim.worker import WorkerSpec
 
     block = int(meta.get("block_size", 16))
-    num_blocks = args.num_blocks or (
-        int(meta["kv_capacity_tokens"]) // block + 1 if "kv_capacity_tokens" in meta else 4096
-    )
-    bytes_per_token = int(meta.get("kv_bytes_per_token", 0))
+    profile_bytes = int(meta.get("kv_bytes_per_token", 0))
+    bytes_per_token = getattr(args, "kv_bytes_per_token", None) or profile_bytes
+    # another KV size in the same device memory (e.g. Symphony's 1.1 MB/token): capacity scales
+    capacity = int(meta["kv_capacity_tokens"]) * profile_bytes // bytes_per_token if "kv_capacity_tokens" in meta else 0
+    num_blocks = args.num_blocks or (capacity // block + 1 if capacity else 4096)
     swap_gib = getattr(args, "swap_space_gib", DEFAULT_SWAP_SPACE_GIB)
     host_blocks = (
         int(swap_gib * 2**30) // (bytes_per_token * block) if bytes_per_token and swap_gib is not None else None
@@ -184,4 +190,5 @@ def workload_config(
         be_refill=args.be_refill,
         turns_mean=args.turns_mean,
         speeds=HumanSpeeds(args.reading_wpm, args.typing_wpm),
+        users_ramp_s=getattr(args, "users_ramp_s", 0.0),
     )

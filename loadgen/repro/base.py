@@ -61,7 +61,8 @@ class Repro(abc.ABC):
 
     def figure(self, docs: dict[str, dict]) -> list[str]:
         """README lines for a figure `paper_rows` cannot express (one metric's per-seed ratio
-        in one cell): a table across cells, say. Default: none."""
+        in one cell): a table across cells, say (Symphony's users per latency bound). Default:
+        none."""
         return []
 
     def not_implemented(self) -> list[str]:

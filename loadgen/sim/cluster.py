@@ -14,6 +14,11 @@ room, BE without RT headroom) is offered again whenever a step ends. When placem
 session to another worker and a KV bandwidth is configured, the request arrives there after
 `history bytes / bandwidth` seconds with its history in the new worker's prefix cache;
 without a bandwidth the history is simply recomputed there.
+
+With a `session_mode` (docs/sessions.md, "Symphony at its own scale") sessions' KV lives in
+tiers between turns (each worker's device prefix cache and a host tier) and a `SessionRouter`
+decides where a turn runs and what its KV costs to get there; typing hints then become
+prefetch events (`hints` mode), and `kv_transfer_bytes_per_s` is the network's bandwidth.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.cost_model import CostModel
+from loadgen.sim.session_routing import SessionRouter
+from loadgen.sim.session_tiers import GIB, CopyCosts
 from loadgen.sim.worker import SimWorker
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
 from services.scheduler.placement import PlacementPolicy, PlacementRequest, WorkerLoad, make_placement
@@ -37,6 +44,11 @@ class ClusterSpec:
     # service in front); several workers use the scheduler's default, least-loaded
     placement: str | None = None
     kv_transfer_bytes_per_s: float | None = None  # None: a moved session recomputes its history
+    # None: the plain path above; else one of `session_routing.SESSION_MODES`
+    session_mode: str | None = None
+    session_host_gib: float = 64.0  # host tier per worker (Symphony: 256 GB DRAM per 4 GPUs)
+    pcie_bytes_per_s: float = 25e9
+    disk_bytes_per_s: float = 0.0  # > 0: an inclusive disk tier per worker (Symphony's SSD)
 
 
 class SimTarget(StepTarget):
@@ -63,6 +75,9 @@ class SimTarget(StepTarget):
         self._session_worker: dict[str, str] = {}
         self.transfers = 0
         self.transferred_tokens = 0
+        self.sessions = _session_router(spec, self.workers)
+        self._turn_tokens: dict[str, tuple[str, list[int]]] = {}  # request id -> (session, prompt + output)
+        self.hints = 0
 
     # -- StepTarget ----------------------------------------------------------------------
 
@@ -91,6 +106,9 @@ class SimTarget(StepTarget):
             self.clock = max(self.clock, t)
             if kind == "step":
                 return self._step_done(payload)
+            if kind == "prefetch":  # a hinted session's KV landed on its target
+                self.sessions.prefetched(*payload, self.clock)
+                continue
             self._arrive(*payload)  # a session's KV arrived from another worker
             self._kick(self.workers[payload[0]])
         if not math.isinf(until_s):
@@ -100,7 +118,19 @@ class SimTarget(StepTarget):
     def has_work(self) -> bool:
         return bool(self._events or self._held) or any(w.has_work() for w in self.workers.values())
 
+    def typing_hint(self, session_id: str) -> None:
+        """A user started typing: in `hints` mode the advisor picks the turn's worker now and the
+        session's KV starts moving there."""
+        self.hints += 1
+        if self.sessions is None:
+            return
+        decision = self.sessions.on_hint(session_id, self.clock)
+        if decision is not None:
+            target, ready_s, history = decision
+            self._push(ready_s, "prefetch", (target, session_id, history))
+
     def abort(self, request_id: str) -> None:
+        self._turn_tokens.pop(request_id, None)
         self._held = [r for r in self._held if r.request_id != request_id]
         wid = self._where.pop(request_id, None)
         if wid is not None:
@@ -133,6 +163,12 @@ class SimTarget(StepTarget):
             "planning_cost_model": None if self.planning_cost is None else self.planning_cost.to_dict(),
             "step_noise": ws[0].noise.describe() if ws[0].noise is not None else None,
             "host_blocks": ws[0].kv.host.num_blocks,
+            "session_mode": self.spec.session_mode,
+            "typing_hints": self.hints,
+            "session_events": None if self.sessions is None else dict(self.sessions.counts),
+            "session_host_evictions": None
+            if self.sessions is None
+            else sum(t.evictions for t in self.sessions.host.values()),
         }
 
     # -- internals -----------------------------------------------------------------------
@@ -147,7 +183,9 @@ class SimTarget(StepTarget):
             request.req_class,
             len(request.prompt_ids),
             request.session_id,
-            self._session_worker.get(request.session_id or ""),
+            # session modes route by load alone (Symphony's request-level balancing); the
+            # plain path keeps the scheduler's holder preference
+            None if self.sessions is not None else self._session_worker.get(request.session_id or ""),
             slo_ttft_s=request.slo_ttft_s,
             slo_tpot_s=request.slo_tpot_s,
             max_tokens=request.max_tokens,
@@ -163,11 +201,18 @@ class SimTarget(StepTarget):
                 self.decisions[f"{request.req_class}:{outcome}"] += 1
         if wid is None:
             return False
-        delay = self._transfer_delay(request, wid)
-        if delay > 0:
-            self._push(self.clock + delay, "arrive", (wid, request))
+        if request.session_id:
+            self._turn_tokens[request.request_id] = (request.session_id, list(request.prompt_ids))
+        kv_tokens = None
+        if self.sessions is not None:
+            route = self.sessions.route(request.session_id, wid, self.clock)
+            wid, delay, kv_tokens = route.worker_id, route.delay_s, route.kv_tokens
         else:
-            self._arrive(wid, request)
+            delay = self._transfer_delay(request, wid)
+        if delay > 0:
+            self._push(self.clock + delay, "arrive", (wid, request, kv_tokens))
+        else:
+            self._arrive(wid, request, kv_tokens)
         return True
 
     def _transfer_delay(self, request: PreparedRequest, wid: str) -> float:
@@ -182,8 +227,11 @@ class SimTarget(StepTarget):
         self.transferred_tokens += cached
         return cached * worker.spec.kv_bytes_per_token / bw
 
-    def _arrive(self, wid: str, request: PreparedRequest) -> None:
+    def _arrive(self, wid: str, request: PreparedRequest, kv_tokens: list[int] | None = None) -> None:
         worker = self.workers[wid]
+        if kv_tokens:  # the session's KV copied in (host tier or a peer) just now
+            self.transfers += 1
+            self.transferred_tokens += worker.import_prefix(kv_tokens)
         worker.add(request, request.arrival_s)
         self._where[request.request_id] = wid
         if request.session_id:
@@ -199,8 +247,14 @@ class SimTarget(StepTarget):
     def _step_done(self, worker_id: str) -> list[TokenEvent]:
         events = self.workers[worker_id].finish_step()
         for ev in events:
+            turn = self._turn_tokens.get(ev.request_id)
+            if turn is not None:
+                turn[1].extend(ev.token_ids)
             if ev.finished:
                 self._where.pop(ev.request_id, None)
+                self._turn_tokens.pop(ev.request_id, None)
+                if turn is not None and self.sessions is not None and ev.finish_reason != "abort":
+                    self.sessions.on_finish(worker_id, turn[0], turn[1], self.clock)
         self._retry_held()
         return events
 
@@ -237,6 +291,17 @@ class SimTarget(StepTarget):
             queued_prefill_tokens=w.queued_prefill_tokens(),
             **w.counts(),
         )
+
+
+def _session_router(spec: ClusterSpec, workers: dict[str, SimWorker]) -> SessionRouter | None:
+    if spec.session_mode is None:
+        return None
+    per_token = next(iter(workers.values())).spec.kv_bytes_per_token
+    if per_token <= 0:
+        raise ValueError("session modes need the profile's kv_bytes_per_token to price copies")
+    net = spec.kv_transfer_bytes_per_s or CopyCosts(per_token).network_bytes_per_s
+    costs = CopyCosts(per_token, spec.pcie_bytes_per_s, net, spec.disk_bytes_per_s)
+    return SessionRouter(spec.session_mode, workers, costs, int(spec.session_host_gib * GIB))
 
 
 def _placement(name: str, spec: ClusterSpec) -> PlacementPolicy:

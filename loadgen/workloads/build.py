@@ -37,6 +37,9 @@ class WorkloadConfig:
     be_batch: int = 0  # > 0 adds a standing BE backlog (rt-be defaults to 16)
     be_refill: str = "batch"
     turns_mean: float = 4.0  # sessions: turns per session (geometric, >= 1)
+    # closed-loop sessions: users start typing at uniform offsets in [0, ramp) instead of all at
+    # t=0 (a ramp of one mean turn cycle makes the first turns arrive at the steady rate)
+    users_ramp_s: float = 0.0
     speeds: HumanSpeeds = field(default_factory=HumanSpeeds)
 
 
@@ -124,6 +127,10 @@ def _sessions(cfg: WorkloadConfig, rng) -> list[Source]:
     if cfg.arrival.kind == "closed":
         if cfg.arrival.users < 1:
             raise ValueError("closed-loop sessions need --users N (N >= 1)")
+        if cfg.users_ramp_s < 0:
+            raise ValueError(f"the users' ramp must be >= 0 s, got {cfg.users_ramp_s}")
+        # their own generator, so a ramp changes when users start, never what they send
+        starts = np.random.default_rng([cfg.seed, 2]).uniform(0.0, cfg.users_ramp_s, cfg.arrival.users)
         return [
             SessionUser(
                 f"u{i}",
@@ -133,6 +140,7 @@ def _sessions(cfg: WorkloadConfig, rng) -> list[Source]:
                 np.random.default_rng([cfg.seed, 1000 + i]),
                 cfg.duration_s,
                 cfg.max_len,
+                float(starts[i]),
             )
             for i in range(cfg.arrival.users)
         ]

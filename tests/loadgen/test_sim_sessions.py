@@ -1,0 +1,163 @@
+"""Sessions' KV between turns in the cluster simulator: the host tier's eviction, the closed-loop
+regime Symphony measured, and the four session modes on the same arrivals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.repro.base import Cell
+from loadgen.repro.run import run_cell
+from loadgen.sim.session_tiers import CopyCosts, HostTier
+from loadgen.workloads.datasets import get_profile
+from loadgen.workloads.sources import SYMPHONY_TYPING_WPM, HumanSpeeds
+
+
+def test_host_tier_evicts_idle_sessions_first_then_the_largest():
+    tier = HostTier(budget_bytes=100, bytes_per_token=1)
+    tier.keep("small", [1] * 20, now=0.0, busy=set())
+    tier.keep("large", [1] * 40, now=1.0, busy=set())
+    tier.keep("hinted", [1] * 30, now=2.0, busy=set())
+    # 90 used; 30 more must evict: "hinted" has a pending hint, so the largest idle one goes
+    assert tier.keep("new", [1] * 30, now=3.0, busy={"hinted"})
+    assert set(tier.sessions) == {"small", "hinted", "new"} and tier.evictions == 1
+    assert not tier.keep("huge", [1] * 101, now=4.0, busy=set())  # larger than the budget: not kept
+    assert "huge" not in tier.sessions and tier.used_bytes <= 100
+
+
+def test_copy_costs_follow_the_bandwidths():
+    c = CopyCosts(kv_bytes_per_token=131072, pcie_bytes_per_s=25e9, network_bytes_per_s=12.5e9)
+    assert c.host_to_device_s(2000) == pytest.approx(2000 * 131072 / 25e9)
+    assert c.worker_to_worker_s(2000) == pytest.approx(2000 * 131072 / 12.5e9 + c.host_to_device_s(2000))
+
+
+def test_symphony_typing_speed_gives_the_papers_mean_hint_lead():
+    prof = get_profile("sharegpt")
+    rng = np.random.default_rng(0)
+    speeds = HumanSpeeds(typing_wpm=SYMPHONY_TYPING_WPM)
+    leads = [speeds.typing_s(prof.sample_pair(rng, None)[0]) for _ in range(20000)]
+    assert np.mean(leads) == pytest.approx(11.3, rel=0.1)  # the paper: 11.3 s on ShareGPT
+    # the old default (40 wpm) made every turn wait minutes: the idle 512-user run of issue 20
+    assert HumanSpeeds().typing_s(223) > 200
+
+
+def _cell(mode: str, users: int = 48, duration: int = 60, extra: tuple[str, ...] = ()) -> dict:
+    argv = (
+        "--workload",
+        "sessions",
+        "--arrival",
+        "closed",
+        "--users",
+        str(users),
+        "--duration",
+        str(duration),
+        "--workers",
+        "4",
+        "--cost-model",
+        "llama-3-8b-h100",
+        "--typing-wpm",
+        str(SYMPHONY_TYPING_WPM),
+        "--reading-wpm",
+        "1000",
+        "--session-mode",
+        mode,
+        *extra,
+    )
+    doc = run_cell(Cell(f"t-{mode}", argv, ("fcfs",)))
+    return doc["targets"]["fcfs"]
+
+
+@pytest.fixture(scope="module")
+def modes() -> dict[str, dict]:
+    return {m: _cell(m) for m in ("recompute", "recompute-cached", "load-aware", "hints")}
+
+
+def test_recompute_reuses_nothing_and_the_others_reuse_history(modes):
+    assert modes["recompute"]["prompt_tokens_cached"] == 0
+    for m in ("recompute-cached", "load-aware", "hints"):
+        assert modes[m]["prompt_tokens_cached"] > 0, m
+    assert modes["hints"]["prompt_tokens_cached"] >= modes["recompute-cached"]["prompt_tokens_cached"] * 0.9
+
+
+def test_hints_prefetch_ahead_so_turns_find_their_kv_on_the_device(modes):
+    ev = modes["hints"]["session_events"]
+    assert ev.get("hint_move", 0) + ev.get("hint_stay", 0) > 0
+    assert ev["turn_hinted"] > 0 and ev.get("kv_device_hit", 0) >= 0.9 * ev["turn_hinted"]
+    assert modes["hints"]["typing_hints"] > 0
+
+
+def test_load_aware_moves_kv_at_turn_time(modes):
+    ev = modes["load-aware"]["session_events"]
+    assert ev["turn_unhinted"] > 0 and "turn_hinted" not in ev
+    assert ev.get("kv_from_peer", 0) > 0  # routed by load, not to the holder: the KV follows
+    assert modes["load-aware"]["kv_transfers"] > 0
+
+
+def test_recompute_cached_is_sticky(modes):
+    ev = modes["recompute-cached"]["session_events"]
+    assert ev["turn_sticky"] > 0 and modes["recompute-cached"]["kv_transfers"] == 0
+
+
+def test_unknown_session_mode_is_a_clear_error():
+    from loadgen.sim.session_routing import SessionRouter
+
+    with pytest.raises(ValueError, match="unknown session mode"):
+        SessionRouter("sticky", {}, CopyCosts(1), 0)
+
+
+def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
+    from loadgen.repro.symphony import MODES, SymphonyRepro
+
+    cells = SymphonyRepro().cells(quick=False, engine=False)
+    assert {c.name for c in cells} == {f"sim-{m}-u{u}" for m in MODES for u in (64, 128, 256, 512, 1024)}
+    argvs = {c.argv[: c.argv.index("--users")] for c in cells}
+    assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+    assert not any("advisory path" in s for s in SymphonyRepro().not_implemented())
+
+
+def test_users_table_reports_the_most_users_under_each_ttft_bound():
+    from loadgen.repro.symphony import users_table
+
+    def doc(ttft):
+        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_p50_s": 0.02}}}
+
+    docs = {
+        "sim-recompute-u64": doc(0.05),
+        "sim-recompute-u512": doc(3.0),
+        "sim-hints-u64": doc(0.03),
+        "sim-hints-u512": doc(0.15),
+    }
+    lines = users_table(docs)
+    assert "| recompute | 64 | 64 | 64 |" in lines
+    assert "| hints | 64 | 512 | 512 |" in lines
+    assert "| load-aware | 0 | 0 | 0 |" in lines
+
+
+def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
+    from loadgen.arrivals import ArrivalSpec
+    from loadgen.workloads.build import WorkloadConfig, build_workload
+
+    def first(ramp):
+        cfg = WorkloadConfig(
+            "sessions", ArrivalSpec(kind="closed", users=64), duration_s=3000.0, users_ramp_s=ramp, seed=3
+        )
+        return [s.start()[0] for s in build_workload(cfg).sources]
+
+    flat, ramped = first(0.0), first(60.0)
+    assert [s.spec for s in flat] == [s.spec for s in ramped]
+    assert max(s.typing_at_s for s in flat) == 0.0
+    starts = [s.typing_at_s for s in ramped]
+    assert 0.0 <= min(starts) < 10.0 and 50.0 < max(starts) < 60.0
+    with pytest.raises(ValueError, match="ramp"):
+        build_workload(
+            WorkloadConfig("sessions", ArrivalSpec(kind="closed", users=2), duration_s=10.0, users_ramp_s=-1.0)
+        )
+
+
+def test_a_disk_tier_keeps_what_the_host_tier_evicts():
+    tiny_host = ("--session-host-gib", "0.05")  # ~400 tokens of Llama-3-8B KV: evicts nearly all
+    without = _cell("load-aware", extra=tiny_host)["session_events"]
+    with_disk = _cell("load-aware", extra=(*tiny_host, "--session-disk-gbps", "3"))["session_events"]
+    assert without.get("kv_recomputed", 0) > 0
+    assert with_disk.get("kv_recomputed", 0) == 0
+    assert with_disk.get("kv_from_disk", 0) + with_disk.get("kv_from_peer", 0) > 0
