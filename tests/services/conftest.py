@@ -290,6 +290,25 @@ def openai_client(stack: Stack):
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
 
 
+async def current_term(stack, role: str) -> int:
+    """The lease term `role` ("advisory", "scheduler", "queue") holds now, read from the leases
+    topic: what a test must stamp on a record it publishes in that service's name, since readers
+    drop records of an older term than one they have seen (docs/reliability.md, HA pairs)."""
+    from shared.kafka import read_to_end
+    from shared.lease import LeaseLog
+    from shared.schemas.lease import LeaseRecord
+
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
+    consumer = await kafka.consumer(group=None)
+    log = LeaseLog(role)
+    try:
+        await kafka.assign_all(consumer, Topics(stack.prefix).leases.name, from_end=False)
+        await read_to_end(consumer, lambda m: log.apply(LeaseRecord.decode(m.value), time.monotonic()))
+    finally:
+        await kafka.stop()
+    return log.current.term if log.current is not None else 0
+
+
 async def worker_heartbeat(stack, worker_id: str, match: Callable[[Heartbeat], bool] = lambda hb: True) -> Heartbeat:
     """The next heartbeat of a worker (that `match`es), read straight from the broker."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")

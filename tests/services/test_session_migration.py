@@ -29,7 +29,7 @@ from shared.schemas.sessions import Prefetch, SessionLocation, SessionPlacement,
 from shared.schemas.telemetry import Heartbeat
 from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import worker_heartbeat
+from tests.services.conftest import current_term, worker_heartbeat
 
 pytestmark = pytest.mark.timeout(400)
 MAX_TOKENS = 24
@@ -308,8 +308,13 @@ def test_corrupt_and_truncated_transfers_are_refused_and_the_turn_recomputes(sta
             nbytes=len(real),
             last_activity=time.time() + 3600,
         )
-        placement = SessionPlacement(
-            session_id="flip", worker_id="wb", hint_id="test", expires_at=time.time() + 600, source_worker="evil"
+        placement = SessionPlacement(  # in the active advisory's term, or the scheduler drops it
+            session_id="flip",
+            worker_id="wb",
+            hint_id="test",
+            expires_at=time.time() + 600,
+            source_worker="evil",
+            term=asyncio.run(current_term(stack, "advisory")),
         )
         asyncio.run(
             stack.probe.publish(
