@@ -1,8 +1,8 @@
 """Same-process A/B of two engine configurations, step by step (issue 15's measurements).
 
-A tool, not a test (pytest does not collect it):
+A measurement tool (JSON out, with the provenance stamp every result carries):
 
-    python -m tests.engine.cpu_step_ab --dtype float32 --a fused_ops=off --b fused_ops=auto --json OUT.json
+    python -m loadgen.bench.cpu_step_ab --dtype float32 --a fused_ops=off --b fused_ops=auto --json OUT.json
 
 Two engines of the same model get the same workload (the bench's: random-token prompts with
 lengths U(--input-len), each generating exactly --output-len tokens, greedy, EOS ignored) and
@@ -104,11 +104,12 @@ def main() -> None:
         "loadavg_before": load_before,
         "loadavg_after": load_after,
     }
-    text = json.dumps(summary, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    print(text)
+    from loadgen.bench.common import write_json
+    from loadgen.provenance import decided_dtype, stamp
+
+    summary["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
+    write_json(summary, args.json)
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Where a CPU engine step goes: ops by category, and the Python around them (issue 15).
 
-A tool, not a test (pytest does not collect it):
+A measurement tool (JSON out, with the provenance stamp every result carries):
 
-    python -m tests.engine.cpu_step_profile --dtype float32 --fused-ops auto --json OUT.json
+    python -m loadgen.bench.cpu_step_profile --dtype float32 --fused-ops auto --json OUT.json
 
 Two measurements on the default model (or `--model`), each step timed without the profiler
 (median wall time) and then once more under `torch.profiler`:
@@ -138,11 +138,12 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     out = {"dtype": args.dtype, "fused_ops": args.fused_ops, "prefill": prefill(args), "decode": decode(args)}
-    text = json.dumps(out, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
-    print(text)
+    from loadgen.bench.common import write_json
+    from loadgen.provenance import decided_dtype, stamp
+
+    out["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
+    write_json(out, args.json)
+    print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
