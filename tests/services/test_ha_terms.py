@@ -3,17 +3,20 @@ its successor began is dropped by the readers (docs/reliability.md, "HA pairs").
 
 from __future__ import annotations
 
+import asyncio
 import time
-from types import SimpleNamespace
 
 from services.scheduler.affinity import make_affinity
 from services.scheduler.assignments import AssignmentTable
+from shared.kafka import KafkaClient
 from shared.schemas.scheduler import Assignment
 from shared.schemas.sessions import SessionPlacement
+from shared.settings import ServiceSettings
+from shared.topics import Topics
 
 
-def _state_record(request_id: str, worker_id: str, term: int, offset: int) -> SimpleNamespace:
-    a = Assignment(
+def _assignment(request_id: str, worker_id: str, term: int) -> Assignment:
+    return Assignment(
         request_id=request_id,
         attempt=0,
         worker_id=worker_id,
@@ -23,17 +26,27 @@ def _state_record(request_id: str, worker_id: str, term: int, offset: int) -> Si
         assigned_at=1.0,
         term=term,
     )
-    return SimpleNamespace(
-        key=request_id.encode(), value=a.encode(), topic="p.scheduler.state", partition=0, offset=offset
-    )
 
 
-def test_state_replay_drops_a_deposed_schedulers_later_records():
-    table = AssignmentTable(kafka=None, topic="p.scheduler.state")
-    table._apply(_state_record("r1", "w0", term=1, offset=0))  # noqa: SLF001 (the replay's step)
-    table._apply(_state_record("r2", "w1", term=2, offset=1))  # noqa: SLF001 (the successor begins)
-    table._apply(_state_record("r1", "w1", term=1, offset=2))  # noqa: SLF001 (the deposed one, late)
-    table._apply(_state_record("r3", "w0", term=1, offset=3))  # noqa: SLF001
+def test_state_replay_drops_a_deposed_schedulers_later_records(kafka_bootstrap):
+    """The state topic on the real broker, written in this order, replayed by `load()`."""
+    topics = Topics("haterms")
+    written = [("r1", "w0", 1), ("r2", "w1", 2), ("r1", "w1", 1), ("r3", "w0", 1)]  # the successor
+    # begins at r2 (term 2); r1 -> w1 and r3 are the deposed scheduler's late records (term 1)
+
+    async def run() -> AssignmentTable:
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topics.prefix), "ha-terms")
+        await kafka.start([topics.scheduler_state])
+        try:
+            for request_id, worker_id, term in written:
+                await kafka.send(topics.scheduler_state.name, _assignment(request_id, worker_id, term), key=request_id)
+            table = AssignmentTable(kafka, topics.scheduler_state.name)
+            await table.load()
+            return table
+        finally:
+            await kafka.stop()
+
+    table = asyncio.run(run())
     assert {rid: a.worker_id for rid, a in table.by_request.items()} == {"r1": "w0", "r2": "w1"}
     assert table.term == 2 and table.stale == 2
 
