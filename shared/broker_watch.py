@@ -7,8 +7,20 @@ auto-created with tansu's default 4 partitions on the first metadata request or 
 keeps its old position and silently skips the new topic's first records, and consumer groups,
 committed offsets and the compacted topics are gone.
 
-How a restart is noticed. Every `interval_s` the watch reads the broker's topic list with
-partition counts (one metadata request) and finds a restart when:
+When it looks. A check is one metadata request; sending one every second from every service was
+a fifth of the idle stack's broker work (issue 21), so the watch waits for a sign of trouble
+instead: it holds one idle TCP connection to the broker (no Kafka request on it, so it costs
+neither side anything) and checks when that connection closes or cannot be opened. A broker
+process that dies closes it at once, on this machine (tansu) as on another (the peer's kernel
+resets it, or the next connect is refused). After such a sign it checks every `retry_s` until a
+check gets an answer (the broker may still be starting), then holds a new connection. Each
+`interval_s` (`TANDEM_BROKER_WATCH_INTERVAL_S`, 30 s) it also checks without a sign: the safety
+net for a restart the connection did not show (a proxy in between, a broker of a cluster that is
+not the bootstrap one; Apache Kafka also closes connections idle for `connections.max.idle.ms`,
+10 minutes, which only costs one check).
+
+How a restart is recognised. A check reads the broker's topic list with partition counts and
+finds a restart when:
 - its incarnation marker is gone. Each watch makes sure a topic `<prefix>.incarnation.<ms>-<hex>`
   exists (it adopts any one it finds, or creates one) and remembers its name; only a broker
   that lost its data loses it. This catches a restart even when another service repaired the
@@ -73,30 +85,38 @@ async def log_restart(restart: BrokerRestart) -> None:
 
 
 class BrokerWatch:
-    """Checks the broker for a restart every `interval_s` and repairs it (module docstring).
+    """Checks the broker for a restart when its connection drops (and every `interval_s`), and
+    repairs it (module docstring).
 
     `kafka` is the service's `KafkaClient` (its `catalogue`, producer and consumers); `prefix` the
     topic prefix the marker lives under; `on_restart` the service's reaction, called once per
-    restart after the repair.
+    restart after the repair; `retry_s` how often it checks after a sign of trouble until the
+    broker answers.
     """
 
-    def __init__(self, kafka, prefix: str, on_restart: OnRestart, *, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, kafka, prefix: str, on_restart: OnRestart, *, interval_s: float = 30.0, retry_s: float = 0.5
+    ) -> None:
         self._kafka = kafka
         self._marker_prefix = f"{prefix}.incarnation."
         self._on_restart = on_restart
         self._interval_s = interval_s
+        self._retry_s = min(retry_s, interval_s)
         self._admin: AIOKafkaAdminClient | None = None
         self._marker: str | None = None
         self._last_alive = time.time()
         self._task: asyncio.Task | None = None
         self.restarts = 0  # restarts repaired since start (tests and metrics read it)
+        self.checks = 0  # checks that got an answer (the idle cost: one metadata request each)
 
-    async def start(self) -> None:
-        """Adopt or create the incarnation marker, then check in the background."""
+    async def start(self, *, background: bool = True) -> None:
+        """Adopt or create the incarnation marker, then watch in the background (`background=False`:
+        only when `check()` is called, for tests that decide when to look)."""
         topics = await self.partition_counts()
         self._marker = await self._ensure_marker(topics)
         self._last_alive = time.time()
-        self._task = asyncio.create_task(self._run(), name="broker-watch")
+        if background:
+            self._task = asyncio.create_task(self._run(), name="broker-watch")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -108,16 +128,42 @@ class BrokerWatch:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval_s)
-            try:
-                await self.check()
-            except Exception as exc:  # noqa: BLE001 (the broker is down or starting: the next check retries)
-                log.debug("broker check failed: %s", exc)
-                await self.close_admin()  # a fresh admin client next time (it may hold a dead connection)
+            await self._wait_for_a_sign()
+            while not await self._try_check():
+                await asyncio.sleep(self._retry_s)
+
+    async def _wait_for_a_sign(self) -> None:
+        """Return when the broker connection closes, cannot be opened, or `interval_s` passed."""
+        host, port = _first_broker(self._kafka.bootstrap)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CALL_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            return  # unreachable: look now (and again every retry_s until it answers)
+        try:
+            # The broker never writes unasked, so this returns only on EOF or a reset (or data,
+            # which is just as odd): either way, look.
+            await asyncio.wait_for(reader.read(1), self._interval_s)
+        except (OSError, TimeoutError):
+            pass  # a reset, or the safety interval
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    async def _try_check(self) -> bool:
+        """One check; False when the broker did not answer (down or starting)."""
+        try:
+            await self.check()
+        except Exception as exc:  # noqa: BLE001 (the broker is down or starting: the caller retries)
+            log.debug("broker check failed: %s", exc)
+            await self.close_admin()  # a fresh admin client next time (it may hold a dead connection)
+            return False
+        return True
 
     async def check(self) -> BrokerRestart | None:
         """One check; repairs and reports a restart when it finds one."""
         topics = await self.partition_counts()
+        self.checks += 1
         reasons = self._restart_signs(topics)
         if not reasons:
             self._last_alive = time.time()
@@ -203,3 +249,9 @@ class BrokerWatch:
             with contextlib.suppress(Exception):
                 await self._admin.close()
             self._admin = None
+
+
+def _first_broker(bootstrap: str) -> tuple[str, int]:
+    """Host and port of the first bootstrap server ("host:port[,host:port...]", IPv6 in brackets)."""
+    host, port = bootstrap.split(",")[0].strip().rsplit(":", 1)
+    return host.strip("[]"), int(port)

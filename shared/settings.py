@@ -4,7 +4,7 @@ object); values come from `TANDEM_<FIELD>` environment variables, and the broker
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,15 +31,28 @@ class ServiceSettings(BaseSettings):
     # latency histograms are on /metrics either way (shared/tracing.py).
     otlp_endpoint: str = ""
     metrics_port: int = 0  # Prometheus exporter port for services without an HTTP API; 0 = off
-    heartbeat_interval_s: float = 0.5
-    # How often each service checks that the broker has not restarted (lost its topics) under
-    # it: one metadata request per check (shared/broker_watch.py).
-    broker_watch_interval_s: float = 1.0
+    # Periodic liveness messages (worker heartbeats, gateway owner heartbeats, the scheduler's BE
+    # capacity keepalive) go out every `heartbeat_interval_s`; unset, it is derived from the
+    # silence their readers tolerate: `worker_timeout_s / 3`. Each beat wakes every reader
+    # (2-3 fetches each on tansu), so the slowest safe period is the cheapest; a third of the
+    # timeout leaves two periods for a late beat on a starved machine (the longest gap measured
+    # between a live worker's beats at load 16 on 2 cores was a 0.25 s period plus 0.85 s).
+    heartbeat_interval_s: float | None = None
+    # The broker watch (shared/broker_watch.py) checks for a restart when its idle connection to
+    # the broker drops; this is only its safety check without such a sign (one metadata request).
+    broker_watch_interval_s: float = 30.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
     # The doubled services (scheduler, queue, advisory): the active renews its lease every
     # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a
     # takeover after a crash takes lease_s to 4/3 lease_s plus the new active's start.
     lease_s: float = 3.0
+
+    @model_validator(mode="after")
+    def _derive_heartbeat_interval(self) -> ServiceSettings:
+        if self.heartbeat_interval_s is None:
+            # frozen model: set once here, while it is being built
+            object.__setattr__(self, "heartbeat_interval_s", self.worker_timeout_s / 3)
+        return self
 
     @classmethod
     def env_names(cls) -> set[str]:

@@ -68,7 +68,8 @@ def own_broker():
 @pytest.fixture(scope="module")
 def stack(broker, tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("broker-restart")
-    s = Stack(broker.bootstrap, tiny_model_dir("llama"), log_dir, "br", TANDEM_BROKER_WATCH_INTERVAL_S=0.5)
+    # The watch's default: a check when its broker connection drops, the safety check every 30 s.
+    s = Stack(broker.bootstrap, tiny_model_dir("llama"), log_dir, "br")
     s.start(("w0",), queue=True)
     yield s
     s.stop()
@@ -172,8 +173,8 @@ async def _two_watches(broker: RestartableBroker) -> None:
         async def on_restart(restart, name=name):
             seen[name].append(restart)
 
-        watch = BrokerWatch(kafka, topics.prefix, on_restart, interval_s=3600)  # checked by hand here
-        await watch.start()
+        watch = BrokerWatch(kafka, topics.prefix, on_restart)
+        await watch.start(background=False)  # checked by hand here
         clients.append(kafka)
         watches.append(watch)
     try:
@@ -195,6 +196,37 @@ async def _two_watches(broker: RestartableBroker) -> None:
             await w.stop()
         for c in clients:
             await c.stop()
+
+
+def test_watch_notices_a_restart_by_its_connection_without_polling(own_broker):
+    """The watch in the background with no periodic check to speak of (an hour): the restart is
+    seen because its idle connection to the broker closed, repaired once the new broker answers,
+    and the service is told. Before the restart it sent no check at all."""
+    asyncio.run(_watch_in_background(own_broker))
+
+
+async def _watch_in_background(broker: RestartableBroker) -> None:
+    topics = Topics("watch-bg")
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=broker.bootstrap), "watch-bg")
+    await kafka.start([topics.results, topics.control])
+    told = asyncio.Event()
+
+    async def on_restart(restart):
+        told.set()
+
+    watch = BrokerWatch(kafka, topics.prefix, on_restart, interval_s=3600)
+    await watch.start()
+    try:
+        # A round trip on the broker, so the watch's task has run up to its connection wait.
+        await kafka.send(topics.control.name, None, key="k")
+        assert watch.checks == 0
+        broker.restart()
+        await asyncio.wait_for(told.wait(), 120)  # a safety net only: the connection drop is immediate
+        assert watch.restarts == 1
+        assert (await watch.partition_counts())[topics.results.name] == topics.results.partitions
+    finally:
+        await watch.stop()
+        await kafka.stop()
 
 
 async def _auto_create(bootstrap: str, topic: str) -> int:
