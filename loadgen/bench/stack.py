@@ -26,16 +26,21 @@ async def running_stack(
     log_path: str | None = None,
     workers: int = 1,
     env: dict[str, str] | None = None,
+    checkout: str | None = None,
 ):
     """Yields (gateway url, served model id); stops the stack (Ctrl-C semantics) on exit.
 
-    `env` adds settings for every service (`TANDEM_*`), e.g. a scheduler routing mode."""
+    `env` adds settings for every service (`TANDEM_*`), e.g. a scheduler routing mode.
+    `checkout`: run the stack from the code in that folder (its own `services`, `shared`,
+    `engine` ... first on the path) instead of this one's, for an A/B of two code states."""
     from services.broker import free_port
 
     port = free_port()
     env = {**os.environ, **(env or {}), "TANDEM_TOPIC_PREFIX": f"bench{port}"}
     env.pop("KAFKA_BOOTSTRAP", None)
     env.pop("OMP_WAIT_POLICY", None)  # the bench process's own default; let `tandem up` choose
+    if checkout is not None:
+        env["PYTHONPATH"] = os.path.abspath(checkout)
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
         [
@@ -58,6 +63,7 @@ async def running_stack(
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        cwd=checkout,
     )
     url = f"http://127.0.0.1:{port}"
     try:
