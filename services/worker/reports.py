@@ -1,0 +1,129 @@
+"""What a worker tells the rest of the system about itself: heartbeats (alive, what it serves,
+what it runs and finished) and telemetry (load, KV, timings), plus the Prometheus figures taken
+from the same telemetry.
+
+Both read the engine only through `AsyncLLM.info` and `AsyncLLM.snapshot()` (the immutable state
+the engine publishes after every step), never its live queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.async_llm import AsyncLLM
+from services.worker.requests import RequestRunner
+from services.worker.sessions import WorkerSessions
+from services.worker.settings import WorkerSettings
+from services.worker.telemetry import TelemetryWindow
+from shared.kafka import KafkaClient
+from shared.metrics import ServiceMetrics
+from shared.schemas.telemetry import Heartbeat, Telemetry
+from shared.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerIdentity:
+    """The facts every heartbeat repeats; `epoch` and `draining` change over the worker's life."""
+
+    worker_id: str
+    model_name: str
+    started_at: float
+    epoch: int  # raised past each fence (re-admission)
+    draining: bool = False
+
+
+class WorkerReports:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        identity: WorkerIdentity,
+        kafka: KafkaClient,
+        topics: Topics,
+        llm: AsyncLLM,
+        runner: RequestRunner,
+        sessions: WorkerSessions,
+        telemetry: TelemetryWindow,
+        metrics: ServiceMetrics,
+    ) -> None:
+        self.settings, self.identity = settings, identity
+        self.kafka, self.topics = kafka, topics
+        self.llm, self.runner, self.sessions, self.telemetry = llm, runner, sessions, telemetry
+        self._init_metrics(metrics)
+
+    def _init_metrics(self, m: ServiceMetrics) -> None:
+        self.m_load = m.gauge("worker_requests", "requests in the engine", ("req_class", "state"))
+        self.m_kv = m.gauge("worker_kv_usage", "fraction of KV blocks in use")
+        self.m_tokens = m.counter("worker_output_tokens_total", "tokens generated")
+        self.m_ttft = m.histogram("worker_ttft_seconds", "engine time to first token", ("req_class",))
+        self.m_tpot = m.histogram("worker_tpot_seconds", "engine time per output token", ("req_class",))
+        self.m_class_tokens = m.counter("worker_generated_tokens_total", "tokens generated, by class", ("req_class",))
+        self.m_slo = m.counter(
+            "worker_slo_requests_total",
+            "finished requests that had an SLO, by whether it was met",
+            ("req_class", "met"),
+        )
+
+    # -- heartbeats --------------------------------------------------------------------------
+
+    def heartbeat(self) -> Heartbeat:
+        info, me = self.llm.info, self.identity
+        return Heartbeat(
+            worker_id=me.worker_id,
+            model=me.model_name,
+            max_model_len=info.max_model_len,
+            dtype=info.dtype,
+            device=info.device,
+            dispatch_topic=self.topics.dispatch(me.worker_id).name,
+            started_at=me.started_at,
+            sent_at=time.time(),
+            epoch=me.epoch,
+            draining=me.draining,
+            running_ids=self.runner.running_keys(),
+            finished_ids=self.runner.finished_keys(),
+            kv_url=self.sessions.kv_url,
+            session_stats=self.sessions.stats(self.llm.snapshot()),
+        )
+
+    async def send_heartbeat(self) -> None:
+        hb = self.heartbeat()
+        try:
+            await self.kafka.send(self.topics.heartbeats.name, hb, key=self.identity.worker_id)
+        except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
+            log.warning("heartbeat not sent", exc_info=True)
+
+    # -- telemetry ---------------------------------------------------------------------------
+
+    def telemetry_report(self) -> Telemetry:
+        return self.telemetry.report(
+            self.identity.worker_id,
+            self.llm.info,
+            self.llm.snapshot(),
+            self.settings.max_num_seqs,
+            self.settings.max_num_batched_tokens,
+        )
+
+    async def send_telemetry(self, msg: Telemetry) -> None:
+        self._update_metrics(msg)
+        try:
+            await self.kafka.send(self.topics.telemetry.name, msg, key=self.identity.worker_id)
+        except Exception:  # noqa: BLE001
+            log.warning("telemetry not sent", exc_info=True)
+
+    def _update_metrics(self, t: Telemetry) -> None:
+        for cls, load in (("rt", t.rt), ("be", t.be)):
+            self.m_load.labels(cls, "running").set(load.running)
+            self.m_load.labels(cls, "waiting").set(load.waiting)
+        self.m_kv.set(t.kv_usage)
+        for r in t.finished:
+            self.m_tokens.inc(r.output_tokens)
+            self.m_class_tokens.labels(r.req_class).inc(r.output_tokens)
+            if r.met_slo is not None:
+                self.m_slo.labels(r.req_class, "true" if r.met_slo else "false").inc()
+            if r.ttft_s is not None:
+                self.m_ttft.labels(r.req_class).observe(r.ttft_s)
+            if r.tpot_s is not None:
+                self.m_tpot.labels(r.req_class).observe(r.tpot_s)

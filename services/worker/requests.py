@@ -1,0 +1,250 @@
+"""The requests one worker runs: which dispatches it admits, one task per request through the
+engine, its results to the outbox, and the running/finished lists its heartbeats carry.
+
+Admission (`accept`) drops, in this order: a malformed record; a dispatch of a deposed
+scheduler (a lease term below one already seen: its successor placed the request again); one
+stamped with an epoch of ours the scheduler fenced (it re-placed that work); one whose gateway is
+gone (nobody reads its results; reported finished so the scheduler forgets it); and a
+re-delivered one (keyed "request_id:attempt", so a consumer restart applies it once and a resumed
+attempt never collides with a stale one). A newer attempt of a request still running here
+replaces the old one.
+
+The engine is reached only through `AsyncLLM`; its thread owns the tokenizer, so prompts travel
+to it as text or chats and are tokenized in the hop that queues them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from opentelemetry.context import Context
+
+from engine.async_llm import AsyncLLM, RequestStream
+from services.worker.adapter import EngineRequest, to_engine_request
+from services.worker.outbox import ResultOutbox
+from services.worker.sessions import WorkerSessions
+from services.worker.telemetry import TelemetryWindow, request_timing
+from shared.records import decode_record
+from shared.schemas.requests import GenerateRequest
+from shared.schemas.results import Accepted, Delta, Failed
+from shared.tracing import Tracing, context_of, sent_ns
+
+log = logging.getLogger(__name__)
+
+_SEEN_LIMIT = 100_000  # dispatch keys remembered for de-duplication
+_FINISHED_WINDOW_S = 60.0  # how long a finished request is listed in heartbeats
+
+
+@dataclass
+class _Trace:
+    """A dispatched request's trace context and the worker-side times its hop spans start from."""
+
+    context: Context | None
+    read_ns: int  # the worker read the dispatch record
+    queued_ns: int = 0  # the engine queued it
+
+
+class RequestRunner:
+    """`owner_is_dead(gateway_id)`: whether a request's gateway was declared gone (owners.py)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        llm: AsyncLLM,
+        outbox: ResultOutbox,
+        sessions: WorkerSessions,
+        tracing: Tracing,
+        telemetry: TelemetryWindow,
+        owner_is_dead: Callable[[str], bool],
+    ) -> None:
+        self.worker_id = worker_id
+        self.llm, self.outbox, self.sessions = llm, outbox, sessions
+        self.tracing, self.telemetry = tracing, telemetry
+        self._owner_is_dead = owner_is_dead
+        self.fenced_epoch = -1  # the highest epoch of ours the scheduler declared lost
+        self.scheduler_term = 0  # the highest scheduler lease term seen on a dispatch (older ones are dropped)
+        self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
+        self._requests: dict[str, GenerateRequest] = {}  # request_id -> the attempt that task serves
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._finished: deque[tuple[float, str]] = deque()
+
+    # -- what heartbeats say -----------------------------------------------------------------
+
+    def running_keys(self) -> list[str]:
+        return [t.get_name() for t in self._tasks.values()]
+
+    def finished_keys(self) -> list[str]:
+        """Requests finished (or dropped as finished) in the last minute."""
+        now = time.monotonic()
+        while self._finished and self._finished[0][0] < now - _FINISHED_WINDOW_S:
+            self._finished.popleft()
+        return [k for _, k in self._finished]
+
+    # -- ending requests ---------------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> bool:
+        """Leave the request's engine stream (aborts it, frees its KV); False if not running here."""
+        task = self._tasks.get(request_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    def cancel_all(self) -> int:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+    def of_owner(self, gateway_id: str) -> list[GenerateRequest]:
+        return [r for r in self._requests.values() if r.gateway_id == gateway_id]
+
+    async def drain(self, timeout_s: float) -> None:
+        """Let running requests finish (bounded), then cancel what is left and wait for it."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=timeout_s)
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def accept(self, record) -> None:
+        """One dispatch record: admitted into its own task, or dropped (module docstring)."""
+        read_ns = time.time_ns()
+        req = decode_record(GenerateRequest, record)
+        if req is None:
+            return  # malformed: logged and skipped
+        hop = _Trace(context_of(record.headers), read_ns)
+        sent = sent_ns(record.headers)
+        if sent is not None:
+            self.tracing.hop("worker.consume", hop.context, sent, read_ns)
+        key = f"{req.request_id}:{req.attempt}"
+        log.debug("dispatch received", extra={"request_id": req.request_id})
+        if req.scheduler_term is not None:  # a deposed scheduler's late dispatch: its successor placed it
+            if req.scheduler_term < self.scheduler_term:
+                log.info("dropped: dispatched at stale scheduler term %d", req.scheduler_term)
+                return
+            self.scheduler_term = req.scheduler_term
+        if req.worker_epoch is not None and req.worker_epoch <= self.fenced_epoch:
+            log.info("dropped: dispatched to fenced epoch %d", req.worker_epoch, extra={"request_id": req.request_id})
+            return  # the scheduler re-placed it when it fenced that epoch
+        if self._owner_is_dead(req.gateway_id):
+            log.info("dropped: its gateway %s is gone", req.gateway_id, extra={"request_id": req.request_id})
+            self._finished.append((time.monotonic(), key))  # done, as far as the scheduler is concerned
+            return
+        if key in self._seen:
+            return
+        self._remember(key)
+        old = self._tasks.get(req.request_id)
+        if old is not None:
+            old.cancel()  # an older attempt of the same request still here: the new one wins
+        self._tasks[req.request_id] = asyncio.create_task(self._serve(req, hop), name=key)
+        self._requests[req.request_id] = req
+
+    def _remember(self, key: str) -> None:
+        self._seen[key] = None
+        while len(self._seen) > _SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
+    # -- one request -------------------------------------------------------------------------
+
+    async def _serve(self, req: GenerateRequest, hop: _Trace | None = None) -> None:
+        hop = hop or _Trace(None, time.time_ns())
+        try:
+            try:
+                er = to_engine_request(req, self.llm.info.max_model_len)
+                if req.session_id is not None and self.sessions.must_prepare(req):
+                    stream = await self._enter_after_prepare(req, er)
+                else:
+                    stream = await self._enter(er, req)
+                    self._accepted(req, stream.num_prompt_tokens)
+                hop.queued_ns = time.time_ns()
+                self.tracing.hop("worker.engine_queue", hop.context, hop.read_ns, hop.queued_ns)
+            except ValueError as exc:
+                failed = Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc))
+                self.outbox.put(req.reply_partition, failed)
+                return
+            try:
+                await self._stream(req, er, stream, hop)
+            finally:
+                stream.close()  # before the last delta (cancelled): aborts the request, frees its KV
+        finally:
+            self._forget(req)
+
+    async def _enter(self, er: EngineRequest, req: GenerateRequest) -> RequestStream:
+        """Into the engine: tokenized, validated and queued on the engine thread in one hop."""
+        return await self.llm.add_request(
+            er.key,
+            er.prompt,
+            er.params,
+            req_class=er.req_class,
+            slo=er.slo,
+            resumed_output_ids=er.resumed_output_ids,
+            session_id=req.session_id,
+            cache_salt=req.cache_salt,
+        )
+
+    async def _enter_after_prepare(self, req: GenerateRequest, er: EngineRequest) -> RequestStream:
+        """A session turn that must wait for (or decide on) a KV pull before it enters the engine:
+        checked first, so a bad request fails before any transfer and the pull decision knows the
+        prompt's length; accepted; prepared; then added. One more engine hop than `_enter`, on a
+        turn that is about to pull KV or recompute its history anyway."""
+        checked = await self.llm.check(er.prompt, er.params, er.resumed_output_ids)
+        self._accepted(req, len(checked.prompt_token_ids))
+        await self.sessions.prepare(req, len(checked.prompt_token_ids))
+        return await self._enter(replace(er, prompt=checked.prompt_token_ids, params=checked.params), req)
+
+    def _accepted(self, req: GenerateRequest, prompt_tokens: int) -> None:
+        self.outbox.put(
+            req.reply_partition,
+            Accepted(
+                request_id=req.request_id,
+                attempt=req.attempt,
+                worker_id=self.worker_id,
+                prompt_tokens=prompt_tokens,
+            ),
+        )
+
+    async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream, hop: _Trace) -> None:
+        index = len(er.resumed_output_ids)
+        async for d in stream:
+            on_ack = None
+            if index == len(er.resumed_output_ids):
+                log.debug("first delta", extra={"request_id": req.request_id})
+                first_ns = time.time_ns()
+                self.tracing.hop("worker.first_token", hop.context, hop.queued_ns, first_ns)
+                on_ack = lambda: self.tracing.hop("worker.result_produce", hop.context, first_ns)  # noqa: B023, E731
+            self.telemetry.add_tokens(len(d.token_ids))
+            final = d.metrics
+            self.outbox.put(
+                req.reply_partition,
+                Delta(
+                    request_id=req.request_id,
+                    attempt=req.attempt,
+                    index=index,
+                    token_ids=d.token_ids,
+                    text=d.text,
+                    logprobs=d.logprobs,
+                    finish_reason=d.finish_reason,
+                    token_texts=d.token_texts,
+                    prompt_tokens=stream.num_prompt_tokens if d.finished else None,
+                    cached_tokens=final.num_cached_tokens if final else None,
+                ),
+                on_ack,
+            )
+            index += len(d.token_ids)
+            if final is not None:
+                self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
+
+    def _forget(self, req: GenerateRequest) -> None:
+        if self._tasks.get(req.request_id) is asyncio.current_task():
+            del self._tasks[req.request_id]
+            del self._requests[req.request_id]
+        self._finished.append((time.monotonic(), f"{req.request_id}:{req.attempt}"))
