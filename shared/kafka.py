@@ -206,7 +206,11 @@ class KafkaClient:
             cls, extra = AIOKafkaConsumer, {"fetch_max_wait_ms": s.kafka_long_poll_wait_ms}
         else:
             wait_ms = s.kafka_fetch_wait_ms if hot else 100
-            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000
+            # Hot: records come every engine step, so stay awake between them. Elsewhere records
+            # are sparse (a beat, a report) and every fetch of the awake window is a 100 ms round
+            # trip that each reader pays per record: sleep once a fetch sent after the last
+            # record has answered (docs/services.md, "Fetch waits").
+            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000 if hot else wait_ms / 1000
             extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": s.kafka_idle_poll_ms / 1000}
             cls = QuietConsumer
         c = cls(

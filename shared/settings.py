@@ -26,7 +26,10 @@ class ServiceSettings(BaseSettings):
     kafka_long_poll_wait_ms: int = 500
     kafka_fetch_wait_ms: int = 2
     kafka_awake_ms: int = 50
-    kafka_idle_poll_ms: int = 1000
+    # The safety look of a sleeping consumer, for a lost ring (only producers outside this package
+    # lose one): up to this much latency for such a record, never a loss. Each look is 1-2 fetches
+    # per consumer, ~20 consumers in a stack: at 1 s that was most of the idle fetches.
+    kafka_idle_poll_ms: int = 5000
     # OTLP/HTTP traces endpoint (e.g. http://collector:4318/v1/traces); empty = no export. Per-hop
     # latency histograms are on /metrics either way (shared/tracing.py).
     otlp_endpoint: str = ""

@@ -19,6 +19,7 @@ from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow
 from shared.kafka import KafkaClient
 from shared.metrics import ServiceMetrics
+from shared.repeat_filter import RepeatFilter
 from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.topics import Topics
 
@@ -53,6 +54,8 @@ class WorkerReports:
         self.kafka, self.topics = kafka, topics
         self.llm, self.runner, self.sessions, self.telemetry = llm, runner, sessions, telemetry
         self._init_metrics(metrics)
+        # An unchanged report is left out until the keepalive (shared/repeat_filter.py).
+        self.telemetry_filter = RepeatFilter(settings.telemetry_keepalive_s)
 
     def _init_metrics(self, m: ServiceMetrics) -> None:
         self.m_load = m.gauge("worker_requests", "requests in the engine", ("req_class", "state"))
@@ -107,6 +110,10 @@ class WorkerReports:
         )
 
     async def send_telemetry(self, msg: Telemetry) -> None:
+        """Send `msg` unless it repeats the last report sent (and no keepalive is due)."""
+        if not self.telemetry_filter.worth_sending(msg):
+            return
+        self.telemetry_filter.sent(msg)
         self._update_metrics(msg)
         try:
             await self.kafka.send(self.topics.telemetry.name, msg, key=self.identity.worker_id)

@@ -42,7 +42,12 @@ _EngineSettings = create_model("_EngineSettings", __base__=ServiceSettings, **_e
 class WorkerSettings(_EngineSettings):
     worker_id: str = ""  # default: host-pid-random, unique per process start
     served_model_name: str = ""  # the id clients send; default: "default" or the path's last part
+    # Telemetry is looked at every `telemetry_interval_s` but sent only when it says something new
+    # (load, KV, finished requests, tokens) or `telemetry_keepalive_s` passed: its readers keep the
+    # latest report without judging its age, so an idle worker's unchanged report every second only
+    # woke them; the keepalive is for a reader that started since (it reads from the topic's end).
     telemetry_interval_s: float = 1.0
+    telemetry_keepalive_s: float = 10.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
     # multi-turn sessions (docs/sessions.md): kept KV tiers, and the KV server peers pull from
