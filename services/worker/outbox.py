@@ -5,6 +5,13 @@ appends its delta here and the first one schedules a flush with `call_soon`, whi
 all of them. So one step's tokens for N requests leave as one message per gateway partition,
 with no timer delay added to any token.
 
+An `Accepted` is held back (`put_held`) until the request's first step puts its first delta,
+or `hold_s` passes, whichever comes first: the two then leave as one message. Sent alone it was
+a produce, an ack, a ring and a gateway fetch on the event loops of the worker, the broker and
+the gateway while the engine computed the request's first token on the same cores; the gateway
+answers only once it has `Accepted`, which now comes with the first token instead of a
+millisecond before it, or at most `hold_s` later on a long prefill (issue 21).
+
 The messages for one partition are handed to the producer one at a time, in the order they
 were flushed (`PartitionOrderedSender`); their acks are awaited outside that turn, so the
 producer still batches and pipelines them. The gateway applies a request's deltas by index and
@@ -56,6 +63,7 @@ class ResultOutbox:
         self._pending: dict[int, list[ResultEvent]] = defaultdict(list)
         self._on_ack: dict[int, list[Callable[[], None]]] = defaultdict(list)
         self._flush_scheduled = False
+        self._hold: asyncio.TimerHandle | None = None  # the flush of held events (put_held)
         self._inflight: set[asyncio.Task] = set()
 
     def put(self, partition: int, event: ResultEvent, on_ack: Callable[[], None] | None = None) -> None:
@@ -68,8 +76,17 @@ class ResultOutbox:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def put_held(self, partition: int, event: ResultEvent, hold_s: float) -> None:
+        """Queue `event` to leave with the next `put`'s batch, or alone after `hold_s`."""
+        self._pending[partition].append(event)
+        if not self._flush_scheduled and self._hold is None:
+            self._hold = asyncio.get_running_loop().call_later(hold_s, self._flush)
+
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._hold is not None:
+            self._hold.cancel()  # a no-op when it is the hold itself that fired
+            self._hold = None
         pending, self._pending = self._pending, defaultdict(list)
         on_ack, self._on_ack = self._on_ack, defaultdict(list)
         for partition, events in pending.items():
@@ -91,7 +108,7 @@ class ResultOutbox:
 
     async def drain(self) -> None:
         """Wait until everything put so far is acknowledged (shutdown)."""
-        if self._flush_scheduled:
+        if self._flush_scheduled or self._hold is not None:
             self._flush()
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)

@@ -61,11 +61,13 @@ class RequestRunner:
         tracing: Tracing,
         telemetry: TelemetryWindow,
         owner_is_dead: Callable[[str], bool],
+        accept_hold_s: float = 0.0,
     ) -> None:
         self.worker_id = worker_id
         self.llm, self.outbox, self.sessions = llm, outbox, sessions
         self.tracing, self.telemetry = tracing, telemetry
         self._owner_is_dead = owner_is_dead
+        self.accept_hold_s = accept_hold_s  # how long an Accepted waits for the first delta
         self.fenced_epoch = -1  # the highest epoch of ours the scheduler declared lost
         self.scheduler_term = 0  # the highest scheduler lease term seen on a dispatch (older ones are dropped)
         self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
@@ -202,7 +204,8 @@ class RequestRunner:
         return await self._enter(replace(er, prompt=checked.prompt_token_ids, params=checked.params), req)
 
     def _accepted(self, req: GenerateRequest, prompt_tokens: int) -> None:
-        self.outbox.put(
+        """Held until the first delta (outbox.py): one message, not two, on the first token's path."""
+        self.outbox.put_held(
             req.reply_partition,
             Accepted(
                 request_id=req.request_id,
@@ -210,6 +213,7 @@ class RequestRunner:
                 worker_id=self.worker_id,
                 prompt_tokens=prompt_tokens,
             ),
+            self.accept_hold_s,
         )
 
     async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream, hop: _Trace) -> None:

@@ -77,7 +77,14 @@ class WorkerService:
         telemetry = TelemetryWindow()
         self.owners = OwnerWatch(settings.worker_timeout_s)
         self.runner = RequestRunner(
-            self.worker_id, self.llm, self.outbox, self.sessions, self.tracing, telemetry, self.owners.is_dead
+            self.worker_id,
+            self.llm,
+            self.outbox,
+            self.sessions,
+            self.tracing,
+            telemetry,
+            self.owners.is_dead,
+            settings.accept_hold_s,
         )
         self.reports = WorkerReports(
             settings,

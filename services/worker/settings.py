@@ -47,6 +47,10 @@ class WorkerSettings(_EngineSettings):
     # latest report without judging its age, so an idle worker's unchanged report every second only
     # woke them; the keepalive is for a reader that started since (it reads from the topic's end).
     telemetry_interval_s: float = 1.0
+    # An `Accepted` waits this long for the request's first delta to leave with it as one message
+    # (services/worker/outbox.py): the gateway's response headers come at most this much later
+    # on a long prefill, and the first token's path carries one Kafka message instead of two.
+    accept_hold_s: float = 0.01
     telemetry_keepalive_s: float = 10.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
