@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         gateway,
         idle,
         kafka_path,
+        loop_contention,
         placement,
         policies,
         sessions,
@@ -34,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     gateway.add_parser(bsub)
     idle.add_parser(bsub)
     kafka_path.add_parser(bsub)
+    loop_contention.add_parser(bsub)
     batch.add_parser(bsub)
     sessions.add_parser(bsub)
     ellm_decision.add_parser(bsub)
