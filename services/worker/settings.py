@@ -51,6 +51,10 @@ class WorkerSettings(_EngineSettings):
     # (services/worker/outbox.py): the gateway's response headers come at most this much later
     # on a long prefill, and the first token's path carries one Kafka message instead of two.
     accept_hold_s: float = 0.01
+    # Accepted dispatches are committed this long after they were read, not at once, so the
+    # commit's round trip does not share the event loop with the first engine step
+    # (WorkerService._commit_dispatches).
+    dispatch_commit_delay_s: float = 0.05
     telemetry_keepalive_s: float = 10.0
     gil_switch_interval_s: float = 0.0005  # see WorkerService.start
     drain_timeout_s: float = 10.0  # on SIGTERM: how long running requests may finish
