@@ -193,6 +193,7 @@ class KafkaClient:
         from_latest: bool = False,
         hot: bool = False,
         subscribe: bool = True,
+        idle_poll_s: float | None = None,
         **kwargs,
     ) -> AIOKafkaConsumer:
         """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`.
@@ -200,18 +201,22 @@ class KafkaClient:
         `hot`: on the request/token path. On a broker that cannot long-poll its fetches return
         after `kafka_fetch_wait_ms` while it is awake (others after 100 ms); on Apache Kafka every
         consumer long-polls (`kafka_long_poll_wait_ms`), which costs no latency there.
+        `idle_poll_s`: the longest a sleeping consumer goes without looking by itself, for a
+        reader that must not miss a record for longer than `kafka_idle_poll_ms` (a lease reader).
         """
         s = self.settings
         if s.kafka_long_poll:
             cls, extra = AIOKafkaConsumer, {"fetch_max_wait_ms": s.kafka_long_poll_wait_ms}
         else:
             wait_ms = s.kafka_fetch_wait_ms if hot else 100
-            # Hot: records come every engine step, so stay awake between them. Elsewhere records
-            # are sparse (a beat, a report) and every fetch of the awake window is a 100 ms round
-            # trip that each reader pays per record: sleep once a fetch sent after the last
-            # record has answered (docs/services.md, "Fetch waits").
-            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000 if hot else wait_ms / 1000
-            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": s.kafka_idle_poll_ms / 1000}
+            # Two fetch waits: a fetch in flight when the last record or ring came may have read
+            # the partition before that record existed (tansu answers with what it read at the
+            # start), so the window must see one more fetch answer, sent after it.
+            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000
+            poll_s = (
+                s.kafka_idle_poll_ms / 1000 if idle_poll_s is None else min(idle_poll_s, s.kafka_idle_poll_ms / 1000)
+            )
+            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s}
             cls = QuietConsumer
         c = cls(
             *topics if group and subscribe else (),

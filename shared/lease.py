@@ -147,7 +147,9 @@ class LeaseKeeper:
     # -- life cycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        c = self._consumer = await self.kafka.consumer(group=None)
+        # A renewal read late could depose a live active: a lost ring may delay one by at most a
+        # renewal period (a sleeping consumer's own look), not the default 5 s.
+        c = self._consumer = await self.kafka.consumer(group=None, idle_poll_s=self.lease_s / 3)
         await self.kafka.assign_all(c, self.topic, from_end=False)
         await read_to_end(c, self._apply)
         cur = self.log.current
