@@ -161,3 +161,43 @@ def test_a_disk_tier_keeps_what_the_host_tier_evicts():
     assert without.get("kv_recomputed", 0) > 0
     assert with_disk.get("kv_recomputed", 0) == 0
     assert with_disk.get("kv_from_disk", 0) + with_disk.get("kv_from_peer", 0) > 0
+
+
+def test_session_work_counts_history_and_bounds_the_gain_of_reuse():
+    from engine.cost_model import CostModel, PhaseFit
+    from loadgen.sim.session_work import session_work, tally_records
+
+    def rec(sid, turn, prompt, out, completed=True):
+        return {"session_id": sid, "turn": turn, "prompt_tokens": prompt, "output_tokens": out, "completed": completed}
+
+    # a: 100 new, answer 50; turn 1 resends those 150 + 50 new; b: one turn; c's turn 0 failed,
+    # but its history still counts for turn 1 (the driver resent it)
+    records = [rec("a", 0, 100, 50), rec("a", 1, 200, 50), rec("b", 0, 100, 100)]
+    records += [rec("c", 0, 100, 0, completed=False), rec("c", 1, 150, 50), {"session_id": None, "turn": 0}]
+    tally = tally_records(records)
+    assert (tally.turns, tally.first_turns, tally.later_turns) == (4, 2, 2)
+    assert tally.prompt_tokens == 550 and tally.new_tokens == 100 + 50 + 100 + 50
+    assert tally.later_history_tokens == 150 + 100
+    # prefill only (decode free): the work ratio is the prefill cost ratio
+    cost = CostModel(PhaseFit(1e-3, 0.0, 0.0), PhaseFit(0.0, 0.0, 0.0), 1e9)
+    w = session_work(tally, cost)
+    assert w.prefill_ratio == pytest.approx(550 / 300) and w.redundant_prefill_share == pytest.approx(250 / 550)
+    assert w.work_ratio == pytest.approx(550 / 300) and w.first_turn_share == 0.5
+    # decode dominates: the same history buys almost nothing at saturation
+    heavy = CostModel(PhaseFit(1e-6, 0.0, 0.0), PhaseFit(1e-3, 0.0, 0.0), 1e9)
+    assert session_work(tally, heavy).work_ratio < 1.05 < w.work_ratio
+    with pytest.raises(ValueError, match="no completed session turns"):
+        session_work(tally_records([]), cost)
+
+
+def test_the_simulator_tallies_what_each_turn_asks(modes):
+    """The target's own tally (history = the session's last finished turn) agrees with what the
+    reusing modes actually found cached: they can never reuse more than the history."""
+    for m in ("recompute", "hints"):
+        w = modes[m]["session_work"]["batch_128"]
+        assert w["turns"] > 20 and 0 < w["first_turn_share"] < 1 and w["prefill_ratio"] > 1.2
+        assert w["work_ratio"] < w["prefill_ratio"]  # decode work is the same either way
+        assert modes[m]["session_work"]["batch_8"]["work_ratio"] < w["work_ratio"]
+    w = modes["hints"]["session_work"]["batch_128"]
+    history = (w["mean_prompt_tokens"] - w["mean_new_tokens"]) * w["turns"]
+    assert 0.7 * history <= modes["hints"]["prompt_tokens_cached"] <= history
