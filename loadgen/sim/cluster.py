@@ -50,6 +50,7 @@ class ClusterSpec:
     session_host_gib: float = 64.0  # host tier per worker (Symphony: 256 GB DRAM per 4 GPUs)
     pcie_bytes_per_s: float = 25e9
     disk_bytes_per_s: float = 0.0  # > 0: an inclusive disk tier per worker (Symphony's SSD)
+    tally_from_s: float = 0.0  # `session_work` counts turns arriving from here on (the run's warm-up)
 
 
 class SimTarget(StepTarget):
@@ -79,7 +80,7 @@ class SimTarget(StepTarget):
         self.sessions = _session_router(spec, self.workers)
         self._turn_tokens: dict[str, tuple[str, list[int]]] = {}  # request id -> (session, prompt + output)
         # what the session workload asks (`session_work.py`): per turn, prompt and history sizes
-        self._turn_prompt: dict[str, int] = {}  # request id -> prompt tokens
+        self._turn_prompt: dict[str, tuple[int, float]] = {}  # request id -> (prompt tokens, arrival)
         self._session_len: dict[str, int] = {}  # session -> prompt + output of its last finished turn
         self.session_tally = SessionTally()
         self.hints = 0
@@ -210,7 +211,7 @@ class SimTarget(StepTarget):
             return False
         if request.session_id:
             self._turn_tokens[request.request_id] = (request.session_id, list(request.prompt_ids))
-            self._turn_prompt[request.request_id] = len(request.prompt_ids)
+            self._turn_prompt[request.request_id] = (len(request.prompt_ids), request.arrival_s)
         kv_tokens = None
         if self.sessions is not None:
             route = self.sessions.route(request.session_id, wid, self.clock)
@@ -275,11 +276,13 @@ class SimTarget(StepTarget):
                 self._held.append(request)
 
     def _tally_turn(self, request_id: str, session_id: str, total_tokens: int) -> None:
-        prompt = self._turn_prompt.pop(request_id, None)
-        if prompt is None:
+        shape = self._turn_prompt.pop(request_id, None)
+        if shape is None:
             return
+        prompt, arrival_s = shape
         history = self._session_len.get(session_id)  # None: the session's first turn
-        self.session_tally.add(0 if history is None else 1, prompt, total_tokens - prompt, history or 0)
+        if arrival_s >= self.spec.tally_from_s:
+            self.session_tally.add(0 if history is None else 1, prompt, total_tokens - prompt, history or 0)
         self._session_len[session_id] = total_tokens
 
     def _session_work(self) -> dict | None:

@@ -201,3 +201,24 @@ def test_the_simulator_tallies_what_each_turn_asks(modes):
     w = modes["hints"]["session_work"]["batch_128"]
     history = (w["mean_prompt_tokens"] - w["mean_new_tokens"]) * w["turns"]
     assert 0.7 * history <= modes["hints"]["prompt_tokens_cached"] <= history
+
+
+def test_warmup_drops_early_arrivals_and_rates_count_the_measured_window_only():
+    from loadgen.driver import RunResult
+    from loadgen.metrics import RequestRecord, summarize
+    from loadgen.orchestrate import measured_window
+
+    def rec(rid, arrival):
+        return RequestRecord(
+            rid, "rt", arrival, 10, 2, token_times_s=[arrival + 0.1, arrival + 0.2], finish_s=arrival + 0.2
+        )
+
+    run = RunResult([rec("early", 10.0), rec("late-1", 60.0), rec("late-2", 90.0)], elapsed_s=100.0)
+    assert measured_window(run, 0.0) is run
+    kept = measured_window(run, 50.0)
+    assert [r.request_id for r in kept.records] == ["late-1", "late-2"] and kept.elapsed_s == 50.0
+    assert summarize(kept.records, kept.elapsed_s)["rt"]["throughput_rps"] == pytest.approx(2 / 50)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        measured_window(run, 100.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        measured_window(run, -1.0)
