@@ -106,31 +106,59 @@ def test_unknown_session_mode_is_a_clear_error():
 
 
 def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
-    from loadgen.repro.symphony import MODES, SymphonyRepro
+    from loadgen.repro.symphony import GROUPS, MODES, POLICY, WARMUP_S, SymphonyRepro
 
     cells = SymphonyRepro().cells(quick=False, engine=False)
-    assert {c.name for c in cells} == {f"sim-{m}-u{u}" for m in MODES for u in (64, 128, 256, 512, 1024)}
-    argvs = {c.argv[: c.argv.index("--users")] for c in cells}
-    assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+    want = {f"sim-{g}-{m}-u{u}" for g, (_, users) in GROUPS.items() for m in MODES for u in users}
+    assert {c.name for c in cells} == want
+    for group in GROUPS:
+        argvs = {c.argv[: c.argv.index("--users")] for c in cells if c.name.startswith(f"sim-{group}-")}
+        assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+        argv = argvs.pop()
+        assert argv[argv.index("--warmup-s") + 1] == str(WARMUP_S) and argv[argv.index("--seeds") + 1] == "3"
+    assert {c.policies for c in cells} == {(POLICY,)}  # the paper's vLLM scheduler for every mode
     assert not any("advisory path" in s for s in SymphonyRepro().not_implemented())
 
 
-def test_users_table_reports_the_most_users_under_each_ttft_bound():
+def test_users_table_reports_seed_spread_and_the_most_users_under_each_bound():
     from loadgen.repro.symphony import users_table
 
-    def doc(ttft):
-        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_p50_s": 0.02}}}
+    def doc(ttft, tpot=0.010, spread=None):
+        out = {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": tpot}}}
+        if spread:  # over seeds: mean, min, max per metric
+            st = {
+                k: {"mean": v, "min": v * 0.9, "max": v * 1.1} for k, v in (("ttft_p99_s", ttft), ("tpot_mean_s", tpot))
+            }
+            out["seeds"] = {"metrics": {"fcfs-prefill-first": {"rt": st}}}
+        return out
 
     docs = {
-        "sim-recompute-u64": doc(0.05),
-        "sim-recompute-u512": doc(3.0),
-        "sim-hints-u64": doc(0.03),
-        "sim-hints-u512": doc(0.15),
+        "recompute-u64": doc(0.05, spread=True),
+        "recompute-u512": doc(3.0, 0.030),
+        "recompute-u1024": doc(0.09),  # holds again after a break: not counted
+        "hints-u64": doc(0.03),
+        "hints-u512": doc(0.15, 0.0113),
+        "hints-u1024": doc(0.30, 0.0150),
     }
     lines = users_table(docs)
-    assert "| recompute | 64 | 64 | 64 |" in lines
-    assert "| hints | 64 | 512 | 512 |" in lines
-    assert "| load-aware | 0 | 0 | 0 |" in lines
+    assert "| recompute | 50 [45, 55] | 3000 | 90 |" in lines  # TTFT p99 with its seed spread
+    assert "| recompute | 64 | 64 | 64 | 64 |" in lines  # the 1024 cell after a break does not count
+    assert "| hints | 64 | 512 | 1024 | 512 |" in lines  # TPOT within +14% of 10 ms: 512
+    assert "| load-aware | 0 | 0 | 0 | 0 |" in lines
+    assert any("mean TPOT <= 11.4 ms" in line for line in lines)
+
+
+def test_limits_table_reads_the_recompute_cells_tally_and_the_hints_prefetch_waits():
+    from loadgen.repro.symphony import limits_table
+
+    work = {"first_turn_share": 0.25, "mean_history_later_turns": 1400.0, "mean_new_tokens": 215.0}
+    work |= {"redundant_prefill_share": 0.86, "prefill_ratio": 7.1, "work_ratio": 2.0}
+    recompute = {"summary": {"rt": {"ttft_p99_s": 0.1}}, "targets": {"p": {"session_work": {"batch_128": work}}}}
+    recompute["targets"]["p"]["session_work"]["batch_8"] = {**work, "work_ratio": 1.2}
+    hints = {"summary": {"rt": {"ttft_p99_s": 0.05}}}
+    hints["targets"] = {"p": {"session_events": {"turn_hinted": 200, "turn_waited_for_prefetch": 3, "hint_no_copy": 7}}}
+    lines = limits_table({"recompute-u512": recompute, "hints-u512": hints})
+    assert "| 512 | 25% | 1400 | 215 | 86% | 7.10 | 2.00 | 1.20 | 1.5% | 7 |" in lines
 
 
 def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
