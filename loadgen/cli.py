@@ -74,6 +74,13 @@ def add_run_args(
         default=0.0,
         help="closed-loop sessions: users start at uniform offsets over this many seconds (default: all at 0)",
     )
+    g.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="measure only requests arriving after this many seconds (closed-loop sessions start every "
+        "user on a fresh conversation: the warm-up has short histories; docs/sessions.md)",
+    )
     g.add_argument("--drain-timeout", type=float, default=None, help="s to wait for RT after the window")
     g.add_argument("--attainment", type=float, default=0.9, help="target for --find-rate")
     g.add_argument(

@@ -118,7 +118,14 @@ def sim_target(args: argparse.Namespace, policy: str, default_slo=None) -> Targe
     workers = [SimWorker(f"w{i}", spec, cost, policy, opts, jitter=noise, seed=args.seed) for i in range(args.workers)]
     bw = args.kv_bandwidth_gbps * 1e9 if args.kv_bandwidth_gbps else None
     disk = (getattr(args, "session_disk_gbps", None) or 0.0) * 1e9
-    cluster = ClusterSpec(args.placement, bw, mode, getattr(args, "session_host_gib", 64.0), disk_bytes_per_s=disk)
+    cluster = ClusterSpec(
+        args.placement,
+        bw,
+        mode,
+        getattr(args, "session_host_gib", 64.0),
+        disk_bytes_per_s=disk,
+        tally_from_s=getattr(args, "warmup_s", 0.0) or 0.0,
+    )
     target = SimTarget(workers, cluster, planning_cost=plan)
     return TargetBundle(target, PromptBuilder(spec.vocab_size, args.seed), spec.max_model_len, None, policy_flags(args))
 

@@ -4,6 +4,7 @@ throughput, and assemble the results document."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -68,11 +69,25 @@ def run_once(args: argparse.Namespace, policy: str, scale: _SloScale, rate: floa
         _install_policy(bundle, policy, cfg)
         count = (lambda text: len(bundle.tokenizer.encode(text))) if bundle.tokenizer is not None else None
         workload = build_workload(cfg, count) if count else build_workload(cfg)
-        return Driver(
+        result = Driver(
             bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout, progress=progress
         ).run()
+        return measured_window(result, getattr(args, "warmup_s", 0.0) or 0.0)
     finally:
         bundle.target.close()
+
+
+def measured_window(result: RunResult, warmup_s: float) -> RunResult:
+    """The run less its warm-up: requests that arrived before `warmup_s` are dropped from the
+    records (and so from every summary), and rates are over the rest of the run."""
+    if warmup_s < 0:
+        raise ValueError(f"--warmup-s must be >= 0, got {warmup_s}")
+    if warmup_s == 0:
+        return result
+    if warmup_s >= result.elapsed_s:
+        raise ValueError(f"--warmup-s {warmup_s} leaves nothing of a {result.elapsed_s:.0f} s run to measure")
+    kept = [r for r in result.records if r.arrival_s >= warmup_s]
+    return dataclasses.replace(result, records=kept, elapsed_s=result.elapsed_s - warmup_s)
 
 
 def _target(args: argparse.Namespace, policy: str, scale: _SloScale) -> TargetBundle:

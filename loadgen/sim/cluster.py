@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from engine.cost_model import CostModel
 from loadgen.sim.session_routing import SessionRouter
 from loadgen.sim.session_tiers import GIB, CopyCosts
+from loadgen.sim.session_work import SessionTally, session_work
 from loadgen.sim.worker import SimWorker
 from loadgen.targets.base import LoadSample, PreparedRequest, StepTarget, TokenEvent
 from services.scheduler.placement import PlacementPolicy, PlacementRequest, WorkerLoad, make_placement
@@ -49,6 +50,7 @@ class ClusterSpec:
     session_host_gib: float = 64.0  # host tier per worker (Symphony: 256 GB DRAM per 4 GPUs)
     pcie_bytes_per_s: float = 25e9
     disk_bytes_per_s: float = 0.0  # > 0: an inclusive disk tier per worker (Symphony's SSD)
+    tally_from_s: float = 0.0  # `session_work` counts turns arriving from here on (the run's warm-up)
 
 
 class SimTarget(StepTarget):
@@ -77,6 +79,10 @@ class SimTarget(StepTarget):
         self.transferred_tokens = 0
         self.sessions = _session_router(spec, self.workers)
         self._turn_tokens: dict[str, tuple[str, list[int]]] = {}  # request id -> (session, prompt + output)
+        # what the session workload asks (`session_work.py`): per turn, prompt and history sizes
+        self._turn_prompt: dict[str, tuple[int, float]] = {}  # request id -> (prompt tokens, arrival)
+        self._session_len: dict[str, int] = {}  # session -> prompt + output of its last finished turn
+        self.session_tally = SessionTally()
         self.hints = 0
 
     # -- StepTarget ----------------------------------------------------------------------
@@ -131,6 +137,7 @@ class SimTarget(StepTarget):
 
     def abort(self, request_id: str) -> None:
         self._turn_tokens.pop(request_id, None)
+        self._turn_prompt.pop(request_id, None)
         self._held = [r for r in self._held if r.request_id != request_id]
         wid = self._where.pop(request_id, None)
         if wid is not None:
@@ -166,6 +173,7 @@ class SimTarget(StepTarget):
             "session_mode": self.spec.session_mode,
             "typing_hints": self.hints,
             "session_events": None if self.sessions is None else dict(self.sessions.counts),
+            "session_work": self._session_work(),
             "session_host_evictions": None
             if self.sessions is None
             else sum(t.evictions for t in self.sessions.host.values()),
@@ -203,6 +211,7 @@ class SimTarget(StepTarget):
             return False
         if request.session_id:
             self._turn_tokens[request.request_id] = (request.session_id, list(request.prompt_ids))
+            self._turn_prompt[request.request_id] = (len(request.prompt_ids), request.arrival_s)
         kv_tokens = None
         if self.sessions is not None:
             route = self.sessions.route(request.session_id, wid, self.clock)
@@ -253,6 +262,8 @@ class SimTarget(StepTarget):
             if ev.finished:
                 self._where.pop(ev.request_id, None)
                 self._turn_tokens.pop(ev.request_id, None)
+                if turn is not None and ev.finish_reason != "abort":
+                    self._tally_turn(ev.request_id, turn[0], len(turn[1]))
                 if turn is not None and self.sessions is not None and ev.finish_reason != "abort":
                     self.sessions.on_finish(worker_id, turn[0], turn[1], self.clock)
         self._retry_held()
@@ -263,6 +274,22 @@ class SimTarget(StepTarget):
         for request in held:
             if not self._place(request):
                 self._held.append(request)
+
+    def _tally_turn(self, request_id: str, session_id: str, total_tokens: int) -> None:
+        shape = self._turn_prompt.pop(request_id, None)
+        if shape is None:
+            return
+        prompt, arrival_s = shape
+        history = self._session_len.get(session_id)  # None: the session's first turn
+        if arrival_s >= self.spec.tally_from_s:
+            self.session_tally.add(0 if history is None else 1, prompt, total_tokens - prompt, history or 0)
+        self._session_len[session_id] = total_tokens
+
+    def _session_work(self) -> dict | None:
+        if self.session_tally.turns == 0:
+            return None
+        cost = next(iter(self.workers.values())).cost
+        return {f"batch_{b}": session_work(self.session_tally, cost, b).to_dict() for b in (8, 128)}
 
     def _push(self, t: float, kind: str, payload) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))

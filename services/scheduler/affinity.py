@@ -5,7 +5,10 @@ One interface, three policies (`TANDEM_SESSION_ROUTING`):
 - `advisory` (default, Symphony): a turn goes to its session's unexpired placement (chosen by
   the advisory service from a typing hint, the KV already prefetched there) while that worker
   has a free sequence slot. A turn with no placement goes to the holder (the worker with the
-  newest copy of the session's KV) when the holder has room; otherwise the placement policy
+  newest copy of the session's KV) when the holder has room and is at most `holder_slack`
+  requests' worth of load above the least-loaded live worker (the KV location is worth a
+  bounded amount of load, the rule `placement.LeastLoaded` uses; before, "has room" alone made
+  unhinted turns sticky until the holder was three-quarters full); otherwise the placement policy
   picks the least-loaded worker and the request carries `kv_source` = the holder, so that
   worker pulls the KV or recomputes it, whichever its cost model says is faster.
 - `sticky`: always the holder while it lives, busy or not (InferCept-style; the benchmark's
@@ -26,7 +29,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from services.scheduler.placement import WorkerLoad
+from services.scheduler.placement import WorkerLoad, rt_load_score, within_holder_slack
 from shared.schemas.sessions import KVSourceRef, SessionLocation, SessionPlacement, session_kv_url
 from shared.session_state import PlacementBook, SessionDirectory
 
@@ -35,6 +38,7 @@ from shared.session_state import PlacementBook, SessionDirectory
 class AffinityLimits:
     holder_room: float = 0.75  # the holder has room below this share of its sequence slots in RT
     kv_high_water: float = 0.9  # ... and below this KV use, with no RT waiting
+    holder_slack: float = 4.0  # ... and at most this many requests' load above the least-loaded
 
 
 class SessionAffinity(ABC):
@@ -118,7 +122,10 @@ class AdvisoryAffinity(SessionAffinity):
             if target is not None and target.rt < target.max_num_seqs:
                 return target.worker_id  # prefetched there; honoured unless it has no sequence slot
         holder = by_id.get(self.holder(session_id, by_id) or "")
-        return holder.worker_id if holder is not None and self.has_room(holder) else None
+        if holder is None or not self.has_room(holder):
+            return None
+        least = min(by_id.values(), key=rt_load_score)
+        return holder.worker_id if within_holder_slack(holder, least, self.limits.holder_slack) else None
 
 
 class StickyAffinity(SessionAffinity):

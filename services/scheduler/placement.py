@@ -5,11 +5,21 @@ cluster simulator (`loadgen.sim`) run the same code. `None` means "hold it for n
 or for BE: no worker with RT headroom).
 
 `least-loaded` (default):
-- RT goes to `preferred_worker` when the caller names one with room, else to the live worker
-  with the lowest RT load score. The cluster simulator names the worker that served the
-  session's last turn. The scheduler service names none: it routes a session's turn with its
-  affinity policy first (`affinity.py`: the advisory placement or the KV holder) and asks
-  placement only for the turns affinity leaves open.
+- RT goes to the live worker with the lowest RT load score. A `preferred_worker` (the worker
+  that holds the session's KV) is worth a bounded amount of load, not a blank cheque: it takes
+  the turn while its score is within `PlacementLimits.holder_slack` of the least-loaded
+  worker's (and below 1.0), else the turn moves and its history is pulled or recomputed there.
+  Why bounded: "preferred while it has room" made the policy sticky until the holder was full
+  (issue 20), so a least-loaded claim measured a sticky router. Why 4 requests' worth by
+  default: on the Llama-3-8B/H100 profile (`loadgen/sim/profiles/`) a ShareGPT turn's mean
+  history (~1.4K tokens) prefills in ~50 ms, and four more ~1K-context sequences in the
+  holder's batch add ~0.2 ms to each decode step (the profile's per-sequence and
+  per-context-token terms), ~50 ms over a ~235-token answer; past that, moving is cheaper.
+  SGLang's cache-aware router makes the same trade with a load-imbalance threshold. The
+  cluster simulator names the worker that served the session's last turn. The scheduler
+  service names none: it routes a session's turn with its affinity policy first
+  (`affinity.py`: the advisory placement or the KV holder) and asks placement only for the
+  turns affinity leaves open.
 - BE goes only where RT has headroom: no RT waiting, KV below the high-water mark, and fewer BE
   requests in flight than the per-worker BE cap, and among those to the one with the fewest BE.
 
@@ -78,6 +88,9 @@ class PlacementLimits:
     kv_high_water: float = 0.9  # above this a worker takes no BE
     be_per_worker: int = 32  # BE requests in flight per worker, at most
     rt_headroom: float = 0.75  # RT load (share of max_num_seqs) above which a worker takes no BE
+    # how much more loaded (in requests) the KV holder may be than the least-loaded worker and
+    # still take its session's turn (least-loaded; see the module docstring for the 4)
+    holder_slack: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -126,10 +139,14 @@ class LeastLoaded(PlacementPolicy):
     def _place_rt(self, request: PlacementRequest, live: Sequence[WorkerLoad]) -> str | None:
         if not live:
             return None
+        best = min(live, key=lambda w: (self._rt_score(w), w.worker_id))
         preferred = next((w for w in live if w.worker_id == request.preferred_worker), None)
-        if preferred is not None and self._rt_score(preferred) < 1.0:
+        if preferred is not None and self._holder_keeps(preferred, best):
             return preferred.worker_id
-        return min(live, key=lambda w: (self._rt_score(w), w.worker_id)).worker_id
+        return best.worker_id
+
+    def _holder_keeps(self, holder: WorkerLoad, best: WorkerLoad) -> bool:
+        return rt_load_score(holder) < 1.0 and within_holder_slack(holder, best, self.limits.holder_slack)
 
     def _place_be(self, live: Sequence[WorkerLoad]) -> str | None:
         ok = [w for w in live if self._has_rt_headroom(w) and w.be < self.limits.be_per_worker]
@@ -142,8 +159,7 @@ class LeastLoaded(PlacementPolicy):
         return sum(self.limits.be_per_worker for w in live if self._has_rt_headroom(w))
 
     def _rt_score(self, w: WorkerLoad) -> float:
-        # BE counts a little: it shares the step, but the worker's policy can put RT first.
-        return (w.rt + 0.25 * w.be) / max(1, w.max_num_seqs) + 0.5 * w.kv_usage
+        return rt_load_score(w)
 
     def _has_rt_headroom(self, w: WorkerLoad) -> bool:
         return (
@@ -151,6 +167,19 @@ class LeastLoaded(PlacementPolicy):
             and w.kv_usage < self.limits.kv_high_water
             and w.rt < self.limits.rt_headroom * w.max_num_seqs
         )
+
+
+def rt_load_score(w: WorkerLoad) -> float:
+    """A worker's RT load: requests in flight per sequence slot plus half its KV use. BE counts
+    a quarter: it shares the step, but the worker's policy can put RT first."""
+    return (w.rt + 0.25 * w.be) / max(1, w.max_num_seqs) + 0.5 * w.kv_usage
+
+
+def within_holder_slack(holder: WorkerLoad, least: WorkerLoad, slack_requests: float) -> bool:
+    """Whether the session's KV holder is at most `slack_requests` requests' worth of load above
+    the least-loaded worker: the bounded value of a session's KV location (module docstring).
+    Shared by `LeastLoaded` and the scheduler's advisory affinity, so neither is silently sticky."""
+    return rt_load_score(holder) - rt_load_score(least) <= slack_requests / max(1, holder.max_num_seqs)
 
 
 def _placements() -> dict[str, Callable[..., PlacementPolicy]]:

@@ -34,7 +34,9 @@ from shared.session_state import SessionDirectory
 
 
 def build_placement(settings: SchedulerSettings) -> PlacementPolicy:
-    limits = PlacementLimits(kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker)
+    limits = PlacementLimits(
+        kv_high_water=settings.kv_high_water, be_per_worker=settings.be_per_worker, holder_slack=settings.holder_slack
+    )
     if settings.placement != "slo":
         return make_placement(settings.placement, limits)
     return make_placement(

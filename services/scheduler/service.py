@@ -66,7 +66,7 @@ class SchedulerService:
         self.placement = build_placement(settings)
         self.affinity: SessionAffinity = make_affinity(
             settings.session_routing,
-            AffinityLimits(holder_room=settings.holder_room, kv_high_water=settings.kv_high_water),
+            AffinityLimits(settings.holder_room, settings.kv_high_water, settings.holder_slack),
         )
         self.pending: dict[str, deque[Pending]] = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()

@@ -21,6 +21,7 @@ class SchedulerSettings(ServiceSettings):
     chars_per_token: float = 4.0
     session_routing: str = "advisory"  # where session turns go: advisory | sticky | none (affinity.py)
     holder_room: float = 0.75  # a session's holder takes its turn below this share of its RT slots
+    holder_slack: float = 4.0  # ... and within this many requests' load of the least-loaded worker
     be_per_worker: int = 32  # BE requests in flight per worker, at most
     kv_high_water: float = 0.9  # workers above this KV use take no BE
     max_pending: int = 10_000  # requests held (no capacity yet) before BE topics are paused

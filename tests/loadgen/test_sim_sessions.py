@@ -106,31 +106,59 @@ def test_unknown_session_mode_is_a_clear_error():
 
 
 def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
-    from loadgen.repro.symphony import MODES, SymphonyRepro
+    from loadgen.repro.symphony import GROUPS, MODES, POLICY, WARMUP_S, SymphonyRepro
 
     cells = SymphonyRepro().cells(quick=False, engine=False)
-    assert {c.name for c in cells} == {f"sim-{m}-u{u}" for m in MODES for u in (64, 128, 256, 512, 1024)}
-    argvs = {c.argv[: c.argv.index("--users")] for c in cells}
-    assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+    want = {f"sim-{g}-{m}-u{u}" for g, (_, users) in GROUPS.items() for m in MODES for u in users}
+    assert {c.name for c in cells} == want
+    for group in GROUPS:
+        argvs = {c.argv[: c.argv.index("--users")] for c in cells if c.name.startswith(f"sim-{group}-")}
+        assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
+        argv = argvs.pop()
+        assert argv[argv.index("--warmup-s") + 1] == str(WARMUP_S) and argv[argv.index("--seeds") + 1] == "3"
+    assert {c.policies for c in cells} == {(POLICY,)}  # the paper's vLLM scheduler for every mode
     assert not any("advisory path" in s for s in SymphonyRepro().not_implemented())
 
 
-def test_users_table_reports_the_most_users_under_each_ttft_bound():
+def test_users_table_reports_seed_spread_and_the_most_users_under_each_bound():
     from loadgen.repro.symphony import users_table
 
-    def doc(ttft):
-        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_p50_s": 0.02}}}
+    def doc(ttft, tpot=0.010, spread=None):
+        out = {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": tpot}}}
+        if spread:  # over seeds: mean, min, max per metric
+            st = {
+                k: {"mean": v, "min": v * 0.9, "max": v * 1.1} for k, v in (("ttft_p99_s", ttft), ("tpot_mean_s", tpot))
+            }
+            out["seeds"] = {"metrics": {"fcfs-prefill-first": {"rt": st}}}
+        return out
 
     docs = {
-        "sim-recompute-u64": doc(0.05),
-        "sim-recompute-u512": doc(3.0),
-        "sim-hints-u64": doc(0.03),
-        "sim-hints-u512": doc(0.15),
+        "recompute-u64": doc(0.05, spread=True),
+        "recompute-u512": doc(3.0, 0.030),
+        "recompute-u1024": doc(0.09),  # holds again after a break: not counted
+        "hints-u64": doc(0.03),
+        "hints-u512": doc(0.15, 0.0113),
+        "hints-u1024": doc(0.30, 0.0150),
     }
     lines = users_table(docs)
-    assert "| recompute | 64 | 64 | 64 |" in lines
-    assert "| hints | 64 | 512 | 512 |" in lines
-    assert "| load-aware | 0 | 0 | 0 |" in lines
+    assert "| recompute | 50 [45, 55] | 3000 | 90 |" in lines  # TTFT p99 with its seed spread
+    assert "| recompute | 64 | 64 | 64 | 64 |" in lines  # the 1024 cell after a break does not count
+    assert "| hints | 64 | 512 | 1024 | 512 |" in lines  # TPOT within +14% of 10 ms: 512
+    assert "| load-aware | 0 | 0 | 0 | 0 |" in lines
+    assert any("mean TPOT <= 11.4 ms" in line for line in lines)
+
+
+def test_limits_table_reads_the_recompute_cells_tally_and_the_hints_prefetch_waits():
+    from loadgen.repro.symphony import limits_table
+
+    work = {"first_turn_share": 0.25, "mean_history_later_turns": 1400.0, "mean_new_tokens": 215.0}
+    work |= {"redundant_prefill_share": 0.86, "prefill_ratio": 7.1, "work_ratio": 2.0}
+    recompute = {"summary": {"rt": {"ttft_p99_s": 0.1}}, "targets": {"p": {"session_work": {"batch_128": work}}}}
+    recompute["targets"]["p"]["session_work"]["batch_8"] = {**work, "work_ratio": 1.2}
+    hints = {"summary": {"rt": {"ttft_p99_s": 0.05}}}
+    hints["targets"] = {"p": {"session_events": {"turn_hinted": 200, "turn_waited_for_prefetch": 3, "hint_no_copy": 7}}}
+    lines = limits_table({"recompute-u512": recompute, "hints-u512": hints})
+    assert "| 512 | 25% | 1400 | 215 | 86% | 7.10 | 2.00 | 1.20 | 1.5% | 7 |" in lines
 
 
 def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
@@ -161,3 +189,64 @@ def test_a_disk_tier_keeps_what_the_host_tier_evicts():
     assert without.get("kv_recomputed", 0) > 0
     assert with_disk.get("kv_recomputed", 0) == 0
     assert with_disk.get("kv_from_disk", 0) + with_disk.get("kv_from_peer", 0) > 0
+
+
+def test_session_work_counts_history_and_bounds_the_gain_of_reuse():
+    from engine.cost_model import CostModel, PhaseFit
+    from loadgen.sim.session_work import session_work, tally_records
+
+    def rec(sid, turn, prompt, out, completed=True):
+        return {"session_id": sid, "turn": turn, "prompt_tokens": prompt, "output_tokens": out, "completed": completed}
+
+    # a: 100 new, answer 50; turn 1 resends those 150 + 50 new; b: one turn; c's turn 0 failed,
+    # but its history still counts for turn 1 (the driver resent it)
+    records = [rec("a", 0, 100, 50), rec("a", 1, 200, 50), rec("b", 0, 100, 100)]
+    records += [rec("c", 0, 100, 0, completed=False), rec("c", 1, 150, 50), {"session_id": None, "turn": 0}]
+    tally = tally_records(records)
+    assert (tally.turns, tally.first_turns, tally.later_turns) == (4, 2, 2)
+    assert tally.prompt_tokens == 550 and tally.new_tokens == 100 + 50 + 100 + 50
+    assert tally.later_history_tokens == 150 + 100
+    # prefill only (decode free): the work ratio is the prefill cost ratio
+    cost = CostModel(PhaseFit(1e-3, 0.0, 0.0), PhaseFit(0.0, 0.0, 0.0), 1e9)
+    w = session_work(tally, cost)
+    assert w.prefill_ratio == pytest.approx(550 / 300) and w.redundant_prefill_share == pytest.approx(250 / 550)
+    assert w.work_ratio == pytest.approx(550 / 300) and w.first_turn_share == 0.5
+    # decode dominates: the same history buys almost nothing at saturation
+    heavy = CostModel(PhaseFit(1e-6, 0.0, 0.0), PhaseFit(1e-3, 0.0, 0.0), 1e9)
+    assert session_work(tally, heavy).work_ratio < 1.05 < w.work_ratio
+    with pytest.raises(ValueError, match="no completed session turns"):
+        session_work(tally_records([]), cost)
+
+
+def test_the_simulator_tallies_what_each_turn_asks(modes):
+    """The target's own tally (history = the session's last finished turn) agrees with what the
+    reusing modes actually found cached: they can never reuse more than the history."""
+    for m in ("recompute", "hints"):
+        w = modes[m]["session_work"]["batch_128"]
+        assert w["turns"] > 20 and 0 < w["first_turn_share"] < 1 and w["prefill_ratio"] > 1.2
+        assert w["work_ratio"] < w["prefill_ratio"]  # decode work is the same either way
+        assert modes[m]["session_work"]["batch_8"]["work_ratio"] < w["work_ratio"]
+    w = modes["hints"]["session_work"]["batch_128"]
+    history = (w["mean_prompt_tokens"] - w["mean_new_tokens"]) * w["turns"]
+    assert 0.7 * history <= modes["hints"]["prompt_tokens_cached"] <= history
+
+
+def test_warmup_drops_early_arrivals_and_rates_count_the_measured_window_only():
+    from loadgen.driver import RunResult
+    from loadgen.metrics import RequestRecord, summarize
+    from loadgen.orchestrate import measured_window
+
+    def rec(rid, arrival):
+        return RequestRecord(
+            rid, "rt", arrival, 10, 2, token_times_s=[arrival + 0.1, arrival + 0.2], finish_s=arrival + 0.2
+        )
+
+    run = RunResult([rec("early", 10.0), rec("late-1", 60.0), rec("late-2", 90.0)], elapsed_s=100.0)
+    assert measured_window(run, 0.0) is run
+    kept = measured_window(run, 50.0)
+    assert [r.request_id for r in kept.records] == ["late-1", "late-2"] and kept.elapsed_s == 50.0
+    assert summarize(kept.records, kept.elapsed_s)["rt"]["throughput_rps"] == pytest.approx(2 / 50)
+    with pytest.raises(ValueError, match="leaves nothing"):
+        measured_window(run, 100.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        measured_window(run, -1.0)

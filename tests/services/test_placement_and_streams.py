@@ -23,12 +23,22 @@ def test_rt_goes_to_least_loaded_live_worker():
     assert p.place(RT, [WorkerLoad("c", draining=True)]) is None
 
 
-def test_rt_prefers_the_session_holder_while_it_has_room():
-    p = LeastLoaded()
-    workers = [WorkerLoad("a", running_rt=20), WorkerLoad("b")]
-    assert p.place(PlacementRequest("r", "rt", preferred_worker="a"), workers) == "a"
-    full = [WorkerLoad("a", running_rt=128, kv_usage=0.9), WorkerLoad("b")]
-    assert p.place(PlacementRequest("r", "rt", preferred_worker="a"), full) == "b"
+def test_rt_keeps_the_session_holder_only_within_the_slack_of_the_least_loaded():
+    p = LeastLoaded()  # holder_slack: 4 requests
+    turn = PlacementRequest("r", "rt", preferred_worker="a")
+    assert p.place(turn, [WorkerLoad("a", running_rt=4), WorkerLoad("b")]) == "a"  # 4 more: its KV is worth it
+    assert p.place(turn, [WorkerLoad("a", running_rt=5), WorkerLoad("b")]) == "b"  # 5 more: it moves
+    # not silently sticky: a holder far from full but 20 requests busier loses the turn
+    assert p.place(turn, [WorkerLoad("a", running_rt=20), WorkerLoad("b")]) == "b"
+    # the slack is load, so KV use and BE count too (BE at a quarter, as in the score)
+    assert p.place(turn, [WorkerLoad("a", running_rt=4, kv_usage=0.1), WorkerLoad("b")]) == "b"
+    assert p.place(turn, [WorkerLoad("a", running_rt=3, running_be=4), WorkerLoad("b")]) == "a"
+    # a full holder loses even with nobody less loaded in reach
+    assert p.place(turn, [WorkerLoad("a", running_rt=128, kv_usage=0.9), WorkerLoad("b", running_rt=127)]) == "b"
+    # no slack: the holder wins exact ties only (the advisory target's rule)
+    strict = LeastLoaded(PlacementLimits(holder_slack=0))
+    assert strict.place(turn, [WorkerLoad("a", running_rt=1), WorkerLoad("b")]) == "b"
+    assert strict.place(turn, [WorkerLoad("b"), WorkerLoad("a")]) == "a"
 
 
 def test_be_only_where_rt_has_headroom():

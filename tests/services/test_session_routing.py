@@ -137,6 +137,24 @@ def test_advisory_affinity_placement_then_holder_with_room_then_least_loaded_wit
     assert aff.route(None, _loads(a=0)) is None and aff.route("other", _loads(a=0)) is None
 
 
+def test_advisory_affinity_keeps_the_holder_only_within_the_slack_of_the_least_loaded():
+    """An unhinted turn is not sticky while the holder merely has room: 20 more requests in
+    flight than an idle peer sends it by load (the peer pulls or recomputes the history)."""
+    aff = make_affinity("advisory")  # holder_room 0.75, holder_slack 4 requests
+    aff.on_location(_loc("s", "a", t=1.0, tokens=64))
+
+    def loads(a: int, b: int) -> list[WorkerLoad]:
+        return [WorkerLoad("a", running_rt=a), WorkerLoad("b", running_rt=b)]
+
+    assert aff.route("s", loads(4, 0)) == "a"  # 4 more: the KV is worth it
+    assert aff.route("s", loads(5, 0)) is None  # 5 more: least-loaded decides
+    assert aff.route("s", loads(20, 0)) is None  # room left (20 < 96), but far busier
+    assert aff.route("s", loads(24, 20)) == "a"  # busy alike: the holder keeps it
+    strict = make_affinity("advisory", AffinityLimits(holder_slack=0))
+    strict.on_location(_loc("s", "a", t=1.0, tokens=64))
+    assert strict.route("s", loads(1, 0)) is None and strict.route("s", loads(0, 0)) == "a"
+
+
 def test_holder_follows_our_own_later_dispatch_until_the_directory_catches_up():
     aff = make_affinity("advisory")
     aff.on_location(_loc("s", "a", t=1.0))
