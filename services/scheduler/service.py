@@ -62,7 +62,8 @@ class SchedulerService:
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, settings.scheduler_id)
         self.registry = WorkerRegistry(settings.worker_timeout_s)
-        self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
+        # Tombstones carry the lease term like assignments (`self.lease` is made below, read later).
+        self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name, lambda: self.lease.term)
         self.placement = build_placement(settings)
         self.affinity: SessionAffinity = make_affinity(
             settings.session_routing,

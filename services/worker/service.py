@@ -333,7 +333,7 @@ class WorkerService:
                 if task is not None:
                     task.cancel()  # leaving the engine stream aborts the request and frees its KV
                     log.info("cancelled", extra={"request_id": cmd.request_id})
-            elif isinstance(cmd, Prefetch) and cmd.worker_id == self.worker_id:
+            elif isinstance(cmd, Prefetch):  # every one, for its term; acted on only by its target
                 self.sessions.on_prefetch(cmd)
             elif isinstance(cmd, Fence) and cmd.worker_id == self.worker_id and cmd.epoch >= self.epoch:
                 await self._rejoin(cmd.epoch)
