@@ -31,6 +31,8 @@ What the repair does, in this order, before the service hears of it:
 4. The service's callback gets a `BrokerRestart`: what to do with in-flight work is the
    service's decision (the gateway fails its open streams, the queue re-releases from its
    database, the scheduler drops its old assignments; docs/reliability.md).
+And all along, a `HoleGuard` (shared/hole_guard.py) steps the client's consumers over offsets a
+restarted tansu acknowledged but never serves, which no repair above can remove.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+
+from shared.hole_guard import HoleGuard
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,7 @@ class BrokerWatch:
         self._last_alive = time.time()
         self._task: asyncio.Task | None = None
         self.restarts = 0  # restarts repaired since start (tests and metrics read it)
+        self.holes = HoleGuard(kafka.live_consumers, wait_s=kafka.settings.broker_hole_wait_s)
 
     async def start(self) -> None:
         """Adopt or create the incarnation marker, then check in the background."""
@@ -97,8 +102,10 @@ class BrokerWatch:
         self._marker = await self._ensure_marker(topics)
         self._last_alive = time.time()
         self._task = asyncio.create_task(self._run(), name="broker-watch")
+        self.holes.start()
 
     async def stop(self) -> None:
+        await self.holes.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -151,6 +158,7 @@ class BrokerWatch:
         self._marker = await self._ensure_marker(await self.partition_counts())
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
+        self.holes.forget()
         restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(recreated))
         self._last_alive = time.time()
         return restart

@@ -35,6 +35,9 @@ class ServiceSettings(BaseSettings):
     # How often each service checks that the broker has not restarted (lost its topics) under
     # it: one metadata request per check (shared/broker_watch.py).
     broker_watch_interval_s: float = 1.0
+    # How long a consumer sits at offsets the broker acknowledged but never serves (tansu after a
+    # restart) before it reads on from the high watermark (shared/hole_guard.py). No request.
+    broker_hole_wait_s: float = 3.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
     # The doubled services (scheduler, queue, advisory): the active renews its lease every
     # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a

@@ -262,6 +262,7 @@ class SchedulerService:
         placements of new requests, and dropping those would place them twice."""
         self.pending = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()  # old offsets mean nothing in the new topics
+        self.affinity.forget_terms()  # lease terms start again at 1 on the new broker
         old = [a.request_id for a in self.assignments.by_request.values() if a.assigned_at < restart.last_seen_alive]
         for request_id in old:
             self.assignments.by_request.pop(request_id, None)

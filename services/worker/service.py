@@ -37,7 +37,7 @@ from services.worker.owners import OwnerWatch
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow, request_timing
-from shared.broker_watch import BrokerWatch, log_restart
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -99,12 +99,22 @@ class WorkerService:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._finished: deque[tuple[float, str]] = deque()
         self._background: list[asyncio.Task] = []
-        # After a broker restart a worker only needs the repair (its dispatch topic recreated with
-        # one partition, its readers rewound): what it runs belongs to owners that react themselves.
+        # After a broker restart a worker needs the repair (its dispatch topic recreated with one
+        # partition, its readers rewound) and to forget its term floors: what it runs belongs to
+        # owners that react themselves.
         self.broker_watch = BrokerWatch(
-            self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
         self._init_metrics()
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """Lease terms are counted on the broker's `leases` topic, which a restart empties: a
+        scheduler or advisory service started after it claims term 1 again, and a floor kept
+        from before would drop all its dispatches and prefetches (broker + scheduler never
+        recovered that way, `tandem chaos`). A surviving active renews at its own term, which
+        sets the floor again at once."""
+        self.scheduler_term = 0
+        self.sessions.advisory_term = 0
 
     def _init_metrics(self) -> None:
         m = self.metrics = ServiceMetrics("worker")
