@@ -49,6 +49,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from shared.hole_guard import HoleGuard
+from shared.kafka import with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +99,20 @@ class BrokerWatch:
 
     async def start(self) -> None:
         """Adopt or create the incarnation marker, then check in the background."""
-        topics = await self.partition_counts()
+        topics = await with_backoff("broker watch start", self._first_look)
         self._marker = await self._ensure_marker(topics)
         self._last_alive = time.time()
         self._task = asyncio.create_task(self._run(), name="broker-watch")
         self.holes.start()
+
+    async def _first_look(self) -> dict[str, int]:
+        """The topic list at start; a call that times out (a starved machine: a queue service
+        died of it at load 40 in `tandem chaos`) is retried with a new admin client."""
+        try:
+            return await self.partition_counts()
+        except Exception:
+            await self.close_admin()
+            raise
 
     async def stop(self) -> None:
         await self.holes.stop()
@@ -158,7 +168,7 @@ class BrokerWatch:
         self._marker = await self._ensure_marker(await self.partition_counts())
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
-        self.holes.forget()
+        self.holes.arm()
         restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(recreated))
         self._last_alive = time.time()
         return restart

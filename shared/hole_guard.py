@@ -56,7 +56,8 @@ class _Watch:
 
 
 class HoleGuard:
-    """Checks `consumers()` every `wait_s / 2` and steps any partition over a hole (module doc).
+    """Checks `consumers()` every `wait_s / 2`, while armed (`arm`, after a broker restart), and
+    steps any partition over a hole (module doc).
 
     `consumers` returns the live consumers to check (a `KafkaClient`'s); the guard makes no
     request of its own: everything it reads the consumers already hold."""
@@ -66,6 +67,7 @@ class HoleGuard:
         self.wait_s = wait_s
         self._seen: dict[tuple[int, TopicPartition], _Watch] = {}
         self._task: asyncio.Task | None = None
+        self._armed_until = 0.0  # monotonic; set by `arm` after a broker restart
         self.skipped = 0  # holes stepped over since start (tests and logs read it)
 
     def start(self) -> None:
@@ -86,13 +88,21 @@ class HoleGuard:
             except Exception:  # noqa: BLE001 (a consumer mid-rebalance or stopping: the next check)
                 log.debug("hole check failed", exc_info=True)
 
-    def forget(self) -> None:
-        """Drop every observation (the broker restarted and the consumers were rewound: a high
-        watermark read from the old broker says nothing about the new one's offsets)."""
+    def arm(self, for_s: float = 120.0) -> None:
+        """The broker restarted and the consumers were rewound: judge holes for the next `for_s`
+        only, from fresh observations (a high watermark read from the old broker says nothing
+        about the new one's offsets). Holes are made only by a restart, and the rewound
+        consumers reach them within seconds; outside that window the guard does nothing, so a
+        healthy broker's consumers are never moved (on a loaded machine it fired, twice, on a
+        broker that had not restarted: one heartbeat each, cause not found)."""
         self._seen.clear()
+        self._armed_until = time.monotonic() + for_s
 
     def check(self, now_ms: float | None = None) -> int:
         """One pass over every assigned partition; returns how many holes it stepped over."""
+        if time.monotonic() > self._armed_until:
+            self._seen.clear()
+            return 0
         now_ms = time.time() * 1000 if now_ms is None else now_ms
         live: set[tuple[int, TopicPartition]] = set()
         stepped = 0

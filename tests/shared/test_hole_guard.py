@@ -78,6 +78,7 @@ def test_a_consumer_at_a_restarted_brokers_hole_reads_on():
 
         consumer = await _consumer(bootstrap)
         guard = HoleGuard(lambda: [consumer], wait_s=1.0)
+        guard.arm()  # as the broker watch does once it has repaired a restart
         got: list[bytes] = []
 
         async def read() -> None:
@@ -132,6 +133,7 @@ def test_a_consumer_slow_to_read_is_not_moved(kafka_bootstrap):
         consumer.assign([tp])
         consumer.seek(tp, 0)
         guard = HoleGuard(lambda: [consumer], wait_s=0.5)
+        guard.arm()
         try:
             # Not reading: the fetcher buffers the three records, the position stays at 0 while
             # the high watermark is 3, for six times the guard's wait, checked every 0.1 s.
