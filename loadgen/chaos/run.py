@@ -97,7 +97,7 @@ async def _drive(cfg: ChaosConfig, stack: ChaosStack) -> dict:
             d.cancel()
     deadline = time.monotonic() + cfg.batch_timeout_s
     counts = [await batches.count(gateways, bid, ids, deadline) for bid, ids in jobs]
-    return {"baseline_probe_s": baseline, **_summary(cfg, faults, rt, counts)}
+    return {"baseline_probe_s": baseline, **_summary(cfg, faults, rt, counts), "deposed": list(stack.deposed)}
 
 
 async def _baseline_probe(gateways: clients.Gateways, timeout_s: float, n: int = 5) -> float | None:

@@ -30,6 +30,7 @@ import httpx
 
 from services import lifeline
 from services.broker import broker_command, free_port, wait_listening
+from services.standby import DEPOSED_EXIT
 
 # The fault kinds: which children a kill of that kind hits (the first of each role; with HA, a
 # paired role's active instance, chosen at the kill).
@@ -69,6 +70,7 @@ class ChaosStack:
         }
         self.children: dict[str, Child] = {}
         self.child_env: dict[str, dict[str, str]] = {}  # per child, on top of `env`
+        self.deposed: list[str] = []  # HA: instances that exited deposed and were started again
         self.gateways: dict[str, str] = {}
         cli = [sys.executable, "-m", "services.cli"]
         self._add("broker", lifeline.tied_argv(broker_command("127.0.0.1", self.port)))
@@ -130,7 +132,15 @@ class ChaosStack:
             proc.wait()
 
     def dead(self) -> list[str]:
-        """Children that exited without being killed by the harness (a crash: reported)."""
+        """Children that exited without being killed by the harness (a crash: reported). With HA,
+        an instance of a pair that exited deposed (75: it missed its renewals and the standby took
+        over, a pause rather than a death) is started again as the standby first, as `up --ha` and
+        Compose do, and counted in `deposed`."""
+        if self.ha:
+            for name, child in self.children.items():
+                if child.proc is not None and child.proc.poll() == DEPOSED_EXIT:
+                    self.deposed.append(name)
+                    self.spawn(name)
         return [n for n, c in self.children.items() if c.proc is not None and c.proc.poll() is not None]
 
     def wait_ready(self, timeout_s: float) -> None:
