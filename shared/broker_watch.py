@@ -43,6 +43,8 @@ What the repair does, in this order, before the service hears of it:
 4. The service's callback gets a `BrokerRestart`: what to do with in-flight work is the
    service's decision (the gateway fails its open streams, the queue re-releases from its
    database, the scheduler drops its old assignments; docs/reliability.md).
+And all along, a `HoleGuard` (shared/hole_guard.py) steps the client's consumers over offsets a
+restarted tansu acknowledged but never serves, which no repair above can remove.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ from dataclasses import dataclass
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+
+from shared.hole_guard import HoleGuard
+from shared.kafka import with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +113,30 @@ class BrokerWatch:
         self._task: asyncio.Task | None = None
         self.restarts = 0  # restarts repaired since start (tests and metrics read it)
         self.checks = 0  # checks that got an answer (the idle cost: one metadata request each)
+        self.holes = HoleGuard(kafka.live_consumers, wait_s=kafka.settings.broker_hole_wait_s)
 
     async def start(self, *, background: bool = True) -> None:
         """Adopt or create the incarnation marker, then watch in the background (`background=False`:
-        only when `check()` is called, for tests that decide when to look)."""
-        topics = await self.partition_counts()
+        only when `check()` is called, for tests that decide when to look). The hole guard runs
+        either way: it makes no broker requests."""
+        topics = await with_backoff("broker watch start", self._first_look)
         self._marker = await self._ensure_marker(topics)
         self._last_alive = time.time()
         if background:
             self._task = asyncio.create_task(self._run(), name="broker-watch")
+        self.holes.start()
+
+    async def _first_look(self) -> dict[str, int]:
+        """The topic list at start; a call that times out (a starved machine: a queue service
+        died of it at load 40 in `tandem chaos`) is retried with a new admin client."""
+        try:
+            return await self.partition_counts()
+        except Exception:
+            await self.close_admin()
+            raise
 
     async def stop(self) -> None:
+        await self.holes.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -197,6 +215,7 @@ class BrokerWatch:
         self._marker = await self._ensure_marker(await self.partition_counts())
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
+        self.holes.arm()
         restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(recreated))
         self._last_alive = time.time()
         return restart

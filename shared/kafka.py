@@ -122,15 +122,18 @@ class KafkaClient:
         """Re-read topic metadata now in the producer and every consumer (after topics were
         recreated with other partition counts; aiokafka refreshes only every 5 minutes)."""
         clients = [self.producer.client] if self.producer is not None else []
-        # A consumer stopped by its user (a replay reader) never answers: skipped.
-        live = [c for c in self._consumers if not getattr(c, "_closed", False)]  # noqa: SLF001
-        clients += [c._client for c in live]  # noqa: SLF001 (aiokafka has no public refresh)
+        clients += [c._client for c in self.live_consumers()]  # noqa: SLF001 (aiokafka has no public refresh)
         results = await asyncio.gather(
             *(asyncio.wait_for(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):  # the next metadata refresh or send retries it
                 log.warning("metadata refresh failed: %r", r)
+
+    def live_consumers(self) -> list[AIOKafkaConsumer]:
+        """The consumers made by this client and not stopped by their user (a replay reader
+        stopped after its replay never answers again)."""
+        return [c for c in self._consumers if not getattr(c, "_closed", False)]  # noqa: SLF001
 
     def rewind_consumers(self) -> None:
         """Move every consumer to offset 0 of each partition it holds: after a broker lost its

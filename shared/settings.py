@@ -44,6 +44,9 @@ class ServiceSettings(BaseSettings):
     # The broker watch (shared/broker_watch.py) checks for a restart when its idle connection to
     # the broker drops; this is only its safety check without such a sign (one metadata request).
     broker_watch_interval_s: float = 30.0
+    # How long a consumer sits at offsets the broker acknowledged but never serves (tansu after a
+    # restart) before it reads on from the high watermark (shared/hole_guard.py). No request.
+    broker_hole_wait_s: float = 3.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
     # The doubled services (scheduler, queue, advisory): the active renews its lease every
     # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a

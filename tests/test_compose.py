@@ -48,7 +48,7 @@ def test_topology(compose):
     assert commands.count("worker") == 2 and "gateway" in commands and "scheduler" in commands
     assert "queue" in commands and services["postgres"]["image"].startswith("postgres")
     assert "advisory" in commands  # typing hints -> session placement (docs/sessions.md)
-    for name in ("gateway", "queue"):  # both reach the same batch store
+    for name in ("gateway", "queue-a", "queue-b"):  # all reach the same batch store
         assert services[name]["environment"]["TANDEM_DATABASE_URL"].startswith("postgresql+asyncpg://")
     for s in _tandem_services(compose).values():
         if s["command"][0] == "worker":
@@ -76,3 +76,23 @@ def test_prometheus_scrapes_every_service(compose):
     prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
     assert {n for n, s in _tandem_services(compose).items() if s["command"][0] != "topics"} <= targets
+
+
+PAIRED_IDS = {"scheduler": "TANDEM_SCHEDULER_ID", "queue": "TANDEM_QUEUE_ID", "advisory": "TANDEM_ADVISORY_ID"}
+
+
+def test_the_scheduler_queue_and_advisory_run_in_pairs(compose):
+    """Issue 22: no single point of failure. Each of the three runs twice (one active, one
+    standby by their lease, docs/reliability.md "HA pairs"): two services with the same command,
+    settings identical but for the instance id (the lease holder, distinct), restarted by Compose
+    when they exit (a deposed active exits 75 and comes back as the standby)."""
+    services = _tandem_services(compose)
+    for role, id_var in PAIRED_IDS.items():
+        pair = {name: s for name, s in services.items() if s["command"] == [role]}
+        assert len(pair) == 2, f"{role}: {sorted(pair)}"
+        envs = [dict(s["environment"]) for s in pair.values()]
+        ids = [env.pop(id_var) for env in envs]
+        assert len(set(ids)) == 2 and set(ids) == set(pair), f"{role} ids {ids} must differ and name the service"
+        assert envs[0] == envs[1], f"{role}: the two instances must be configured alike"
+        assert all(s["restart"] == "unless-stopped" for s in pair.values())
+        assert all(s.get("depends_on") == next(iter(pair.values())).get("depends_on") for s in pair.values())

@@ -30,6 +30,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rt-clients", type=int, default=2)
     p.add_argument("--batch-items", type=int, default=24, help="items of the job submitted before each fault")
     p.add_argument("--restart-delay", type=float, default=1.0, help="seconds between a kill and the restart")
+    p.add_argument(
+        "--ha",
+        action="store_true",
+        help="run the scheduler, advisory and queue as active/standby pairs; a fault kills the active one",
+    )
     p.add_argument("--log-dir", default=None, help="children's logs (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=run)
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         rt_clients=args.rt_clients,
         batch_items=args.batch_items,
         restart_delay_s=args.restart_delay,
+        ha=args.ha,
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model

@@ -33,6 +33,7 @@ class ChaosConfig:
     rt_max_tokens: int = 24
     batch_items: int = 24
     batch_max_tokens: int = 32
+    ha: bool = False  # scheduler, advisory and queue as active/standby pairs (stack.py)
     settle_s: float = 2.0
     restart_delay_s: float = 1.0
     retry_budget_s: float = 120.0
@@ -46,6 +47,7 @@ class FaultRecord:
     fault: str
     repeat: int
     killed_at: float
+    killed: list[str]  # the children it killed (with HA: the active of a pair at that moment)
     recovery_s: float | None
     ready_again_s: float | None  # until both gateways counted both workers again
     crashed: list[str]  # children found dead that the harness had not killed
@@ -63,7 +65,7 @@ def targets(fault: str) -> list[str]:
 async def run_chaos(cfg: ChaosConfig, model: str, log_dir: Path) -> dict:
     for fault in cfg.faults:
         targets(fault)  # a bad name fails before anything starts
-    stack = ChaosStack(model, log_dir)
+    stack = ChaosStack(model, log_dir, ha=cfg.ha)
     try:
         await asyncio.to_thread(stack.start, cfg.ready_timeout_s)
         return await _drive(cfg, stack)
@@ -95,7 +97,7 @@ async def _drive(cfg: ChaosConfig, stack: ChaosStack) -> dict:
             d.cancel()
     deadline = time.monotonic() + cfg.batch_timeout_s
     counts = [await batches.count(gateways, bid, ids, deadline) for bid, ids in jobs]
-    return {"baseline_probe_s": baseline, **_summary(cfg, faults, rt, counts)}
+    return {"baseline_probe_s": baseline, **_summary(cfg, faults, rt, counts), "deposed": list(stack.deposed)}
 
 
 async def _baseline_probe(gateways: clients.Gateways, timeout_s: float, n: int = 5) -> float | None:
@@ -112,7 +114,7 @@ async def _baseline_probe(gateways: clients.Gateways, timeout_s: float, n: int =
 async def _one_fault(
     cfg: ChaosConfig, stack: ChaosStack, gateways: clients.Gateways, fault: str, repeat: int
 ) -> FaultRecord:
-    names = targets(fault)
+    names = [name for kind in fault.split("+") for name in stack.targets(kind)]
     crashed = [n for n in stack.dead() if n not in names]
     killed_at = time.time()
     for name in names:
@@ -129,7 +131,7 @@ async def _one_fault(
         ready_again = time.time() - killed_at
     except RuntimeError:
         ready_again = None
-    return FaultRecord(fault, repeat, killed_at, recovered, ready_again, crashed)
+    return FaultRecord(fault, repeat, killed_at, names, recovered, ready_again, crashed)
 
 
 def _summary(cfg: ChaosConfig, faults: list[FaultRecord], rt: list[clients.RTRecord], counts) -> dict:
@@ -168,6 +170,7 @@ def _summary(cfg: ChaosConfig, faults: list[FaultRecord], rt: list[clients.RTRec
             "duplicated": sum(c.duplicated for c in counts),
             "not_completed": [asdict(c) for c in counts if c.status != "completed"],
         },
+        "rt_lost": [_lost_record(r, faults) for r in done if r.outcome != "ok"],
         "crashed": sorted({n for f in faults for n in f.crashed}),
         "rounds": [asdict(f) for f in faults],
     }
@@ -181,3 +184,10 @@ def _error_kinds(records: list[clients.RTRecord]) -> dict[str, int]:
             kind = e.split(": ", 1)[-1][:80]
             kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
+
+
+def _lost_record(r: clients.RTRecord, faults: list[FaultRecord]) -> dict:
+    """A lost (or garbled) request with the faults whose kill fell while it was being tried, so a
+    loss can be put down to the fault that caused it."""
+    during = [f"{f.fault}#{f.repeat}" for f in faults if r.started - 1.0 <= f.killed_at <= r.finished]
+    return {**asdict(r), "faults": during}

@@ -211,7 +211,8 @@ class AdvisoryService:
         # The prefetch first: the transfer starts while the placement travels to the scheduler.
         sid = advice.placement.session_id
         placement = advice.placement.model_copy(update={"term": self.lease.term})
-        await self.kafka.send(self.topics.control.name, ControlEnvelope(message=advice.prefetch), key=sid)
+        prefetch = advice.prefetch.model_copy(update={"term": self.lease.term})
+        await self.kafka.send(self.topics.control.name, ControlEnvelope(message=prefetch), key=sid)
         await self.kafka.send(self.topics.sessions_placement.name, placement, key=sid)
 
     async def _expiry_loop(self) -> None:

@@ -57,6 +57,11 @@ class SessionAffinity(ABC):
     def on_location(self, loc: SessionLocation) -> None:
         self.directory.apply(loc)
 
+    def forget_terms(self) -> None:
+        """The broker restarted: its `leases` topic starts again at term 1, so the advisory term
+        read before means nothing (a placement of the new history would be dropped)."""
+        self._advisory_term = 0
+
     def on_placement(self, session_id: str, placement: SessionPlacement | None) -> None:
         if placement is not None:
             if placement.term < self._advisory_term:

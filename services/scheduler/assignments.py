@@ -4,25 +4,36 @@ The table is the scheduler's memory of dispatched, unfinished requests. Every ch
 to Kafka (key = request id, tombstone on end), so a restarted scheduler reads the topic to its end
 and resumes with the same table: requests already placed are not placed twice. Each record
 carries its writer's lease term, so what a deposed scheduler wrote after its successor began is
-dropped on replay (a tombstone carries no term: one from a deposed scheduler can still end an
-assignment early; the request is then re-placed as unaccounted, never lost).
+dropped on replay. A tombstone has no value to carry it, so its term travels in a record header
+(`term`, ASCII digits): a deposed scheduler's late tombstone would otherwise end an assignment of
+its successor (the request then re-placed as unaccounted, possibly run twice from the tokens the
+client has). A tombstone without the header (written before terms existed) still applies. A
+header rather than a marker value: compaction deletes by a null value, and a header survives
+until the tombstone itself is compacted away (after which the key is gone anyway).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from shared.kafka import KafkaClient, read_to_end
 from shared.records import decode_record, record_key
 from shared.schemas.scheduler import Assignment
 
+log = logging.getLogger(__name__)
+
+TERM_HEADER = "term"  # the writer's lease term on a tombstone (ASCII digits)
+
 
 class AssignmentTable:
-    def __init__(self, kafka: KafkaClient, topic: str) -> None:
+    def __init__(self, kafka: KafkaClient, topic: str, writer_term: Callable[[], int] = lambda: 0) -> None:
         self._kafka = kafka
         self._topic = topic
+        self._writer_term = writer_term  # this scheduler's lease term now (stamped on tombstones)
         self.by_request: dict[str, Assignment] = {}
         self.term = 0  # the highest lease term among the records applied
         self.stale = 0  # records dropped: written by a deposed scheduler after its successor's
@@ -42,6 +53,11 @@ class AssignmentTable:
         if request_id is None:
             return
         if m.value is None:
+            term = tombstone_term(m)
+            if term is not None and term < self.term:
+                self.stale += 1
+                return
+            self.term = max(self.term, term or 0)
             self.by_request.pop(request_id, None)
             return
         a = decode_record(Assignment, m)
@@ -64,7 +80,8 @@ class AssignmentTable:
     async def remove(self, request_id: str) -> Assignment | None:
         a = self.by_request.pop(request_id, None)
         if a is not None:
-            await self._kafka.send(self._topic, None, key=request_id)
+            term = str(self._writer_term()).encode()
+            await self._kafka.send(self._topic, None, key=request_id, headers=[(TERM_HEADER, term)])
         return a
 
     def on_worker(self, worker_id: str) -> list[Assignment]:
@@ -77,3 +94,15 @@ class AssignmentTable:
     def older_than(self, seconds: float) -> list[Assignment]:
         cutoff = time.time() - seconds
         return [a for a in self.by_request.values() if a.assigned_at < cutoff]
+
+
+def tombstone_term(m) -> int | None:
+    """The writer's term on a tombstone, or None when it carries none (or an unreadable one)."""
+    for name, value in m.headers or ():
+        if name == TERM_HEADER:
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                log.warning("tombstone for %r with an unreadable term header %r: applied", m.key, value)
+                return None
+    return None

@@ -62,7 +62,8 @@ class SchedulerService:
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, settings.scheduler_id)
         self.registry = WorkerRegistry(settings.worker_timeout_s)
-        self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name)
+        # Tombstones carry the lease term like assignments (`self.lease` is made below, read later).
+        self.assignments = AssignmentTable(self.kafka, self.topics.scheduler_state.name, lambda: self.lease.term)
         self.placement = build_placement(settings)
         self.affinity: SessionAffinity = make_affinity(
             settings.session_routing,
@@ -261,6 +262,7 @@ class SchedulerService:
         placements of new requests, and dropping those would place them twice."""
         self.pending = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()  # old offsets mean nothing in the new topics
+        self.affinity.forget_terms()  # lease terms start again at 1 on the new broker
         old = [a.request_id for a in self.assignments.by_request.values() if a.assigned_at < restart.last_seen_alive]
         for request_id in old:
             self.assignments.by_request.pop(request_id, None)

@@ -35,7 +35,7 @@ from services.worker.requests import RequestRunner
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow
-from shared.broker_watch import BrokerWatch, log_restart
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -100,11 +100,21 @@ class WorkerService:
         self._background: list[asyncio.Task] = []
         self._commit_timer: asyncio.TimerHandle | None = None  # the deferred dispatch commit
         self._background_commits: set[asyncio.Task] = set()
-        # After a broker restart a worker only needs the repair (its dispatch topic recreated with
-        # one partition, its readers rewound): what it runs belongs to owners that react themselves.
+        # After a broker restart a worker needs the repair (its dispatch topic recreated with one
+        # partition, its readers rewound) and to forget its term floors: what it runs belongs to
+        # owners that react themselves.
         self.broker_watch = BrokerWatch(
-            self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """Lease terms are counted on the broker's `leases` topic, which a restart empties: a
+        scheduler or advisory service started after it claims term 1 again, and a floor kept
+        from before would drop all its dispatches and prefetches (broker + scheduler never
+        recovered that way, `tandem chaos`). A surviving active renews at its own term, which
+        sets the floor again at once."""
+        self.runner.scheduler_term = 0
+        self.sessions.advisory_term = 0
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -208,7 +218,7 @@ class WorkerService:
             if isinstance(cmd, Cancel):
                 if self.runner.cancel(cmd.request_id):  # leaving the engine stream frees its KV
                     log.info("cancelled", extra={"request_id": cmd.request_id})
-            elif isinstance(cmd, Prefetch) and cmd.worker_id == self.worker_id:
+            elif isinstance(cmd, Prefetch):  # every one, for its term; acted on only by its target
                 self.sessions.on_prefetch(cmd)
             elif isinstance(cmd, Fence) and cmd.worker_id == self.worker_id and cmd.epoch >= self.identity.epoch:
                 await self._rejoin(cmd.epoch)

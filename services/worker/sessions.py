@@ -63,6 +63,7 @@ class WorkerSessions:
         self.counters: Counter[str] = Counter()
         self._pulls: dict[str, asyncio.Task] = {}  # session id -> its pull under way
         self._prefetch_hint: dict[str, str] = {}  # session id -> the hint whose pin is held
+        self.advisory_term = 0  # the highest advisory lease term on a prefetch read (older: dropped)
         self._dirty: dict[str, SessionInfo] = {}
         self._dirty_event = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -166,7 +167,18 @@ class WorkerSessions:
         return mode == "always" or (mode == "cost" and await self.llm.sessions.should_pull(missing_tokens))
 
     def on_prefetch(self, msg: Prefetch) -> None:
-        self._spawn(self._prefetch_logged(msg))
+        """A prefetch read on `control` (any worker's: each one read advances the advisory term
+        this worker knows). One of an older term than that comes from a deposed advisory service
+        and is dropped, like its placements at the scheduler; this worker's own are acted on."""
+        if msg.term < self.advisory_term:
+            self.counters["prefetches_stale_term"] += 1
+            log.info(
+                "prefetch of session %s dropped: advisory term %d < %d", msg.session_id, msg.term, self.advisory_term
+            )
+            return
+        self.advisory_term = msg.term
+        if msg.worker_id == self.worker_id:
+            self._spawn(self._prefetch_logged(msg))
 
     async def _prefetch_logged(self, msg: Prefetch) -> None:
         try:

@@ -98,3 +98,7 @@ class Prefetch(BaseModel):
     source_url: str | None = None
     source_tokens: int = 0
     ttl_s: float = 30.0  # the worker drops its pin on the prefetched KV after this
+    # The advisory service's lease term (shared/lease.py), as on `SessionPlacement`: workers drop
+    # a prefetch of an older term than one they have read on `control` (a deposed advisory
+    # service woke up and sent it; its successor decides where sessions go).
+    term: int = 0

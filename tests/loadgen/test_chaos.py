@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from loadgen.chaos.clients import RTRecord
-from loadgen.chaos.run import ChaosConfig, _summary, targets
+from loadgen.chaos.run import ChaosConfig, FaultRecord, _summary, targets
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -41,6 +41,32 @@ def test_a_short_chaos_run_counts_everything(tmp_path, tiny_model_dir):
     assert result["crashed"] == []
 
 
+def test_a_short_ha_chaos_run_kills_the_active_scheduler(tmp_path, tiny_model_dir):
+    """`--ha`: the scheduler, advisory and queue run as pairs; the fault kills the active
+    scheduler, the standby takes over (a higher term in its log), the harness starts the killed
+    one again and it stands by; nothing is lost."""
+    out, logs = tmp_path / "chaos.json", tmp_path / "logs"
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli", "chaos", "--model", str(tiny_model_dir("llama")), "--ha"]
+        + ["--faults", "scheduler", "--repeats", "1", "--batch-items", "6", "--log-dir", str(logs), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    [killed] = result["rounds"][0]["killed"]
+    other = {"scheduler-a": "scheduler-b", "scheduler-b": "scheduler-a"}[killed]
+    killed_log, other_log = (logs / f"{killed}.log").read_text(), (logs / f"{other}.log").read_text()
+    assert "scheduler active (term 1)" in killed_log and "scheduler active (term 2)" in other_log
+    assert killed_log.count("scheduler standing by") >= 1  # started again after the kill: the standby
+    assert result["faults"]["scheduler"]["recovered"] == 1
+    assert result["rt"]["lost"] == 0 and result["rt"]["gaps_or_repeats"] == 0
+    batch = result["batch"]
+    assert (batch["ok"], batch["lost"], batch["duplicated"], batch["failed"]) == (6, 0, 0, 0)
+    assert result["crashed"] == []
+
+
 def test_judging_counts_losses_mismatches_and_retries():
     records = [
         RTRecord(prompt=0, started=1.0, finished=2.0, attempts=1, outcome="ok"),
@@ -50,12 +76,18 @@ def test_judging_counts_losses_mismatches_and_retries():
         RTRecord(prompt=2, started=1.0, finished=9.0, attempts=5, outcome="lost"),
         RTRecord(prompt=3, started=1.0),  # still running when the clients stopped
     ]
-    s = _summary(ChaosConfig(faults=("worker",), repeats=1), [], records, [])
+    kill = FaultRecord("worker", 0, killed_at=5.0, killed=["worker-0"], recovery_s=None, ready_again_s=None, crashed=[])
+    s = _summary(ChaosConfig(faults=("worker",), repeats=1), [kill], records, [])
     rt = s["rt"]
     assert (rt["requests"], rt["ok"], rt["gaps_or_repeats"], rt["lost"]) == (3, 1, 1, 1)
     assert (rt["retried"], rt["attempts"], rt["unfinished_at_stop"]) == (2, 9, 1)
     assert rt["error_kinds"] == {"ConnectError: x": 2}
     assert s["faults"]["worker"]["recovery_p50_s"] is None
+    # each request not answered right, with the faults whose kill fell while it was tried
+    assert [(r["prompt"], r["outcome"], r["faults"]) for r in s["rt_lost"]] == [
+        (1, "mismatch", []),
+        (2, "lost", ["worker#0"]),
+    ]
 
 
 def test_fault_names_are_checked():

@@ -64,3 +64,67 @@ def test_affinity_drops_a_placement_of_an_older_advisory_term():
     assert affinity.placements.live("s").worker_id == "wb"
     affinity.on_placement("s", None)  # a tombstone (expiry) still applies
     assert affinity.placements.live("s") is None
+
+
+def test_state_replay_drops_a_deposed_schedulers_late_tombstone(kafka_bootstrap):
+    """A tombstone carries its writer's term in a header: the deposed scheduler's late tombstone
+    for a request its successor re-placed does not end the successor's assignment; the
+    successor's own tombstone, and one written before terms existed (no header), still apply."""
+    topics = Topics("haterms-tomb")
+
+    async def run() -> AssignmentTable:
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topics.prefix), "ha-terms")
+        await kafka.start([topics.scheduler_state])
+        term = {"now": 1}
+        writer = AssignmentTable(kafka, topics.scheduler_state.name, lambda: term["now"])
+        try:
+            for request_id in ("r1", "r2", "r3"):
+                await (await writer.add_nowait(_assignment(request_id, "w0", 1)))
+            await kafka.send(topics.scheduler_state.name, None, key="r3")  # no header: an old writer's
+            await (await writer.add_nowait(_assignment("r1", "w1", 2)))  # the successor re-placed r1
+            await (await writer.add_nowait(_assignment("r2", "w1", 2)))  # and r2
+            term["now"] = 2
+            await writer.remove("r2")  # the successor's own tombstone (term 2)
+            term["now"] = 1
+            writer.by_request["r1"] = _assignment("r1", "w0", 1)
+            await writer.remove("r1")  # the deposed scheduler's late tombstone (term 1)
+            table = AssignmentTable(kafka, topics.scheduler_state.name)
+            await table.load()
+            return table
+        finally:
+            await kafka.stop()
+
+    table = asyncio.run(run())
+    assert {rid: a.worker_id for rid, a in table.by_request.items()} == {"r1": "w1"}
+    assert table.term == 2 and table.stale == 1
+
+
+def test_a_worker_drops_a_prefetch_of_an_older_advisory_term(make_stack):
+    """A real worker reads `control`: a prefetch of term 3 addressed to another worker raises the
+    advisory term it knows, so a later term-2 prefetch for itself (a deposed advisory service's)
+    is dropped, while a term-3 one is acted on (here: an unknown session, logged as such)."""
+    from shared.schemas.control import ControlEnvelope
+    from shared.schemas.sessions import Prefetch
+
+    stack = make_stack()
+    stack.worker("w0")
+    stack.wait_log("w0", "worker ready")
+    control = Topics(stack.prefix).control.name
+
+    def prefetch(worker: str, session: str, term: int) -> ControlEnvelope:
+        return ControlEnvelope(message=Prefetch(worker_id=worker, session_id=session, hint_id="h", term=term))
+
+    async def publish() -> None:
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "ha-terms-advisory")
+        await kafka.start()
+        try:
+            for worker, session, term in (("w9", "s-other", 3), ("w0", "s-stale", 2), ("w0", "s-current", 3)):
+                await kafka.send(control, prefetch(worker, session, term), key=session)
+        finally:
+            await kafka.stop()
+
+    asyncio.run(publish())
+    stack.wait_log("w0", "prefetch of unknown session s-current ignored")
+    log = (stack.log_dir / "w0.log").read_text()
+    assert "prefetch of session s-stale dropped: advisory term 2 < 3" in log
+    assert "s-stale ignored" not in log and "s-other" not in log

@@ -285,6 +285,6 @@ def test_an_advisory_pair_hands_over_and_a_hint_sent_meanwhile_is_placed_once(st
     stack.kill("advisory-2", signal.SIGKILL)
     pre, plc = asyncio.run(_hint_and_collect(stack, "s6"))
     assert plc.worker_id in ("wa", "wb") and pre.worker_id == plc.worker_id
-    assert plc.term == 3  # advisory (1), advisory-2 (2), now advisory-3
+    assert plc.term == pre.term == 3  # advisory (1), advisory-2 (2), now advisory-3
     log = (stack.log_dir / "advisory-3.log").read_text(errors="replace")
     assert "advisory active (term 3)" in log and "directory rebuilt: 5 sessions" in log
