@@ -20,6 +20,10 @@ early once every candidate fits (a larger `r` only adds cost), and its time is p
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
 
+Where the profile measured what a prefix step really costs (`CostModel.prefix_step`: leaving
+the compiled decode layers and attending each prefix op by op, `engine/prefix_profiling.py`),
+every `r > 0` is priced with it, so a ratio whose step loses to its batch gain is not chosen.
+
 Sources (`source`, `engine/scheduling/prefix_pricing.py`): each `r` is priced with the
 cheaper of the sources allowed, rebuilding the prefixes or reading them from host swap space
 (the copy from the profile's `swap_bytes_per_s`, added to the step on a CPU and overlapped on
@@ -142,6 +146,7 @@ def choose(
     d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
     p_ln = _prefix_at(u, batch)
     p_work = _prefix_at(u * u, batch)
+    carriers = _prefix_at((u > 0).astype(np.int64), batch)  # rows with a non-resident prefix
     # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
     full = np.flatnonzero(batch == s.size)
     last = int(full[0]) if full.size else len(RATIO_GRID) - 1
@@ -151,23 +156,27 @@ def choose(
         b = int(batch[i])
         if b == 0:
             continue
-        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i]))
+        rows = int(carriers[i])
+        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i])) + sources.off_graph_s(rows)
         if i == 0:
             fallback = Choice(b, 0.0, step)
         if step <= tpot_s or sources.host:
             exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
-            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), sources)
+            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
             if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
                 best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
     return best or fallback or Choice(1, 0.0, math.inf)
 
 
-def _cheaper_source(exec_s: float, rebuild_step: float, tokens: int, sources: PrefixSources) -> tuple[float, str, int]:
+def _cheaper_source(
+    exec_s: float, rebuild_step: float, tokens: int, rows: int, sources: PrefixSources
+) -> tuple[float, str, int]:
     """(step seconds, source, host layers) of the cheaper allowed source for `tokens` prefix
-    tokens; rebuilding where the host cannot take them (the component falls back the same way)."""
+    tokens of `rows` rows; rebuilding where the host cannot take them (the component falls
+    back the same way)."""
     if not (sources.host and tokens and tokens <= sources.host_capacity_tokens):
         return rebuild_step, "rebuild", 0
-    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources)
+    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources, rows)
     if host_step < rebuild_step or not sources.rebuild:
         return host_step, "host", layers
     return rebuild_step, "rebuild", 0
@@ -245,8 +254,9 @@ class ELLMPolicy(SchedulingPolicy):
     def _sources(self, state: SchedulerState) -> PrefixSources:
         """The sources this step may price, from the profile and the host space left (free
         host blocks plus those the host-kept prefixes hold)."""
+        step = self.cost_model.prefix_step
         if self.source == "rebuild":
-            return REBUILD_ONLY
+            return REBUILD_ONLY if step is None else replace(REBUILD_ONLY, step=step)
         kv = state.kv
         held = sum(len(t.host_prefix) for t in kv.ledger.tables.values())
         return PrefixSources.of(
@@ -257,4 +267,5 @@ class ELLMPolicy(SchedulingPolicy):
             host_capacity_tokens=(kv.host.num_free + held) * kv.block_size,
             num_layers=self.num_layers,
             layer_split=self.layer_split,
+            step=step,
         )
