@@ -39,8 +39,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar
 
@@ -55,6 +56,7 @@ from engine.scheduling.request import SLO, Request
 
 RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
 _RATIOS = np.array(RATIO_GRID, dtype=np.float64)
+RECENT_DECISIONS = 4096  # decisions kept for DecisionStats' percentiles
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class Choice:
     batch: int  # b: the admission bound
     ratio: float  # r
     step_s: float  # the cost model's step time at (b, r)
-    decision_s: float = 0.0  # wall time of the search (published)
+    decision_s: float = 0.0  # wall time of the decision (published): candidates, host space, search
+    decision_cpu_s: float = 0.0  # the same in this thread's CPU time (wall minus waiting for a core)
     rebuild_s: float = 0.0  # the part of step_s that the non-resident prefixes add (rebuilt or read)
     source: str = "rebuild"  # where the prefixes come from at this choice
     host_layers: int = 0  # with source "host": layers read from host (the rest rebuilt; all without a split)
@@ -84,6 +87,10 @@ class DecisionStats:
     rebuild_s_sum: float = 0.0  # predicted rebuild time at the choice
     decision_s_sum: float = 0.0
     decision_s_max: float = 0.0
+    decision_cpu_s_sum: float = 0.0
+    decision_cpu_s_max: float = 0.0
+    # the last decisions' (wall, CPU) seconds, for percentiles; bounded for a long-running worker
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS), repr=False)
 
     def add(self, c: Choice) -> None:
         self.steps += 1
@@ -99,6 +106,9 @@ class DecisionStats:
             self.rebuild_s_sum += c.rebuild_s
         self.decision_s_sum += c.decision_s
         self.decision_s_max = max(self.decision_s_max, c.decision_s)
+        self.decision_cpu_s_sum += c.decision_cpu_s
+        self.decision_cpu_s_max = max(self.decision_cpu_s_max, c.decision_cpu_s)
+        self.recent.append((c.decision_s, c.decision_cpu_s))
 
     def as_dict(self) -> dict:
         n = max(self.steps, 1)
@@ -113,6 +123,21 @@ class DecisionStats:
             "rebuild_share_of_step_time": self.rebuild_s_sum / self.step_s_sum if self.step_s_sum else 0.0,
             "mean_decision_s": self.decision_s_sum / n,
             "max_decision_s": self.decision_s_max,
+            "mean_decision_cpu_s": self.decision_cpu_s_sum / n,
+            "max_decision_cpu_s": self.decision_cpu_s_max,
+            **self._percentiles(),
+        }
+
+    def _percentiles(self) -> dict:
+        """Median and p99 of the recent decisions' wall and CPU time (0 before any)."""
+        if not self.recent:
+            return {f"{k}_decision{c}_s": 0.0 for k in ("p50", "p99") for c in ("", "_cpu")}
+        wall, cpu = np.array(self.recent).T
+        return {
+            "p50_decision_s": float(np.median(wall)),
+            "p99_decision_s": float(np.percentile(wall, 99)),
+            "p50_decision_cpu_s": float(np.median(cpu)),
+            "p99_decision_cpu_s": float(np.percentile(cpu, 99)),
         }
 
 
@@ -226,7 +251,7 @@ class ELLMPolicy(SchedulingPolicy):
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
             raise ValueError("the ellm policy needs a cost model (profile the model or pass cost_model=...)")
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
         contexts = [r.num_tokens for r in candidates]
@@ -239,7 +264,8 @@ class ELLMPolicy(SchedulingPolicy):
             state.limits.max_num_seqs,
             self._sources(state),
         )
-        self.last = replace(choice, decision_s=time.perf_counter() - start)
+        wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        self.last = replace(choice, decision_s=wall, decision_cpu_s=cpu)
         self.stats.add(self.last)
         component = state.kv.component(PartialResidency)
         component.set_ratio(choice.ratio)

@@ -117,6 +117,10 @@ def host_step_seconds(
     exec_s = exec_s + sources.off_graph_s(rows)
     rebuild_s = rebuild_s - sources.off_graph_s(rows)
     n = sources.num_layers
+    if not sources.layer_split:  # all layers from host: the same arithmetic as below, without arrays
+        copy = n / n * tokens * sources.copy_s_per_token
+        rest = exec_s + 0 / n * rebuild_s
+        return (max(rest, copy) if sources.overlap else rest + copy), n
     layers = np.arange(n + 1) if sources.layer_split else np.array([n])
     hidden = np.where((layers > 0) & (layers < n), 0.5, 0.0)  # the stored layer input read back
     copy = (layers + hidden) / n * tokens * sources.copy_s_per_token  # as `split_shares`
