@@ -92,7 +92,15 @@ def measure_prefix_step(target: ProfileTarget) -> tuple[PrefixStepFit, tuple[Pre
 
 
 def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
-    """`model` with `prefix_step` measured, the points in its meta."""
+    """`model` with `prefix_step` measured, the points in its meta; `model` as it is, with a
+    warning, where the pool or the host space is too small for the grid (the engine still
+    starts; `ellm` then prices only the copy, as before the term existed)."""
+    if len(prefix_grid(target)) < 3:
+        log.warning(
+            "KV pool or host swap space too small to measure a host-read prefix step; "
+            "ellm prices host reads by the copy alone"
+        )
+        return model
     start = time.perf_counter()
     fit, points = measure_prefix_step(target)
     meta = dict(model.meta)

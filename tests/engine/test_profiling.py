@@ -10,6 +10,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, profiling
 from engine.cost_model import CostModel
 from engine.loader import resolve_model
+from engine.prefix_profiling import with_prefix_step
 
 
 def _config(path, **kw) -> EngineConfig:
@@ -164,3 +165,21 @@ def test_host_prefix_step_is_measured_for_ellm_and_added_to_a_cached_profile(
     assert engine.profile_target().calibrate_prefix and engine.cost_model.prefix_step == step
     rebuild_only = LLMEngine(_config(path, policy="ellm", uncached_source="rebuild", **cfg))
     assert not rebuild_only.profile_target().calibrate_prefix
+
+
+@pytest.mark.parametrize("host_blocks, points", [(0, 0), (2, 1), (256, 4)])
+def test_prefix_grid_needs_pool_and_host_space_and_degrades_without(host_blocks, points):
+    """The host-read prefix grid keeps the points the pool and the host space hold (the tiny
+    test pool: batch 1 and 4 of (64, 32) and (128, 96)); with fewer than three the profile is
+    returned as it is, with a warning, and nothing runs (copy-only pricing, no start failure)."""
+    from engine.cost_model import PhaseFit
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.prefix_profiling import prefix_grid
+
+    kv = KVCacheManager(BlockPool(96, True), 16, bytes_per_token=64, host_blocks=host_blocks)
+    fail = lambda *a: pytest.fail("timed a batch although the grid is too small")  # noqa: E731
+    target = profiling.ProfileTarget(fail, fail, kv, EngineConfig(max_num_seqs=8), 256, 1000, "t", "cpp", True)
+    assert len(prefix_grid(target)) == points
+    if points < 3:
+        model = CostModel(PhaseFit(1e-3, 0.0, 0.01), PhaseFit(1e-3, 0.0, 0.01), 1e9)
+        assert with_prefix_step(target, model) is model
