@@ -26,6 +26,7 @@ File format (JSON, stable; `CostModel.save` / `CostModel.load`):
      "swap_bytes_per_s": float,
      "hidden_s_per_token": float,            (optional: absent where not measured)
      "hidden_free_rows": float, "hidden_free_s_per_token": float,   (optional: a roofline's knee)
+     "prefix_step": {"overhead_s": s, "per_row_s": s, "per_token_s": s},  (optional: eLLM, below)
      "meta": {"model": str, "device": str, "dtype": str, "swap_overlaps": bool,
               "prefill_mape": float, "decode_mape": float, "mixed_mape": float, ...}}
 
@@ -45,6 +46,14 @@ tokens counted first) a rebuilt row costs only its memory traffic
 (`hidden_free_s_per_token`); past it, `hidden_s_per_token`. A roofline profile sets the knee
 (`loadgen/sim/roofline.py`); a measured profile has none (0: every token at the full price,
 what the profiler's linear fit measures).
+
+Partial residency (docs/ellm.md). `prefix_step` is what a step pays, on top of the same batch
+fully resident, when some rows read a non-resident prefix from host swap space
+(`engine/prefix_profiling.py` measures it): a fixed `overhead_s` (such a step leaves the
+compiled decode layers and runs op by op), `per_row_s` per row that carries a prefix (its
+partial attention and merge, one span at a time) and `per_token_s` per prefix token (the
+per-layer copy from host and the attention over it). Without it only the copy is priced
+(`swap_bytes_per_s`), which on this CPU missed 98% of the real extra (docs/ellm.md).
 """
 
 from __future__ import annotations
@@ -134,6 +143,24 @@ def phase_sums(rows: Sequence[tuple[int, int]]) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class PrefixStepFit:
+    """The measured extra of a step whose rows read non-resident prefixes (module docstring)."""
+
+    overhead_s: float  # once per step with any such row
+    per_row_s: float  # per row that carries a prefix
+    per_token_s: float  # per prefix token read
+
+    def extra_s(self, rows: float, tokens: float) -> float:
+        """Seconds added to a step by `rows` rows carrying `tokens` prefix tokens (0 when none)."""
+        if rows <= 0:
+            return 0.0
+        return self.overhead_s + self.per_row_s * rows + self.per_token_s * tokens
+
+    def to_dict(self) -> dict:
+        return {"overhead_s": self.overhead_s, "per_row_s": self.per_row_s, "per_token_s": self.per_token_s}
+
+
+@dataclass(frozen=True)
 class CostModel:
     prefill: PhaseFit
     decode: PhaseFit
@@ -142,6 +169,7 @@ class CostModel:
     hidden_s_per_token: float | None = None  # K/V rebuild per HIDDEN context token per step
     hidden_free_rows: float = 0.0  # K/V GEMM rows that ride under its weight streaming (module docstring)
     hidden_free_s_per_token: float = 0.0  # a rebuilt token's price below that knee (its memory traffic)
+    prefix_step: PrefixStepFit | None = None  # eLLM: the measured extra of a host-read prefix step
 
     def hidden_rho(self, block_size: int) -> float | None:
         """Apt-Serve's ρ: seconds of rebuild per block of HIDDEN context per step."""
@@ -211,6 +239,8 @@ class CostModel:
         if self.hidden_free_rows:
             out["hidden_free_rows"] = self.hidden_free_rows
             out["hidden_free_s_per_token"] = self.hidden_free_s_per_token
+        if self.prefix_step is not None:
+            out["prefix_step"] = self.prefix_step.to_dict()
         return out
 
     @classmethod
@@ -226,6 +256,7 @@ class CostModel:
                 None if data.get("hidden_s_per_token") is None else float(data["hidden_s_per_token"]),
                 float(data.get("hidden_free_rows", 0.0)),
                 float(data.get("hidden_free_s_per_token", 0.0)),
+                None if data.get("prefix_step") is None else PrefixStepFit(**data["prefix_step"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed cost model: {exc}") from None

@@ -498,6 +498,8 @@ class LLMEngine:
             compiled_layers=self.runner.decode_graph is not None,
             # ρ is worth measuring only where a policy may pick HIDDEN (it saves memory)
             calibrate_hidden=self.hidden_blocks is not None and self.hidden_blocks.layout.saves_memory,
+            # what a host-read prefix step costs, where ellm may read prefixes from host
+            calibrate_prefix=self.config.policy == "ellm" and self.config.uncached_source != "rebuild",
         )
 
     def _tokenizer_eos(self) -> frozenset[int]:

@@ -25,7 +25,8 @@ difference of two timings of the same batch, rather than a fit of HIDDEN steps a
 everything the two forms share (weights, sampling, attention over the context) out of ρ; `o`
 (steps with HIDDEN rows run op by op, outside the compiled decode layer) goes to the meta as
 `hidden_step_overhead_s`, since the knapsack's penalty is per block and has no fixed term.
-A cached profile without the term gets it added on first use and is saved again.
+A cached profile without the term gets it added on first use and is saved again. The same
+holds for eLLM's host-read prefix step (`calibrate_prefix`, `engine/prefix_profiling.py`).
 
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
 dtype, thread count, block size, the grid limits and the decode attention kernel.
@@ -42,7 +43,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.hidden import CacheForm
 from engine.loader.cache import default_cache_dir, file_cache_key
+from engine.prefix_profiling import with_prefix_step
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
 from engine.scheduling.request import Request
@@ -76,6 +78,7 @@ class ProfileTarget:
     decode_kernel: str  # the attention kernel and the layer graph change decode step times
     compiled_layers: bool
     calibrate_hidden: bool = False  # measure the hybrid cache's rebuild (ρ): its hidden form saves memory
+    calibrate_prefix: bool = False  # measure a host-read prefix step (eLLM's host source)
 
 
 def profile_path(target: ProfileTarget, source, cache_dir: Path | None = None) -> Path:
@@ -90,8 +93,12 @@ def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None)
         except ValueError:
             log.warning("ignoring unreadable cost profile %s", path)
         else:
+            changed = False
             if target.calibrate_hidden and model.hidden_s_per_token is None:
-                model = with_hidden(target, model)
+                model, changed = with_hidden(target, model), True
+            if target.calibrate_prefix and model.prefix_step is None:
+                model, changed = with_prefix_step(target, model), True
+            if changed:
                 model.save(path)
             return model
     model = profile(target)
@@ -148,7 +155,8 @@ def profile(target: ProfileTarget) -> CostModel:
         "profile_seconds": time.perf_counter() - start,
     }
     model = CostModel(model.prefill, model.decode, swap_bps, meta)
-    return with_hidden(target, model) if target.calibrate_hidden else model
+    model = with_hidden(target, model) if target.calibrate_hidden else model
+    return with_prefix_step(target, model) if target.calibrate_prefix else model
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,7 @@ def with_hidden(target: ProfileTarget, model: CostModel) -> CostModel:
         rebuild.per_token_s,
         rebuild.per_token_s * target.config.block_size,
     )
-    return CostModel(model.prefill, model.decode, model.swap_bytes_per_s, meta, rebuild.per_token_s)
+    return replace(model, meta=meta, hidden_s_per_token=rebuild.per_token_s)
 
 
 def _hidden_grid(target: ProfileTarget) -> list[tuple[int, int]]:

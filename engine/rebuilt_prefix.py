@@ -12,8 +12,9 @@ rebuilt K/V are dropped with the layer's activations. The rebuilt rows produce n
 Where a rebuilt token's entry has a block (a fresh one, brought back by a shrinking ratio)
 its K/V are written there, so the token is resident from the next step on; every other
 rebuilt row writes into the null block (block 0), a write sink no table entry points at and
-every kernel reads only under a -inf mask (as padding). That keeps the one per-layer
-`write_kv_cache` of the models unchanged.
+every kernel reads only under a -inf mask (as padding). That keeps the models' one K/V write
+per layer (`LayerOps.write_kv` in `kernels/layer_ops.py`, called on the op-by-op path that such
+a step takes) unchanged.
 
 Rebuilt rows are not counted against `max_num_batched_tokens`: they are the price of the
 memory partial residency frees, which the `ellm` policy weighs (and a fixed ratio is for

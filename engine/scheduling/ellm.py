@@ -20,6 +20,10 @@ early once every candidate fits (a larger `r` only adds cost), and its time is p
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
 
+Where the profile measured what a prefix step really costs (`CostModel.prefix_step`: leaving
+the compiled decode layers and attending each prefix op by op, `engine/prefix_profiling.py`),
+every `r > 0` is priced with it, so a ratio whose step loses to its batch gain is not chosen.
+
 Sources (`source`, `engine/scheduling/prefix_pricing.py`): each `r` is priced with the
 cheaper of the sources allowed, rebuilding the prefixes or reading them from host swap space
 (the copy from the profile's `swap_bytes_per_s`, added to the step on a CPU and overlapped on
@@ -35,8 +39,9 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import ClassVar
 
@@ -51,6 +56,7 @@ from engine.scheduling.request import SLO, Request
 
 RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
 _RATIOS = np.array(RATIO_GRID, dtype=np.float64)
+RECENT_DECISIONS = 4096  # decisions kept for DecisionStats' percentiles
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,8 @@ class Choice:
     batch: int  # b: the admission bound
     ratio: float  # r
     step_s: float  # the cost model's step time at (b, r)
-    decision_s: float = 0.0  # wall time of the search (published)
+    decision_s: float = 0.0  # wall time of the decision (published): candidates, host space, search
+    decision_cpu_s: float = 0.0  # the same in this thread's CPU time (wall minus waiting for a core)
     rebuild_s: float = 0.0  # the part of step_s that the non-resident prefixes add (rebuilt or read)
     source: str = "rebuild"  # where the prefixes come from at this choice
     host_layers: int = 0  # with source "host": layers read from host (the rest rebuilt; all without a split)
@@ -80,6 +87,10 @@ class DecisionStats:
     rebuild_s_sum: float = 0.0  # predicted rebuild time at the choice
     decision_s_sum: float = 0.0
     decision_s_max: float = 0.0
+    decision_cpu_s_sum: float = 0.0
+    decision_cpu_s_max: float = 0.0
+    # the last decisions' (wall, CPU) seconds, for percentiles; bounded for a long-running worker
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_DECISIONS), repr=False)
 
     def add(self, c: Choice) -> None:
         self.steps += 1
@@ -95,6 +106,9 @@ class DecisionStats:
             self.rebuild_s_sum += c.rebuild_s
         self.decision_s_sum += c.decision_s
         self.decision_s_max = max(self.decision_s_max, c.decision_s)
+        self.decision_cpu_s_sum += c.decision_cpu_s
+        self.decision_cpu_s_max = max(self.decision_cpu_s_max, c.decision_cpu_s)
+        self.recent.append((c.decision_s, c.decision_cpu_s))
 
     def as_dict(self) -> dict:
         n = max(self.steps, 1)
@@ -109,6 +123,21 @@ class DecisionStats:
             "rebuild_share_of_step_time": self.rebuild_s_sum / self.step_s_sum if self.step_s_sum else 0.0,
             "mean_decision_s": self.decision_s_sum / n,
             "max_decision_s": self.decision_s_max,
+            "mean_decision_cpu_s": self.decision_cpu_s_sum / n,
+            "max_decision_cpu_s": self.decision_cpu_s_max,
+            **self._percentiles(),
+        }
+
+    def _percentiles(self) -> dict:
+        """Median and p99 of the recent decisions' wall and CPU time (0 before any)."""
+        if not self.recent:
+            return {f"{k}_decision{c}_s": 0.0 for k in ("p50", "p99") for c in ("", "_cpu")}
+        wall, cpu = np.array(self.recent).T
+        return {
+            "p50_decision_s": float(np.median(wall)),
+            "p99_decision_s": float(np.percentile(wall, 99)),
+            "p50_decision_cpu_s": float(np.median(cpu)),
+            "p99_decision_cpu_s": float(np.percentile(cpu, 99)),
         }
 
 
@@ -142,6 +171,7 @@ def choose(
     d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
     p_ln = _prefix_at(u, batch)
     p_work = _prefix_at(u * u, batch)
+    carriers = _prefix_at((u > 0).astype(np.int64), batch)  # rows with a non-resident prefix
     # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
     full = np.flatnonzero(batch == s.size)
     last = int(full[0]) if full.size else len(RATIO_GRID) - 1
@@ -151,23 +181,27 @@ def choose(
         b = int(batch[i])
         if b == 0:
             continue
-        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i]))
+        rows = int(carriers[i])
+        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i])) + sources.off_graph_s(rows)
         if i == 0:
             fallback = Choice(b, 0.0, step)
         if step <= tpot_s or sources.host:
             exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
-            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), sources)
+            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
             if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
                 best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
     return best or fallback or Choice(1, 0.0, math.inf)
 
 
-def _cheaper_source(exec_s: float, rebuild_step: float, tokens: int, sources: PrefixSources) -> tuple[float, str, int]:
+def _cheaper_source(
+    exec_s: float, rebuild_step: float, tokens: int, rows: int, sources: PrefixSources
+) -> tuple[float, str, int]:
     """(step seconds, source, host layers) of the cheaper allowed source for `tokens` prefix
-    tokens; rebuilding where the host cannot take them (the component falls back the same way)."""
+    tokens of `rows` rows; rebuilding where the host cannot take them (the component falls
+    back the same way)."""
     if not (sources.host and tokens and tokens <= sources.host_capacity_tokens):
         return rebuild_step, "rebuild", 0
-    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources)
+    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources, rows)
     if host_step < rebuild_step or not sources.rebuild:
         return host_step, "host", layers
     return rebuild_step, "rebuild", 0
@@ -217,7 +251,7 @@ class ELLMPolicy(SchedulingPolicy):
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         if self.cost_model is None:
             raise ValueError("the ellm policy needs a cost model (profile the model or pass cost_model=...)")
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
         contexts = [r.num_tokens for r in candidates]
@@ -230,7 +264,8 @@ class ELLMPolicy(SchedulingPolicy):
             state.limits.max_num_seqs,
             self._sources(state),
         )
-        self.last = replace(choice, decision_s=time.perf_counter() - start)
+        wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+        self.last = replace(choice, decision_s=wall, decision_cpu_s=cpu)
         self.stats.add(self.last)
         component = state.kv.component(PartialResidency)
         component.set_ratio(choice.ratio)
@@ -245,8 +280,9 @@ class ELLMPolicy(SchedulingPolicy):
     def _sources(self, state: SchedulerState) -> PrefixSources:
         """The sources this step may price, from the profile and the host space left (free
         host blocks plus those the host-kept prefixes hold)."""
+        step = self.cost_model.prefix_step
         if self.source == "rebuild":
-            return REBUILD_ONLY
+            return REBUILD_ONLY if step is None else replace(REBUILD_ONLY, step=step)
         kv = state.kv
         held = sum(len(t.host_prefix) for t in kv.ledger.tables.values())
         return PrefixSources.of(
@@ -257,4 +293,5 @@ class ELLMPolicy(SchedulingPolicy):
             host_capacity_tokens=(kv.host.num_free + held) * kv.block_size,
             num_layers=self.num_layers,
             layer_split=self.layer_split,
+            step=step,
         )

@@ -21,6 +21,16 @@ layer-level split (docs/ellm.md, "Per-layer swap-in"):
   to store a layer input and start the prefix rows at layer `l`, which is not built; the
   simulator prices the split so its worth can be judged first.
 
+The measured penalty (`CostModel.prefix_step`, where the profiler measured it: an engine whose
+`ellm` may read from host). A step with non-resident prefixes leaves the compiled decode
+layers and attends each prefix op by op; on this CPU that, not the copy, is most of what such
+a step costs (docs/ellm.md). Where it is measured, a host step costs `overhead + per_row·rows +
+per_token·U` on top of the step without prefixes (`per_token` replacing the bandwidth-only
+copy price, since it includes the copy), and a rebuild step pays `overhead + per_row·rows` on
+top of its rebuilt rows (it leaves the same compiled path; its own attention is in the
+prefill price). Unmeasured (a simulator profile, a GPU), the penalty is 0 and the copy is
+priced from the bandwidth, as before.
+
 Host capacity: a host source needs `U` tokens of free host space (`host_capacity_tokens`);
 past it the engine's component falls back to rebuilding, and the optimiser prices that.
 """
@@ -30,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine.cost_model import PrefixStepFit
 
 SOURCES = ("rebuild", "host", "auto")  # what `ellm` may use: one source, or the cheaper per step
 
@@ -43,6 +55,14 @@ class PrefixSources:
     host_capacity_tokens: int = 0
     num_layers: int = 1
     layer_split: bool = False  # price eLLM's best split of layers between host and rebuild
+    step: PrefixStepFit | None = None  # the measured penalty of a prefix step (module docstring)
+
+    def off_graph_s(self, rows: int) -> float:
+        """What `rows` rows with non-resident prefixes add to a step besides their prefix's own
+        work: the measured fixed and per-row penalty, 0 where not measured."""
+        if self.step is None or rows <= 0:
+            return 0.0
+        return self.step.overhead_s + self.step.per_row_s * rows
 
     @classmethod
     def of(
@@ -55,20 +75,24 @@ class PrefixSources:
         host_capacity_tokens: int,
         num_layers: int = 1,
         layer_split: bool = False,
+        step: PrefixStepFit | None = None,
     ) -> PrefixSources:
         """The sources `source` ("rebuild", "host" or "auto": both) allows, priced from the
-        profile's host-link bandwidth and the KV's bytes per token."""
+        profile's host-link bandwidth and the KV's bytes per token, or from the measured
+        `step` penalty where there is one."""
         if source not in SOURCES:
             raise ValueError(f"prefix source must be one of {', '.join(SOURCES)}, got {source!r}")
         host = source in ("host", "auto") and kv_bytes_per_token > 0 and swap_bytes_per_s > 0
+        copy = kv_bytes_per_token / swap_bytes_per_s if host else 0.0
         return cls(
             rebuild=source in ("rebuild", "auto"),
             host=host,
-            copy_s_per_token=kv_bytes_per_token / swap_bytes_per_s if host else 0.0,
+            copy_s_per_token=copy if step is None or not host else step.per_token_s,
             overlap=overlap,
             host_capacity_tokens=host_capacity_tokens,
             num_layers=max(1, num_layers),
             layer_split=layer_split,
+            step=step,
         )
 
 
@@ -82,12 +106,21 @@ def split_shares(host_layers: int, num_layers: int) -> tuple[float, float]:
     return (host_layers + hidden) / num_layers, (num_layers - host_layers) / num_layers
 
 
-def host_step_seconds(exec_s: float, rebuild_s: float, tokens: int, sources: PrefixSources) -> tuple[float, int]:
-    """`(step seconds, layers read from host)` of a step whose `tokens` prefix tokens come from
-    host (with the layer split when allowed): `exec_s` the step without prefixes, `rebuild_s`
-    what rebuilding all of them would add. The split is the `l` in `0..L` with the least step
-    time (`l = L` without `layer_split`)."""
+def host_step_seconds(
+    exec_s: float, rebuild_s: float, tokens: int, sources: PrefixSources, rows: int = 1
+) -> tuple[float, int]:
+    """`(step seconds, layers read from host)` of a step whose `tokens` prefix tokens of `rows`
+    rows come from host (with the layer split when allowed): `exec_s` the step without
+    prefixes, `rebuild_s` what rebuilding all of them would add (its off-graph penalty
+    included). The split is the `l` in `0..L` with the least step time (`l = L` without
+    `layer_split`)."""
+    exec_s = exec_s + sources.off_graph_s(rows)
+    rebuild_s = rebuild_s - sources.off_graph_s(rows)
     n = sources.num_layers
+    if not sources.layer_split:  # all layers from host: the same arithmetic as below, without arrays
+        copy = n / n * tokens * sources.copy_s_per_token
+        rest = exec_s + 0 / n * rebuild_s
+        return (max(rest, copy) if sources.overlap else rest + copy), n
     layers = np.arange(n + 1) if sources.layer_split else np.array([n])
     hidden = np.where((layers > 0) & (layers < n), 0.5, 0.0)  # the stored layer input read back
     copy = (layers + hidden) / n * tokens * sources.copy_s_per_token  # as `split_shares`

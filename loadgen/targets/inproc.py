@@ -162,6 +162,7 @@ class InprocTarget(StepTarget):
             "block_size": cfg.block_size,
             "clock": "model" if isinstance(self.clock, ModelClock) else "wall",
             "engine_stats": _stats(self.engine),
+            "policy_stats": _policy_stats(self.engine),
             "steps_logged": len(self.step_log),
             "cost_model_meta": getattr(getattr(self.engine, "cost_model", None), "meta", None),
         }
@@ -172,3 +173,10 @@ def _stats(engine) -> dict | None:
 
     stats = getattr(engine, "stats", None)
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None
+
+
+def _policy_stats(engine) -> dict | None:
+    """The policy's own published totals where it keeps any (ellm's `DecisionStats`: its
+    choices and its decision time, wall and CPU)."""
+    stats = getattr(getattr(getattr(engine, "scheduler", None), "policy", None), "stats", None)
+    return stats.as_dict() if hasattr(stats, "as_dict") else None

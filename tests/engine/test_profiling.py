@@ -10,6 +10,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, profiling
 from engine.cost_model import CostModel
 from engine.loader import resolve_model
+from engine.prefix_profiling import with_prefix_step
 
 
 def _config(path, **kw) -> EngineConfig:
@@ -127,3 +128,58 @@ def test_gqa_model_is_not_calibrated_and_aptserve_does_not_profile(tiny_model_di
     monkeypatch.setattr(profiling, "profile_cached", lambda *a, **k: pytest.fail("profiled"))
     engine = LLMEngine(_config(path, policy="aptserve"))
     assert not engine.profile_target().calibrate_hidden and engine.cost_model is None
+
+
+@pytest.mark.timeout(300)
+def test_host_prefix_step_is_measured_for_ellm_and_added_to_a_cached_profile(
+    tiny_model_dir, tmp_path, monkeypatch, one_thread
+):
+    """eLLM's host-read prefix step (engine/prefix_profiling.py): an `ellm` engine that may read
+    prefixes from host measures what such a step adds over the same batch fully resident, and a
+    cached profile from before the term gets it added, not redone. On the tiny Llama, whose
+    decode steps run through compiled layers, leaving them costs a measurable amount: the fit
+    predicts a positive extra at the grid's largest point. An engine that only rebuilds does
+    not measure it."""
+    path = tiny_model_dir("llama")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    cfg = dict(num_host_blocks=256, rt_tpot_s=0.5)
+    target = LLMEngine(_config(path, **cfg)).profile_target()
+    assert not target.calibrate_prefix
+    target = profiling.ProfileTarget(**{**target.__dict__, "calibrate_prefix": True})
+    source = resolve_model(str(path))
+    file = profiling.profile_path(target, source, tmp_path)
+    without = profiling.profile(profiling.ProfileTarget(**{**target.__dict__, "calibrate_prefix": False}))
+    assert without.prefix_step is None
+    without.save(file)
+    monkeypatch.setattr(profiling, "profile", lambda t: pytest.fail("re-profiled although cached"))
+    model = profiling.profile_cached(target, source, tmp_path)
+    step = model.prefix_step
+    assert step is not None and min(step.overhead_s, step.per_row_s, step.per_token_s) >= 0
+    points = model.meta["prefix_points"]
+    assert len(points) >= 3 and len({p["rows"] for p in points}) >= 2
+    largest = max(points, key=lambda p: p["tokens"])
+    assert step.extra_s(largest["rows"], largest["tokens"]) > 0
+    assert CostModel.load(file) == model and CostModel.load(file).prefix_step == step
+    assert target.kv.host.num_free == 256  # every host block given back
+    engine = LLMEngine(_config(path, policy="ellm", uncached_source="auto", **cfg))  # the cached profile, as is
+    assert engine.profile_target().calibrate_prefix and engine.cost_model.prefix_step == step
+    rebuild_only = LLMEngine(_config(path, policy="ellm", uncached_source="rebuild", **cfg))
+    assert not rebuild_only.profile_target().calibrate_prefix
+
+
+@pytest.mark.parametrize("host_blocks, points", [(0, 0), (2, 1), (256, 4)])
+def test_prefix_grid_needs_pool_and_host_space_and_degrades_without(host_blocks, points):
+    """The host-read prefix grid keeps the points the pool and the host space hold (the tiny
+    test pool: batch 1 and 4 of (64, 32) and (128, 96)); with fewer than three the profile is
+    returned as it is, with a warning, and nothing runs (copy-only pricing, no start failure)."""
+    from engine.cost_model import PhaseFit
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.prefix_profiling import prefix_grid
+
+    kv = KVCacheManager(BlockPool(96, True), 16, bytes_per_token=64, host_blocks=host_blocks)
+    fail = lambda *a: pytest.fail("timed a batch although the grid is too small")  # noqa: E731
+    target = profiling.ProfileTarget(fail, fail, kv, EngineConfig(max_num_seqs=8), 256, 1000, "t", "cpp", True)
+    assert len(prefix_grid(target)) == points
+    if points < 3:
+        model = CostModel(PhaseFit(1e-3, 0.0, 0.01), PhaseFit(1e-3, 0.0, 0.01), 1e9)
+        assert with_prefix_step(target, model) is model

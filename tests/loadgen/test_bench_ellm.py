@@ -85,3 +85,28 @@ def test_ellm_sim_bench_rebuilds_where_it_pays(tmp_path):
     agg = rate["aggregate"]["fcfs"]["output_tokens_per_s"]
     assert agg["min"] <= agg["mean"] <= agg["max"]
     assert doc["provenance"]["git"]["commit"]
+
+
+@pytest.mark.timeout(300)
+def test_inproc_target_publishes_ellm_decision_time(tiny_model_dir, tmp_path):
+    """The in-process engine's description (what `tandem bench policies` writes per run) carries
+    ellm's `DecisionStats`, with its decision time measured inside the engine per step, wall
+    and CPU; a policy without such totals gives None."""
+    from engine import EngineConfig, SamplingParams
+    from loadgen.targets.inproc import InprocTarget
+
+    cost = tmp_path / "cost.json"
+    CostModel(PhaseFit(2e-5, 1e-9, 0.01), PhaseFit(2e-4, 1e-8, 0.02), 1e9, {"model": "test"}).save(cost)
+    common = dict(model=str(tiny_model_dir("llama")), dtype="float32", num_blocks=14, cost_model_path=str(cost))
+    target = InprocTarget.from_config(EngineConfig(policy="ellm", rt_tpot_s=1.0, **common))
+    engine = target.engine
+    for i in range(4):
+        prompt = [1000 + 7 * i + j for j in range(50 + 5 * i)]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    stats = target.describe()["policy_stats"]
+    assert stats["steps"] == engine.stats.steps and stats["max_ratio"] > 0
+    assert 0 < stats["p50_decision_cpu_s"] <= stats["max_decision_cpu_s"]
+    assert 0 < stats["p50_decision_s"] <= stats["max_decision_s"]
+    assert InprocTarget.from_config(EngineConfig(policy="fcfs", **common)).describe()["policy_stats"] is None

@@ -9,7 +9,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cost_model import CostModel, PhaseFit
+from engine.cost_model import CostModel, PhaseFit, PrefixStepFit
 from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
 from engine.scheduling.prefix_pricing import PrefixSources, host_step_seconds
 
@@ -47,11 +47,14 @@ def test_choice_prices_the_rebuild_and_stats_add_up():
     assert rebuild.ratio > 0 and 0 < rebuild.rebuild_s < rebuild.step_s
     assert plain.rebuild_s == 0
     stats = DecisionStats()
-    for c in (rebuild, plain, Choice(1, 0.0, math.inf, decision_s=0.002)):
+    assert stats.as_dict()["p99_decision_cpu_s"] == 0.0  # nothing decided yet
+    for c in (rebuild, plain, Choice(1, 0.0, math.inf, decision_s=0.002, decision_cpu_s=0.0015)):
         stats.add(c)
     out = stats.as_dict()
     assert out["steps"] == 3 and out["rebuilding_step_share"] == 1 / 3
     assert out["max_ratio"] == rebuild.ratio and out["max_decision_s"] == 0.002
+    assert out["max_decision_cpu_s"] == 0.0015 and out["mean_decision_cpu_s"] == 0.0005
+    assert out["p50_decision_s"] == 0.0 and 0.0014 < out["p99_decision_cpu_s"] < 0.0015
     assert out["rebuild_share_of_step_time"] == rebuild.rebuild_s / (rebuild.step_s + plain.step_s)
 
 
@@ -62,21 +65,22 @@ def scan_choose(contexts, capacity_tokens, block_size, cost, tpot_s, max_batch, 
     bs = block_size
     best = fallback = None
     for r in RATIO_GRID:
-        used = b = d_work = p_ln = p_work = 0
+        used = b = d_work = p_ln = p_work = rows = 0
         for s in contexts[:max_batch]:
             u = int(r * (s - 1)) // bs * bs
             need = -(-(s - u) // bs) * bs
             if used + need > capacity_tokens:
                 break
             used, b, d_work, p_ln, p_work = used + need, b + 1, d_work + s, p_ln + u, p_work + u * u
+            rows += u > 0
         if b == 0:
             continue
-        step = cost.estimate_sums(p_ln, p_work, b, d_work)
+        step = cost.estimate_sums(p_ln, p_work, b, d_work) + (sources.off_graph_s(rows) if sources else 0.0)
         if r == 0:
             fallback = Choice(b, r, step)
         if sources is not None and sources.host and p_ln and p_ln <= sources.host_capacity_tokens:
             exec_s = cost.estimate_sums(0, 0, b, d_work)
-            host, _ = host_step_seconds(exec_s, step - exec_s, p_ln, sources)
+            host, _ = host_step_seconds(exec_s, step - exec_s, p_ln, sources, rows)
             step = host if host < step or not sources.rebuild else step
         if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
             best = Choice(b, r, step)
@@ -111,10 +115,13 @@ def test_vectorised_choice_equals_the_scan(contexts, capacity_blocks, block_size
     overlap=st.booleans(),
     split=st.booleans(),
     host_tokens=st.integers(0, 20000),
+    penalty=st.sampled_from([None, (0.0, 1e-3, 1e-5), (0.05, 0.01, 1e-4), (0.002, 0.0, 1e-6)]),
 )
 def test_vectorised_choice_with_host_sources_equals_the_scan(
-    contexts, capacity_blocks, tpot_s, source, copy_s, overlap, split, host_tokens
+    contexts, capacity_blocks, tpot_s, source, copy_s, overlap, split, host_tokens, penalty
 ):
+    """...with and without a measured prefix-step penalty (`CostModel.prefix_step`); the
+    scalar pricing of the all-host case (no split) is the vectorised one's to the bit."""
     sources = PrefixSources.of(
         source,
         kv_bytes_per_token=1000,
@@ -123,6 +130,7 @@ def test_vectorised_choice_with_host_sources_equals_the_scan(
         host_capacity_tokens=host_tokens,
         num_layers=8,
         layer_split=split,
+        step=None if penalty is None else PrefixStepFit(*penalty),
     )
     capacity = capacity_blocks * BS
     got = choose(contexts, capacity, BS, COST, tpot_s, 64, sources)
@@ -169,7 +177,7 @@ def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
             policy_obj = engine.scheduler.policy
             if isinstance(policy_obj, ELLMPolicy):
                 ratios.append(policy_obj.last.ratio)
-                assert policy_obj.last.decision_s > 0
+                assert policy_obj.last.decision_s > 0 and policy_obj.last.decision_cpu_s > 0
         engines.append(engine)
         return tokens, ratios, engine.stats
 

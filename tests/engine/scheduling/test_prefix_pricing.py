@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cost_model import CostModel, PhaseFit
+from engine.cost_model import CostModel, PhaseFit, PrefixStepFit
 from engine.scheduling.ellm import choose
 from engine.scheduling.prefix_pricing import PrefixSources, host_step_seconds, split_shares
 
@@ -68,3 +68,49 @@ def test_expensive_host_reads_are_not_chosen():
 def test_unknown_source_is_refused():
     with pytest.raises(ValueError, match="prefix source"):
         _sources(overlap=False, split=False, source="disk")
+
+
+def _measured(step: PrefixStepFit, copy: float = 1e-6, overlap: bool = False):
+    return PrefixSources.of(
+        "auto",
+        kv_bytes_per_token=int(copy * 1e9),
+        swap_bytes_per_s=1e9,
+        overlap=overlap,
+        host_capacity_tokens=10**9,
+        num_layers=4,
+        step=step,
+    )
+
+
+def test_measured_prefix_step_replaces_the_copy_price():
+    """A host step with the measured penalty: step + overhead + per row + per token (which
+    replaces the bandwidth's copy price); a rebuild step pays the overhead and per-row part."""
+    step = PrefixStepFit(overhead_s=0.5, per_row_s=0.25, per_token_s=0.01)
+    sources = _measured(step, copy=1.0)  # the bandwidth would say 1 s per token: ignored
+    seconds, layers = host_step_seconds(1.0, 50.0, 10, sources, rows=2)
+    assert (seconds, layers) == (pytest.approx(1.0 + 0.5 + 0.5 + 0.1), 4)
+    assert sources.off_graph_s(2) == pytest.approx(1.0) and sources.off_graph_s(0) == 0.0
+    assert (
+        PrefixSources.of(
+            "rebuild", kv_bytes_per_token=1, swap_bytes_per_s=1.0, overlap=False, host_capacity_tokens=0, step=step
+        ).copy_s_per_token
+        == 0.0
+    )
+
+
+def test_the_off_graph_penalty_stops_a_ratio_that_loses():
+    """The CPU engine's failure (docs/ellm.md): a copy priced at a few µs per token makes a
+    large ratio look free, so `ellm` doubles the batch; with the measured penalty of leaving the
+    compiled decode path (here 2x the step, as measured) the same batch gain does not pay and
+    it keeps r = 0. A penalty small against the gain still lets it trade."""
+    contexts, capacity = [200] * 8, 4 * 208
+    copy_only = choose(contexts, capacity, BS, COST, tpot_s=1.0, max_batch=128, sources=_measured(None))
+    assert copy_only.ratio > 0 and copy_only.batch == 8
+    plain = choose(contexts, capacity, BS, COST, tpot_s=1.0, max_batch=128).step_s  # r = 0, b = 4
+    heavy = PrefixStepFit(overhead_s=2 * plain, per_row_s=2e-3, per_token_s=2e-6)
+    chosen = choose(contexts, capacity, BS, COST, tpot_s=1.0, max_batch=128, sources=_measured(heavy))
+    assert chosen.ratio == 0 and chosen.batch == 4
+    light = PrefixStepFit(overhead_s=0.05 * plain, per_row_s=1e-5, per_token_s=2e-7)
+    chosen = choose(contexts, capacity, BS, COST, tpot_s=1.0, max_batch=128, sources=_measured(light))
+    assert chosen.ratio > 0 and chosen.batch == 8 and chosen.source == "host"
+    assert chosen.rebuild_s == pytest.approx(chosen.step_s - COST.estimate_sums(0, 0, 8, sum(contexts)))

@@ -1,0 +1,161 @@
+"""Measure what a host-read prefix step really costs (eLLM's partial residency), for the cost model.
+
+A step in which some rows read their oldest tokens' K/V from host swap space
+(`engine/rebuilt_prefix.py`) pays more than the copy: it leaves the compiled decode layers
+(`engine/models/decode_graph.py`) and the C++ decode kernel, and each such row's prefix goes
+through the reference partial attention and merge, one span at a time, op by op. On this CPU
+that made a step 2.6-3x the plain one where the copy alone was priced at ~1% of it, so the
+`ellm` optimiser chose ratios that lost (docs/ellm.md). This module measures the whole extra.
+
+Method, as the hybrid cache's ρ is measured (`engine/profiling.py`): the same decode batch is
+timed twice, fully resident and with a prefix of `u` tokens of every row kept on host, on a
+small grid of batch sizes, contexts and prefix lengths; the difference is fitted as
+`extra = overhead + per_row · rows + per_token · prefix tokens` with non-negative terms
+(`CostModel.prefix_step`). A difference of two timings of the same batch keeps what both
+forms share (weights, sampling, attention over the context) out of the term. Each point is
+the fastest of a few runs spread over passes (the profiler's reason: on a shared machine other
+processes only ever add time).
+
+The host-kept prefix is built with the KV ledger's own primitives (a host block per entry,
+the device block released, the entry emptied, `transient` set), exactly the state
+`PartialResidency` leaves with the host source; its host blocks hold whatever they hold
+(timing only, no copy is run). The profiler runs before any policy attaches its components,
+so no component is involved.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.cost_model import CostModel, PrefixStepFit, nonneg_lstsq
+from engine.sampling import SamplingParams
+from engine.scheduling.policy import ScheduledItem
+from engine.scheduling.request import Request
+
+if TYPE_CHECKING:  # profiling imports this module
+    from engine.profiling import ProfileTarget
+
+log = logging.getLogger(__name__)
+_PASSES = 3
+_BATCHES = (1, 4, 16)
+_SHAPES = ((64, 32), (128, 96), (512, 256))  # (context, host-kept prefix) tokens; whole blocks at bs <= 32
+
+
+@dataclass(frozen=True)
+class PrefixPoint:
+    rows: int  # rows carrying a prefix
+    tokens: int  # prefix tokens read, all rows
+    extra_s: float  # seconds over the same batch fully resident
+
+
+def prefix_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
+    """(batch, context, prefix) points whose resident form fits the pool and whose prefixes fit
+    the host space; at most 8k context tokens a point (the fit is linear)."""
+    bs = target.config.block_size
+    capacity = target.kv.capacity_tokens() - bs * 8
+    host_tokens = target.kv.host.num_free * bs
+    out = []
+    for b in _BATCHES:
+        for c, u in _SHAPES:
+            u = u // bs * bs
+            if b > target.config.max_num_seqs or c >= target.max_model_len or not u:
+                continue
+            if b * (c + bs) <= capacity and b * u <= host_tokens and b * c <= 8192:
+                out.append((b, c, u))
+    return out
+
+
+def measure_prefix_step(target: ProfileTarget) -> tuple[PrefixStepFit, tuple[PrefixPoint, ...]]:
+    """Time the grid in both forms and fit the extra (module docstring)."""
+    grid = prefix_grid(target)
+    if len(grid) < 3:
+        raise RuntimeError("the KV pool or host space is too small to measure a host-read prefix step")
+    bench = _PrefixBench(target)
+    runs = [(b, c, u if host else 0) for b, c, u in grid for host in (True, False)]
+    for run in runs:
+        bench.time_once(*run)  # warm-up
+    best = [float("inf")] * len(runs)
+    for _ in range(_PASSES):
+        for i, run in enumerate(runs):
+            best[i] = min(best[i], bench.time_once(*run))
+    points = tuple(PrefixPoint(b, b * u, best[2 * i] - best[2 * i + 1]) for i, (b, _, u) in enumerate(grid))
+    x = np.array([[1.0, p.rows, p.tokens] for p in points])
+    y = np.array([p.extra_s for p in points])
+    overhead, per_row, per_token = nonneg_lstsq(x, y, np.ones_like(y))
+    return PrefixStepFit(overhead, per_row, per_token), points
+
+
+def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
+    """`model` with `prefix_step` measured, the points in its meta; `model` as it is, with a
+    warning, where the pool or the host space is too small for the grid (the engine still
+    starts; `ellm` then prices only the copy, as before the term existed)."""
+    if len(prefix_grid(target)) < 3:
+        log.warning(
+            "KV pool or host swap space too small to measure a host-read prefix step; "
+            "ellm prices host reads by the copy alone"
+        )
+        return model
+    start = time.perf_counter()
+    fit, points = measure_prefix_step(target)
+    meta = dict(model.meta)
+    meta.update(
+        prefix_points=[{"rows": p.rows, "tokens": p.tokens, "extra_s": p.extra_s} for p in points],
+        prefix_profile_seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "host-read prefix step: +%.3g s per step, +%.3g s per row, +%.3g s per prefix token",
+        fit.overhead_s,
+        fit.per_row_s,
+        fit.per_token_s,
+    )
+    return replace(model, meta=meta, prefix_step=fit)
+
+
+class _PrefixBench:
+    """Times one decode batch through the engine's runner, optionally with host-kept prefixes."""
+
+    def __init__(self, target: ProfileTarget) -> None:
+        self.target = target
+        self._ids = 0
+
+    def time_once(self, batch: int, context: int, prefix: int) -> float:
+        kv = self.target.kv
+        requests = [self._request(context + 1) for _ in range(batch)]
+        try:
+            for r in requests:
+                if not kv.allocate(r, context + 1):
+                    raise RuntimeError("the prefix profiling grid does not fit the KV pool")
+                r.num_computed_tokens = context
+                if prefix:
+                    self._keep_on_host(kv.table(r), prefix)
+            items = [ScheduledItem(r, 1) for r in requests]
+            t0 = time.perf_counter()
+            self.target.execute(items)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        finally:
+            for r in requests:
+                kv.free(r)
+
+    def _keep_on_host(self, table, prefix: int) -> None:
+        """The table's first `prefix` tokens leave the pool for host blocks (no copy run)."""
+        ledger = self.target.kv.ledger
+        for e in range(prefix // ledger.block_size):
+            host_block = ledger.take_host()
+            assert host_block is not None, "prefix_grid checked the host space"
+            ledger.push_host_prefix(table, host_block)
+            ledger.release(table.blocks[e])
+            ledger.set_entry(table, e, None)
+        ledger.set_transient(table, prefix)
+
+    def _request(self, length: int) -> Request:
+        self._ids += 1
+        tokens = torch.randint(0, self.target.vocab_size, (length,)).tolist()
+        return Request(f"profile-prefix-{self._ids}", tokens, SamplingParams(max_tokens=1))
