@@ -13,7 +13,10 @@ Per step:
 3. BE requests in arrival order (`be_order`; the paper's fewest-checkpointed-first is an
    option, `BE_ORDERS` says why it is not the default): each is packed if it (or a chunk
    of its prefill) fits, else it may replace the least urgent scheduled RT request if that
-   request's own deadline still holds when deferred one step.
+   request's own deadline still holds when deferred one step. An admitted BE request that
+   needs memory (its KV partly on host after RT took its block's end, or its next block) may
+   swap out BE requests behind it in BE order; without that, parked BE requests held ~12% of
+   the pool idle in the fair simulator at ShareGPT 2 req/s (docs/bros.md).
 
 Minimum BE share (our addition, `min_be_share`; the paper has none and its BE throughput
 falls to almost nothing under RT overload): the policy keeps a moving average of BE's share

@@ -43,24 +43,29 @@ class StepMemory:
         force: bool,
         evict_rt: bool,
         keep: Collection[Request],
+        evict_behind: bool = False,
     ) -> int | None:
         """Restore and reserve under a fresh undo mark, evicting victims (never one in `keep`)
         between attempts. Returns the mark (the caller may roll back to it) or None when nothing
         is left to evict."""
         victims = None
-        if self._hopeless_fit(r, n, be, force, evict_rt):
+        if self._hopeless_fit(r, n, be, force or evict_behind, evict_rt):
             return None
+        # a BE request evicting BE behind it outside the progress guarantee only swaps (a swap
+        # is undone with the step's undo log if the request is then rejected; a recompute drop
+        # is not, and throws work away)
+        swap_only = be and evict_behind and not force
         while True:
             mark = self.kv.undo.mark()
             if (self.kv.is_resident(r) or self.kv.restore(r)) and self.kv.allocate(r, n, prefix):
                 return mark
             self.kv.undo.rollback(mark)
             if victims is None:
-                victims = iter(self.victims(r, be, force, evict_rt, keep))
-            victim = next(victims, None)
+                victims = iter(self.victims(r, be, force or evict_behind, evict_rt, keep))
+            while (victim := next(victims, None)) is not None and not self.evict(victim, swap_only):
+                pass
             if victim is None:
                 return None
-            self.evict(victim)
 
     def _hopeless_fit(self, r: Request, n: int, be: bool, force: bool, evict_rt: bool) -> bool:
         """Cheap check that a reservation cannot succeed, so no tentative restore is built and
@@ -96,11 +101,21 @@ class StepMemory:
             return ([x for x in be_victims if self.be_key(x) > self.be_key(r)] if force else []) + rt_victims
         return be_victims + rt_victims
 
-    def evict(self, victim: Request) -> None:
+    def evict(self, victim: Request, swap_only: bool = False) -> bool:
+        """Swap `victim` out whole, or when host space is full drop its KV for recompute
+        (unless `swap_only`); whether it was evicted."""
         mark = self.kv.undo.mark()
+        import os
+
+        reserve = float(os.environ.get("BROS_HOST_RESERVE", "0"))
+        if swap_only and self.kv.host.num_free - self.kv.device_blocks(victim) < reserve * self.kv.host.num_blocks:
+            return False
         if self.kv.swap_out(victim):
             self.batch.swapped_out.append(victim)
-            return
-        self.kv.undo.rollback(mark)  # host space is full: drop the KV and recompute later
-        self.state.preempt(victim)
+            return True
+        self.kv.undo.rollback(mark)
+        if swap_only:
+            return False
+        self.state.preempt(victim)  # host space is full: drop the KV and recompute later
         self.batch.preempted.append(victim)
+        return True

@@ -205,7 +205,13 @@ class BROSStep:
                 d.be_no_time.extend(order[i:])
                 break
             full = len(self.pack) >= d.cap
-            outcome = _Outcome.COST if full else self._try(b, be=True, force=not self.pack.items)
+            # an admitted BE request may swap out BE behind it: parked on host with no free block
+            # to restore into, it would otherwise hold its device blocks idle (docs/bros.md)
+            outcome = (
+                _Outcome.COST
+                if full
+                else self._try(b, be=True, force=not self.pack.items, evict_behind=self.kv.holds(b))
+            )
             if outcome is _Outcome.COST and d.rt_scheduled:
                 outcome = self._replace_least_urgent(b)
             if outcome is _Outcome.OK:
@@ -248,10 +254,21 @@ class BROSStep:
     # -- one candidate ------------------------------------------------------------------
 
     def _try(
-        self, r: Request, *, be: bool, force: bool, deferred=None, evict_rt: bool = False, limit: int | None = None
+        self,
+        r: Request,
+        *,
+        be: bool,
+        force: bool,
+        deferred=None,
+        evict_rt: bool = False,
+        limit: int | None = None,
+        evict_behind: bool = False,
     ) -> _Outcome:
         """Reserve KV for `r`, check the step time, keep or roll back. `limit`: at most that
-        many tokens, and a forced chunk of up to that many (the minimum BE share)."""
+        many tokens, and a forced chunk of up to that many (the minimum BE share).
+        `evict_behind`: an admitted BE request may swap out BE requests behind it in BE order
+        to get its KV back from host (or grow); those swap-outs are undone with it if it is then
+        rejected, so a BE request that does not run never leaves copies behind."""
         prefix, base = self._prefix(r)
         n_full = r.num_tokens - base
         if limit is not None:
@@ -259,7 +276,28 @@ class BROSStep:
         if not self.state.limits.enable_chunked_prefill and n_full > self.pack.tokens_left and self.pack.items:
             return _Outcome.COST
         n_full = min(n_full, max(self.pack.tokens_left, 1))
-        mark = self._make_room(r, n_full, prefix, be, force, evict_rt)
+        outer, swapped = self.kv.undo.mark(), len(self.batch.swapped_out)
+        outcome = self._reserve_and_fit(r, prefix, base, n_full, force, be, deferred, evict_rt, limit, evict_behind)
+        if outcome is not _Outcome.OK and evict_behind and not force:  # undo its swap-outs too
+            self.kv.undo.rollback(outer)
+            del self.batch.swapped_out[swapped:]
+        return outcome
+
+    def _reserve_and_fit(
+        self,
+        r: Request,
+        prefix: list[Block],
+        base: int,
+        n_full: int,
+        force: bool,
+        be: bool,
+        deferred,
+        evict_rt: bool,
+        limit: int | None,
+        evict_behind: bool,
+    ) -> _Outcome:
+        """`_try`'s reservation and time check (see there)."""
+        mark = self._make_room(r, n_full, prefix, be, force, evict_rt, evict_behind)
         if mark is None:
             return _Outcome.MEMORY
         n = self._fit(r, base, n_full, deferred)
@@ -272,18 +310,27 @@ class BROSStep:
             return _Outcome.COST
         if n < n_full:  # a chunk fits: reserve just that
             self.kv.undo.rollback(mark)
-            if self._make_room(r, n, prefix, be, force=False) is None:
+            if self._make_room(r, n, prefix, be, False, evict_behind=evict_behind) is None:
                 return _Outcome.MEMORY
         self._accept(r, n, base)
         return _Outcome.OK
 
     def _make_room(
-        self, r: Request, n: int, prefix: list[Block], be: bool, force: bool, evict_rt: bool = False
+        self,
+        r: Request,
+        n: int,
+        prefix: list[Block],
+        be: bool,
+        force: bool,
+        evict_rt: bool = False,
+        evict_behind: bool = False,
     ) -> int | None:
         """Reserve KV for `n` tokens of `r` (`StepMemory.make_room`), never evicting a request
         this step has packed or replaced."""
         keep = (*self.pack.items, *self.decision.replaced)
-        return self.memory.make_room(r, n, prefix, be=be, force=force, evict_rt=evict_rt, keep=keep)
+        return self.memory.make_room(
+            r, n, prefix, be=be, force=force, evict_rt=evict_rt, keep=keep, evict_behind=evict_behind
+        )
 
     def _prefix(self, r: Request) -> tuple[list[Block], int]:
         if self.kv.holds(r):
