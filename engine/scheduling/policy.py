@@ -106,6 +106,8 @@ class SchedulerState:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.now
             request.num_cached_tokens = num_cached_tokens
+        else:  # re-admitted after a recompute preemption
+            request.num_recompute_cached_tokens += num_cached_tokens
         request.num_computed_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -56,7 +56,10 @@ class Request:
     # progress
     token_ids: list[int] = field(init=False)  # prompt + generated; grows by one per decode
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    num_cached_tokens: int = 0  # prefix-cache hit when first admitted
+    num_cached_tokens: int = 0  # prefix-cache hit when first admitted (what usage reports)
+    # prefix-cache hits of later admissions (after a recompute preemption): work the cache
+    # saved that `num_cached_tokens` does not show
+    num_recompute_cached_tokens: int = 0
     num_registered_blocks: int = 0  # blocks already published to the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # memo of full-block hashes
     output_logprobs: list[float] = field(default_factory=list)

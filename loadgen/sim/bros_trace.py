@@ -53,6 +53,11 @@ class StepLog:
     exec_s: float  # the cost model's forward-pass time for the step, without copies or noise
     rows: int = 0  # requests in the step
     decode_rows: int = 0  # of which decode rows (one new token)
+    # device blocks held by requests that do not run this step: BE with KV on host (they
+    # cannot run until restored), other BE, and RT (memory the step does not turn into tokens)
+    blocks_be_parked: int = 0
+    blocks_be_idle: int = 0
+    blocks_rt_idle: int = 0
 
 
 def trace(args: argparse.Namespace, policy: str) -> dict:
@@ -82,6 +87,8 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
         items = worker.batch.items
         dropped = {c: sum(computed.get(r, 0) for r in worker.batch.preempted if r.req_class is c) for c in RequestClass}
         live = [*scheduler.running, *scheduler.waiting]
+        in_batch = {it.request for it in items}
+        idle = [r for r in scheduler.running if r not in in_batch]
         held = {c: sum(kv.device_blocks(r) for r in scheduler.running if r.req_class is c) for c in RequestClass}
         decision = getattr(scheduler.policy, "last", None)
         logs.append(
@@ -106,6 +113,9 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
                 worker.cost.estimate(*_rows(worker.batch), 0),
                 len(items),
                 sum(1 for it in items if it.num_new_tokens == 1),
+                sum(kv.device_blocks(r) for r in scheduler.running if r.req_class is be and not kv.is_resident(r)),
+                sum(kv.device_blocks(r) for r in idle if r.req_class is be and kv.is_resident(r)),
+                sum(kv.device_blocks(r) for r in idle if r.req_class is not be),
             )
         )
         return duration
@@ -120,9 +130,11 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
         "rt_normalized_latency_s": summary["rt"]["normalized_latency_s"],
         "be_throughput_rps": summary["be"]["throughput_rps"],
         **_account(logs, args.be_batch or 16, worker.cost),
-        # prompt tokens finished requests took from the prefix cache: a recompute-preempted
-        # request whose blocks were still cached pays little for it
+        # tokens finished requests took from the prefix cache: at their first admission (0 for
+        # rt-be's unrelated prompts), and when re-admitted after a recompute preemption (a
+        # dropped request whose blocks were still cached pays little for it)
         "prompt_tokens_cached": worker.prompt_tokens_cached,
+        "recompute_tokens_cached": worker.recompute_tokens_cached,
         "steps": [asdict(s) for s in logs] if args.steps else None,
     }
 
@@ -163,6 +175,11 @@ def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
         "mean_be_rows_when_running": _mean([s.be_rows for s in logs if s.be_rows]),
         "mean_blocks_be": _mean([s.blocks_be for s in logs]),
         "mean_blocks_rt": _mean([s.blocks_rt for s in logs]),
+        # time-weighted device blocks held by requests that did not run (see StepLog)
+        "mean_blocks_be_parked": _time_mean(logs, "blocks_be_parked", span),
+        "mean_blocks_be_idle": _time_mean(logs, "blocks_be_idle", span),
+        "mean_blocks_rt_idle": _time_mean(logs, "blocks_rt_idle", span),
+        "mean_free_blocks": _time_mean(logs, "free_blocks", span),
         "time_be_tail": tail,
         "swap_s": sum(s.swap_s for s in logs),
         "exec_s": sum(s.exec_s for s in logs),
@@ -176,6 +193,10 @@ def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
         "rt_dropped_tokens_per_s": sum(s.rt_dropped_tokens for s in logs) / span,
         **out,
     }
+
+
+def _time_mean(logs: list[StepLog], name: str, span: float) -> float:
+    return sum(getattr(s, name) * s.duration_s for s in logs) / span
 
 
 def _mean(xs: list[float]) -> float:

@@ -163,6 +163,7 @@ class SimTarget(StepTarget):
             "steps": sum(w.steps for w in ws),
             "busy_s": sum(w.busy_s for w in ws),
             "prompt_tokens_cached": sum(w.prompt_tokens_cached for w in ws),
+            "recompute_tokens_cached": sum(w.recompute_tokens_cached for w in ws),
             "kv_transfers": self.transfers,
             "kv_transferred_tokens": self.transferred_tokens,
             "placement_decisions": dict(self.decisions),

@@ -100,7 +100,9 @@ class SimWorker:
         self.step_end_s: float | None = None
         self.duration_s = 0.0
         self.steps = 0  # steps started (a run may end with one in flight; `stats.steps` counts finished ones)
-        self.prompt_tokens_cached = 0  # prefix-cache hits of finished requests (sessions' history)
+        self.prompt_tokens_cached = 0  # prefix-cache hits of finished requests' first admission (sessions' history)
+        # ... and of their re-admissions after recompute preemption (`Request.num_recompute_cached_tokens`)
+        self.recompute_tokens_cached = 0
         self.busy_s = 0.0
 
     # -- requests ------------------------------------------------------------------------
@@ -187,6 +189,7 @@ class SimWorker:
 
     def _count_cached(self, request: Request) -> None:
         self.prompt_tokens_cached += request.num_cached_tokens
+        self.recompute_tokens_cached += request.num_recompute_cached_tokens
 
     def _token(self, request: Request) -> int:
         seed = zlib.crc32(request.request_id.encode())

@@ -80,3 +80,33 @@ def test_session_history_hits_the_prefix_cache():
     cached = target.workers["w0"].prompt_tokens_cached
     # later turns resend their history, still cached on the one worker: most of it is a hit
     assert cached > 0.5 * history
+
+
+def test_recompute_preemption_hits_are_counted():
+    """A request dropped for recompute and re-admitted takes what is still cached of its KV:
+    the worker counts those tokens (`recompute_tokens_cached`; the first admission's hit stays
+    `prompt_tokens_cached`, what usage reports). Checked against the work identity: every token
+    of progress a request ever had came from a cache hit or a computed token, so the hits are
+    the progress (kept by finished requests, thrown away by preemptions) minus the computed
+    tokens."""
+    from loadgen.targets.base import PreparedRequest
+
+    spec = WorkerSpec(num_blocks=24, max_model_len=512, kv_bytes_per_token=100_000)
+    worker = SimWorker("w0", spec, COST, "fcfs")
+    requests = [
+        worker.add(PreparedRequest(f"r{i}", "rt", [7 * i + t for t in range(64)], 100, 0.0), 0.0) for i in range(4)
+    ]
+    dropped, now = 0, 0.0
+    while worker.has_work():
+        computed = {r: r.num_computed_tokens for r in worker.scheduler.running}
+        duration = worker.start_step(now)
+        assert duration is not None
+        dropped += sum(computed[r] for r in worker.batch.preempted)
+        now += duration
+        worker.finish_step()
+    assert worker.batch is None and all(r.is_finished for r in requests)
+    assert worker.stats.preemptions > 0  # the pool holds 384 tokens, the requests want 656
+    kept = sum(r.num_tokens - 1 for r in requests)  # the last sampled token is never computed
+    hits = kept + dropped - worker.stats.tokens_computed
+    assert worker.recompute_tokens_cached > 0
+    assert worker.prompt_tokens_cached + worker.recompute_tokens_cached == hits

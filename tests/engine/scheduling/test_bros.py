@@ -305,3 +305,31 @@ def test_be_order_arrival_restores_the_oldest_and_the_papers_order_runs_the_leas
 def test_unknown_be_order_is_refused():
     with pytest.raises(ValueError, match="be_order"):
         make_policy("bros", cost_model=COST, default_slo=DEFAULT_SLO, be_order="lifo")
+
+
+def test_be_on_host_is_restored_by_swapping_out_be_behind_it():
+    """An admitted BE request with KV on host and no free block for its restore swaps out a BE
+    request behind it in BE order, instead of holding its device blocks idle while the newer
+    one runs (docs/bros.md, "Why BE loses throughput": parked BE held ~12% of the pool). An RT
+    request keeps the batch non-empty, so this is not the progress guarantee."""
+    rng = random.Random(0)
+    kv = KVCacheManager(BlockPool(9, enable_caching=False), 4, bytes_per_token=64)
+    policy = make_policy("bros", cost_model=COST, default_slo=DEFAULT_SLO, base_cap=4, min_be_share=0)
+    s = Scheduler(kv, BatchLimits(4, 64), policy)
+    rt0 = _request("rt0", 2, 50, RT, 0.0, rng)
+    be0, be1 = (_request(f"be{i}", 12, 8, BE, float(i), rng) for i in range(2))
+    for r in (rt0, be0, be1):
+        s.add(r)
+    batch = s.schedule(0.0)
+    assert {it.request for it in batch.items} == {rt0, be0, be1}
+    _pretend_run(s, batch, 0.01, rng)
+    s.step_done(batch, 0.01)
+    assert kv.swap_out(be0)  # its KV to host, as RT pressure would have done
+    kv.take_copies()
+    held = kv.pool.allocate(kv.pool.num_free - 1)  # memory taken elsewhere: one block left
+    batch = s.schedule(0.011)
+    assert {it.request for it in batch.items} == {rt0, be0}  # be0 restored: 3 blocks + 1 to grow
+    assert batch.swapped_out == [be1] and kv.is_resident(be0) and kv.num_host_blocks(be1) == 3
+    assert batch.preempted == []  # a swap, never a drop, outside the progress guarantee
+    kv.pool.release(held)
+    kv.check_invariants()
