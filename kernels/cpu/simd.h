@@ -32,10 +32,16 @@ struct Simd {
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static void store(bf16_t* p, V v) {  // round to nearest even (inputs are finite here)
+#if defined(TANDEM_DPBF16)
+    // one instruction (vcvtneps2bf16) instead of six; it flushes float32 denormals (below
+    // 1.2e-38) to zero, which the integer rounding below keeps
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
     __m512i x = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
     x = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+#endif
   }
   static void store_n(float* p, V v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
@@ -43,6 +49,12 @@ struct Simd {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // 1 / d to ~2^-28 relative (14-bit estimate, one Newton step): a division costs several
+  // times as much
+  static V rcp(V d) {
+    const V r = _mm512_rcp14_ps(d);
+    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
+  }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
 
@@ -99,6 +111,11 @@ struct Simd {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // 1 / d to ~2^-22 relative (12-bit estimate, one Newton step)
+  static V rcp(V d) {
+    const V r = _mm256_rcp_ps(d);
+    return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
+  }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
