@@ -49,12 +49,6 @@ struct Simd {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  // 1 / d to ~2^-28 relative (14-bit estimate, one Newton step): a division costs several
-  // times as much
-  static V rcp(V d) {
-    const V r = _mm512_rcp14_ps(d);
-    return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.f)));
-  }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
 
@@ -111,11 +105,6 @@ struct Simd {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  // 1 / d to ~2^-22 relative (12-bit estimate, one Newton step)
-  static V rcp(V d) {
-    const V r = _mm256_rcp_ps(d);
-    return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.f)));
-  }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
