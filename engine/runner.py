@@ -232,8 +232,10 @@ class ModelRunner:
         table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)
         valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         return DecodeBucket(
             rows=self._tensor(rows),
+            row_range=slice(rows[0], rows[0] + len(rows)) if consecutive else None,
             block_table=table.to(self.device),
             bias=bias.unsqueeze(1).to(self.device),
             reversed=self._directions(tables, max_blocks),

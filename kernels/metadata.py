@@ -74,8 +74,22 @@ class DecodeBucket:
     bias: torch.Tensor  # [B, 1, max_blocks * block_size] float32 additive mask: 0 valid, -inf padding
     reversed: torch.Tensor | None = None  # [B, max_blocks] bool direction bits; None when all forward
     lens: torch.Tensor | None = None  # [B] int64 context lengths (the valid part of `bias`); derived when None
+    # `rows` as a slice when they are consecutive (the split-K kernels' one bucket: rows 0..B-1),
+    # so every layer reads q and writes its output through views, not an index gather/scatter
+    row_range: slice | None = None
     _slot_bias: torch.Tensor | None = field(default=None, repr=False)
     _chunks: tuple[int, DecodeChunks] | None = field(default=None, repr=False)
+    prepared: dict = field(default_factory=dict, repr=False)  # what a kernel derives once per step
+
+    def row_index(self) -> slice | torch.Tensor:
+        """What selects this bucket's rows of the step's [T, ...] tensors: `row_range` if set
+        (a view, no copy), else the index tensor `rows`."""
+        return self.rows if self.row_range is None else self.row_range
+
+    def covers(self, total_rows: int) -> bool:
+        """Whether this bucket is rows 0..total_rows-1 in order: all of the step's rows."""
+        r = self.row_range
+        return r is not None and r.start == 0 and r.stop == total_rows
 
     def chunks(self, width: int) -> DecodeChunks:
         """The bucket cut into chunks of `width` blocks (once per step; see DecodeChunks)."""

@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, cache, meta)
         if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
             hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale, meta.decode_kernel)
-        return self.o_proj(out.view(x.shape[0], self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))  # a kernel may return a strided view
 
     def rebuild_kv(self, x, cos, sin):
         """K, V of stored layer inputs `x` at their own positions (the hybrid cache): the K/V

@@ -34,7 +34,7 @@ class OPTAttention(nn.Module):
         out = paged_attention(q, k, v, cache, meta)
         if meta.hidden is not None:  # hybrid cache: HIDDEN rows store x and attend over K/V rebuilt from it
             hidden_attention(out, q, k, v, x, cache, meta.hidden, self.rebuild_kv, meta.scale, meta.decode_kernel)
-        return self.out_proj(out.view(t, self.size))
+        return self.out_proj(out.reshape(t, self.size))  # a kernel may return a strided view
 
     def rebuild_kv(self, x):
         """K, V of stored layer inputs `x` (the hybrid cache). What is stored is the tensor this

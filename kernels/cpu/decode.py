@@ -65,8 +65,11 @@ def signed_table(block_table: torch.Tensor, reversed: torch.Tensor | None) -> to
 
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, scale: float) -> torch.Tensor:
-    """Attention of one decode bucket (same contract as the reference `_decode`)."""
-    table = signed_table(bucket.block_table, bucket.reversed)
+    """Attention of one decode bucket (same contract as the reference `_decode`); the signed
+    table is built on the step's first layer and kept in the bucket for the others."""
+    table = bucket.prepared.get("cpp_table")
+    if table is None:
+        table = bucket.prepared["cpp_table"] = signed_table(bucket.block_table, bucket.reversed)
     return ops().decode(_last_dim_contiguous(q), kv_cache, table, bucket.context_lens(), None, None, scale)
 
 

@@ -50,8 +50,12 @@ inline void put(bf16_t* p, float x) {
   *p = static_cast<bf16_t>(bits >> 16);
 }
 
-// Rows per parallel chunk: about 16K elements, so a decode step's few rows stay on one thread.
-inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+// Rows per parallel chunk: about 64K elements. One thread does a decode step's call (64 rows of
+// SmolLM2: 36K elements for add + RMSNorm, 49K for q/k RoPE, 25K for one layer's KV write) in
+// 4-8 us (loadgen/bench/cpu_elementwise.py), about what an OpenMP fork/join costs on a quiet
+// machine and far less than a region costs on a busy one, where a descheduled thread stalls
+// it for a time slice; a prefill chunk's calls still split across every thread.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elems)); }
 
 template <typename T>
 T* ptr(const at::Tensor& t) {
@@ -142,30 +146,59 @@ at::Tensor add_rms_norm(at::Tensor residual, const std::optional<at::Tensor>& de
 
 // -- q/k norm + RoPE ------------------------------------------------------------------------
 
+// One token's heads: the position's cos/sin rows are widened to float once and reused by every
+// head (a decode step's tokens each sit at their own position, so these are cache misses).
 template <typename T>
-void rope_row(T* x, int64_t d, const T* cos, const T* sin, const T* norm_w, float eps) {
-  float buf[kMaxHeadDim];
-  int64_t i = 0;
-  for (; i + S::W <= d; i += S::W) S::store(buf + i, S::load(x + i));
-  for (; i < d; ++i) buf[i] = to_float(x[i]);
-  if (norm_w) {  // the same order as the RMSNorm module: (x * rstd), then * weight
-    float ss = 0.f;
-    for (int64_t j = 0; j < d; ++j) ss += buf[j] * buf[j];
-    const float rstd = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (int64_t j = 0; j < d; ++j) buf[j] = to_float(norm_w[j]) * (buf[j] * rstd);
-  }
+void rope_token(T* x, int64_t heads, int64_t head_stride, int64_t q_heads, int64_t d, const T* cos, const T* sin,
+                const T* q_norm, const T* k_norm, float eps) {
+  float c[kMaxHeadDim], sn[kMaxHeadDim], buf[kMaxHeadDim];
   const int64_t half = d / 2;
-  i = 0;
-  for (; i + S::W <= half; i += S::W) {
-    const S::V a = S::load(buf + i), b = S::load(buf + half + i);
-    // x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a)
-    S::store(x + i, S::sub(S::mul(a, S::load(cos + i)), S::mul(b, S::load(sin + i))));
-    S::store(x + half + i, S::add(S::mul(b, S::load(cos + half + i)), S::mul(a, S::load(sin + half + i))));
+  int64_t i = 0;
+  for (; i + S::W <= d; i += S::W) {
+    S::store(c + i, S::load(cos + i));
+    S::store(sn + i, S::load(sin + i));
   }
-  for (; i < half; ++i) {
-    const float a = buf[i], b = buf[half + i];
-    put(x + i, a * to_float(cos[i]) - b * to_float(sin[i]));
-    put(x + half + i, b * to_float(cos[half + i]) + a * to_float(sin[half + i]));
+  for (; i < d; ++i) {
+    c[i] = to_float(cos[i]);
+    sn[i] = to_float(sin[i]);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = x + h * head_stride;
+    const T* norm_w = h < q_heads ? q_norm : k_norm;
+    const float* src = buf;
+    if (norm_w) {  // the same order as the RMSNorm module: (x * rstd), then * weight
+      S::V acc = S::zero();
+      float tail = 0.f;
+      for (i = 0; i + S::W <= d; i += S::W) {
+        const S::V y = S::load(row + i);
+        acc = S::fma(y, y, acc);
+        S::store(buf + i, y);
+      }
+      for (; i < d; ++i) {
+        buf[i] = to_float(row[i]);
+        tail += buf[i] * buf[i];
+      }
+      const float rstd = 1.0f / std::sqrt((S::hsum(acc) + tail) / static_cast<float>(d) + eps);
+      const S::V vr = S::set1(rstd);
+      for (i = 0; i + S::W <= d; i += S::W) S::store(buf + i, S::mul(S::load(norm_w + i), S::mul(S::load(buf + i), vr)));
+      for (; i < d; ++i) buf[i] = to_float(norm_w[i]) * (buf[i] * rstd);
+    } else if constexpr (std::is_same_v<T, float>) {
+      src = row;  // rotated in place: each half is read before it is written
+    } else {
+      for (i = 0; i + S::W <= d; i += S::W) S::store(buf + i, S::load(row + i));
+      for (; i < d; ++i) buf[i] = to_float(row[i]);
+    }
+    // x * cos + rotate_half(x) * sin, rotate_half(x) = (-b, a)
+    for (i = 0; i + S::W <= half; i += S::W) {
+      const S::V a = S::load(src + i), b = S::load(src + half + i);
+      S::store(row + i, S::sub(S::mul(a, S::load(c + i)), S::mul(b, S::load(sn + i))));
+      S::store(row + half + i, S::add(S::mul(b, S::load(c + half + i)), S::mul(a, S::load(sn + half + i))));
+    }
+    for (; i < half; ++i) {
+      const float a = src[i], b = src[half + i];
+      put(row + i, a * c[i] - b * sn[i]);
+      put(row + half + i, b * c[half + i] + a * sn[half + i]);
+    }
   }
 }
 
@@ -205,12 +238,10 @@ void qk_norm_rope(at::Tensor qk, const at::Tensor& positions, const at::Tensor& 
     const T* qw = q_norm ? ptr<T>(*q_norm) : nullptr;
     const T* kw = k_norm ? ptr<T>(*k_norm) : nullptr;
     const int64_t s0 = qk.stride(0), s1 = qk.stride(1);
-    at::parallel_for(0, t * heads, grain(d), [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = i / heads, h = i % heads;
-        const int64_t p = pos[row];
-        rope_row<T>(base + row * s0 + h * s1, d, cs + p * d, sn + p * d, h < q_heads ? qw : kw,
-                    static_cast<float>(eps));
+    at::parallel_for(0, t, grain(heads * d), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t p = pos[r];
+        rope_token<T>(base + r * s0, heads, s1, q_heads, d, cs + p * d, sn + p * d, qw, kw, static_cast<float>(eps));
       }
     });
   };
@@ -224,6 +255,9 @@ void qk_norm_rope(at::Tensor qk, const at::Tensor& positions, const at::Tensor& 
 // -- SiLU(gate) * up ------------------------------------------------------------------------
 
 // sigmoid(g) from exp(-|g|), which never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+// A true divide: this loop is bound by the FMA pipes (exp's polynomial), and the divider runs
+// beside them; a reciprocal estimate plus a Newton step measured 10% (AVX-512) to 45% (AVX2)
+// slower at 64 rows on Zen 5 (loadgen/bench/cpu_elementwise.py).
 inline S::V sigmoid(S::V g) {
 #if defined(TANDEM_TARGET_AVX512)
   const S::V neg_abs = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), _mm512_set1_epi32(static_cast<int>(0x80000000))));

@@ -33,9 +33,13 @@ def write_kv_cache_layers(kv_data, k, v, slot_mapping) -> None:
 def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, decode=None) -> torch.Tensor:
     """`decode(q_rows, kv_cache, bucket, scale)` attends decode buckets (default: `_decode`)."""
     decode = decode or _decode
+    buckets = meta.decode_buckets
+    if len(buckets) == 1 and not meta.prefills and buckets[0].covers(q.shape[0]):
+        return decode(q, kv_cache, buckets[0], meta.scale)  # decode-only step: the kernel's output is all of it
     out = torch.empty_like(q)
-    for bucket in meta.decode_buckets:
-        out[bucket.rows] = decode(q[bucket.rows], kv_cache, bucket, meta.scale)
+    for bucket in buckets:
+        rows = bucket.row_index()  # a slice (views) when the rows are consecutive
+        out[rows] = decode(q[rows], kv_cache, bucket, meta.scale)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, span, meta.scale)

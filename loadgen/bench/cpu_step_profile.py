@@ -6,7 +6,8 @@ A measurement tool (JSON out, with the provenance stamp every result carries):
 
 Two measurements on the default model (or `--model`), each step timed without the profiler
 (median wall time) and then once more under `torch.profiler`:
-- *prefill*: one step of one `--prefill-len`-token prompt (the token budget is raised to fit);
+- *prefill*: one step of one `--prefill-len`-token prompt (the token budget is raised to fit),
+  or of prompts U(50, 300) filling it (`--prefill-shape workload`);
 - *decode*: `--seqs` requests with prompts U(50, 300) (the bench workload's), prefilled, then
   `--steps` decode-only steps.
 Per step: the wall time, the profiler's op time (the sum of every operator's self time on the
@@ -92,8 +93,9 @@ def prefill(args) -> dict:
     rng = random.Random(0)
     walls = []
     for i in range(args.steps + 1):  # the last one under the profiler
-        prompt = [rng.randrange(1000, 20000) for _ in range(args.prefill_len)]
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
+        for j, n in enumerate(_prompt_lens(args, rng)):
+            prompt = [rng.randrange(1000, 20000) for _ in range(n)]
+            engine.add_request(f"p{i}.{j}", prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0))
         if i == args.steps:
             result = _profile_step(engine)
         else:
@@ -104,6 +106,19 @@ def prefill(args) -> dict:
         while engine.has_unfinished():
             engine.step()
     return {"rows": args.prefill_len, "wall_s_median": statistics.median(walls) if walls else None, **result}
+
+
+def _prompt_lens(args, rng: random.Random) -> list[int]:
+    """One `--prefill-len` prompt, or with `--prefill-shape workload` prompts U(50, 300) (the
+    bench's) until `--prefill-len` tokens, the last one cut: a prefill step as the README
+    workload's first steps see it (attention over several short prompts, not one long one)."""
+    if args.prefill_shape == "one":
+        return [args.prefill_len]
+    lens, total = [], 0
+    while total < args.prefill_len:
+        lens.append(min(rng.randint(50, 300), args.prefill_len - total))
+        total += lens[-1]
+    return lens
 
 
 def decode(args) -> dict:
@@ -131,13 +146,22 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--fused-ops", default="auto", choices=["auto", "cpp", "off"])
     p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument(
+        "--prefill-shape", default="one", choices=["one", "workload"], help="one prompt, or prompts U(50, 300)"
+    )
     p.add_argument("--seqs", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.manual_seed(0)
-    out = {"dtype": args.dtype, "fused_ops": args.fused_ops, "prefill": prefill(args), "decode": decode(args)}
+    out = {
+        "dtype": args.dtype,
+        "fused_ops": args.fused_ops,
+        "prefill_shape": args.prefill_shape,
+        "prefill": prefill(args),
+        "decode": decode(args),
+    }
     from loadgen.bench.common import write_json
     from loadgen.provenance import decided_dtype, stamp
 
