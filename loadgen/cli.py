@@ -51,6 +51,13 @@ def add_run_args(
     g.add_argument("--workload", default=workload_default, choices=WORKLOADS)
     g.add_argument("--rate", type=float, default=1.0, help="requests (sessions) per second")
     g.add_argument("--duration", type=float, default=duration_default, help="seconds of arrivals")
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="open-loop arrivals: a window of this many expected requests at each rate (duration = N / rate, "
+        "as the papers' traces of N sampled requests; --find-rate probes then differ in length); overrides --duration",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None, metavar="DIR", help="write results.json, summary.md and plots here")
     g.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "trace", "closed"])

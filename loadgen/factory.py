@@ -173,11 +173,14 @@ def workload_config(
     rate: float | None = None,
     seed: int | None = None,
 ) -> WorkloadConfig:
-    arrival = ArrivalSpec(args.arrival, rate if rate is not None else args.rate, args.cv, args.trace, args.users)
+    rate = rate if rate is not None else args.rate
+    arrival = ArrivalSpec(args.arrival, rate, args.cv, args.trace, args.users)
+    # `--requests N`: a window of N expected arrivals at this rate (the papers' "N sampled requests")
+    requests = getattr(args, "requests", None)
     return WorkloadConfig(
         name=args.workload,
         arrival=arrival,
-        duration_s=args.duration,
+        duration_s=requests / rate if requests else args.duration,
         seed=args.seed if seed is None else seed,
         length_scale=args.length_scale,
         slo_scale=slo_scale,
