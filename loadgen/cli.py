@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from loadgen.workloads.build import WORKLOADS
+from shared.engine_options import add_aptserve_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -117,6 +118,7 @@ def add_run_args(
         help="cost-model JSON (from `tandem profile`) or a shipped profile name "
         "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb",
     )
+    add_aptserve_options(e)  # reaches the policy as `price_switches` (factory.policy_flags)
     e.add_argument("--workers", type=int, default=1, help="sim: number of workers")
     e.add_argument(
         "--placement",

@@ -88,3 +88,20 @@ def test_aptserve_in_the_sim_picks_hidden_when_the_rebuild_is_cheap(per_token, p
     assert policy.kv_chosen > 0
     if not hidden and per_token < 1:
         assert policy.hidden_withheld > 0  # offered by the paper's values, withheld by the rule
+
+
+@pytest.mark.parametrize(("flag", "value"), [([], False), (["--aptserve-price-switches"], True)])
+def test_tandem_sim_passes_aptserve_price_switches_to_the_policy(flag, value):
+    """`tandem sim --aptserve-price-switches` (also `tandem loadgen`, `tandem bench policies`)
+    reaches aptserve as `price_switches`; a policy without the option ignores it."""
+    import argparse
+
+    from loadgen.cli import add_run_args
+    from loadgen.factory import sim_target
+
+    p = argparse.ArgumentParser()
+    add_run_args(p, target_default="sim")
+    args = p.parse_args(["--target", "sim", "--step-noise", "none", "--exact-planning", *flag])
+    bundle = sim_target(args, "aptserve", SLO(1.0, 1.0))
+    assert bundle.target.workers["w0"].scheduler.policy.price_switches is value
+    assert sim_target(args, "fcfs").target.workers["w0"].scheduler.policy.name == "fcfs"
