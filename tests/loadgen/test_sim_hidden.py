@@ -105,3 +105,17 @@ def test_tandem_sim_passes_aptserve_price_switches_to_the_policy(flag, value):
     bundle = sim_target(args, "aptserve", SLO(1.0, 1.0))
     assert bundle.target.workers["w0"].scheduler.policy.price_switches is value
     assert sim_target(args, "fcfs").target.workers["w0"].scheduler.policy.name == "fcfs"
+
+
+def test_hidden_frees_half_for_opt_13b_in_the_shipped_profile():
+    """The paper's setup: OPT-13B is MHA (d = 5120 = 40 heads x 128), so a HIDDEN request holds
+    d / (2·kv_heads·head_dim) = 0.5 of its KV blocks, rounded up (the paper's code: ceil(n/2))."""
+    import argparse
+
+    from loadgen.factory import load_cost_model, worker_spec
+
+    cost = load_cost_model("opt-13b-a100-40gb")
+    none = argparse.Namespace(num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None)
+    layout = worker_spec(none, cost.meta).hidden_layout()
+    assert layout.ratio == 0.5 and layout.saves_memory
+    assert [layout.blocks_for(n) for n in (2, 3, 30, 31)] == [1, 2, 15, 16]
