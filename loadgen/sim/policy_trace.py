@@ -7,7 +7,8 @@ One worker from a shipped or given profile, the ShareGPT workload at one Poisson
 paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s) unless told otherwise; every policy sees the same
 arrivals. `--rho` overrides aptserve's ρ (a sensitivity check: the paper's code divides its
 measured ρ by 5). Two variants of `aptserve` by name: `aptserve-priced` (conversions priced,
-`price_switches=True`) and `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only").
+`price_switches=True`), `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only") and
+`aptserve-priced-kv` (both: only a preemption's re-prefill is priced).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -19,7 +20,11 @@ import json
 import statistics
 from pathlib import Path
 
-VARIANTS = {"aptserve-priced": ("aptserve", {"price_switches": True}), "aptserve-kv": ("aptserve", {"rho": 1e9})}
+VARIANTS = {
+    "aptserve-priced": ("aptserve", {"price_switches": True}),
+    "aptserve-kv": ("aptserve", {"rho": 1e9}),
+    "aptserve-priced-kv": ("aptserve", {"price_switches": True, "rho": 1e9}),
+}
 
 
 def trace(
