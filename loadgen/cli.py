@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from loadgen.workloads.build import WORKLOADS
+from shared.engine_options import add_aptserve_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +52,13 @@ def add_run_args(
     g.add_argument("--workload", default=workload_default, choices=WORKLOADS)
     g.add_argument("--rate", type=float, default=1.0, help="requests (sessions) per second")
     g.add_argument("--duration", type=float, default=duration_default, help="seconds of arrivals")
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="open-loop arrivals: a window of this many expected requests at each rate (duration = N / rate, "
+        "as the papers' traces of N sampled requests; --find-rate probes then differ in length); overrides --duration",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None, metavar="DIR", help="write results.json, summary.md and plots here")
     g.add_argument("--arrival", default="poisson", choices=["poisson", "gamma", "trace", "closed"])
@@ -117,6 +125,7 @@ def add_run_args(
         help="cost-model JSON (from `tandem profile`) or a shipped profile name "
         "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb",
     )
+    add_aptserve_options(e)  # reaches the policy as `price_switches` (factory.policy_flags)
     e.add_argument("--workers", type=int, default=1, help="sim: number of workers")
     e.add_argument(
         "--placement",

@@ -40,15 +40,28 @@ def load_cost_model(name_or_path: str):
     return CostModel.load(p)
 
 
-# command-line options a policy may accept (BROS's; ellm's prefix source, layer split and layer count)
-POLICY_FLAGS = ("min_be_share", "token_group", "be_fills_rt_ends", "be_order", "source", "layer_split", "num_layers")
+# command-line options a policy may accept (BROS's; ellm's prefix source, layer split and layer count;
+# aptserve's priced conversions)
+POLICY_FLAGS = (
+    "min_be_share",
+    "token_group",
+    "be_fills_rt_ends",
+    "be_order",
+    "source",
+    "layer_split",
+    "num_layers",
+    "price_switches",
+)
+# a policy option whose command-line name is not its constructor's: the engine's (and the worker's) name
+FLAG_NAMES = {"price_switches": "aptserve_price_switches"}
 
 
 def policy_flags(args: argparse.Namespace) -> dict:
     """The policy options given on the command line (`--min-be-share`, `--token-group`,
     `--be-fills-rt-ends/--no-be-fills-rt-ends`, `--be-order`, `tandem bench ellm-sim`'s
-    `--prefix-source` and `--layer-split`)."""
-    return {k: getattr(args, k) for k in POLICY_FLAGS if getattr(args, k, None) is not None}
+    `--prefix-source` and `--layer-split`, `--aptserve-price-switches`)."""
+    given = {k: getattr(args, FLAG_NAMES.get(k, k), None) for k in POLICY_FLAGS}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def policy_options(policy: str, cost_model=None, default_slo=None, flags: dict | None = None) -> dict:
@@ -78,6 +91,8 @@ def engine_config(args: argparse.Namespace, policy: str):
             cfg[name] = getattr(args, name)
     if getattr(args, "source", None) is not None and policy == "ellm":  # ellm's prefix source
         cfg["uncached_source"] = args.source
+    if getattr(args, "aptserve_price_switches", None) is not None and policy == "aptserve":
+        cfg["aptserve_price_switches"] = args.aptserve_price_switches  # the engine profiles its cost model then
     return EngineConfig(**cfg)
 
 
@@ -180,11 +195,14 @@ def workload_config(
     rate: float | None = None,
     seed: int | None = None,
 ) -> WorkloadConfig:
-    arrival = ArrivalSpec(args.arrival, rate if rate is not None else args.rate, args.cv, args.trace, args.users)
+    rate = rate if rate is not None else args.rate
+    arrival = ArrivalSpec(args.arrival, rate, args.cv, args.trace, args.users)
+    # `--requests N`: a window of N expected arrivals at this rate (the papers' "N sampled requests")
+    requests = getattr(args, "requests", None)
     return WorkloadConfig(
         name=args.workload,
         arrival=arrival,
-        duration_s=args.duration,
+        duration_s=requests / rate if requests else args.duration,
         seed=args.seed if seed is None else seed,
         length_scale=args.length_scale,
         slo_scale=slo_scale,

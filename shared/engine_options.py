@@ -43,3 +43,16 @@ def add_cache_form_options(p: argparse.ArgumentParser) -> None:
         help="where partial residency gets the oldest tokens' K/V each step: rebuild them, or keep them in "
         "host swap space and read them layer by layer, or (policy ellm) the cheaper per step (docs/ellm.md)",
     )
+
+
+def add_aptserve_options(p: argparse.ArgumentParser) -> None:
+    """`--aptserve-price-switches` / `--no-aptserve-price-switches` (`EngineConfig.aptserve_price_switches`,
+    `TANDEM_APTSERVE_PRICE_SWITCHES`): the `aptserve` policy's conversions priced in its knapsack."""
+    p.add_argument(
+        "--aptserve-price-switches",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="policy aptserve: price a conversion's or preemption's re-prefill in the knapsack, so a request "
+        "keeps its form (HIDDEN included) unless the gain beats the re-prefill (not in the paper; measured worse "
+        "in the simulator, hence off by default; needs the engine's cost model; docs/aptserve.md)",
+    )

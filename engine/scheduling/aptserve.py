@@ -13,8 +13,20 @@ requests of that iteration (and each one's cache form) chosen by the knapsack gr
 
 HIDDEN is offered only when the engine attached `HiddenBlocks` and the model's ratio makes
 it save memory (`HiddenLayout.saves_memory`, i.e. MHA); otherwise this is the same scheduler
-over KV only (the simulator today, which has no model). A request of one block is never
-offered HIDDEN (as the paper's code).
+over KV only. A request of one block is never offered HIDDEN (as the paper's code).
+
+*No HIDDEN the next decode iteration would drop* (not in the paper): a request that does not
+hold HIDDEN yet (waiting, or running in KV, which would convert through a re-prefill) is
+offered HIDDEN only if its HIDDEN option would survive the next decode iteration's knapsack
+(`hidden_kept_next_decode`). There its pending time is that of a request that has just got a
+token: 0, because the next decode iteration starts when the step that gave it its token ends
+(a lower bound; further prefill iterations first would add to it). With the paper's values
+its HIDDEN option is then worth `0 - N·ρ·m̄ < 0` for any ρ > 0 and is dropped: the request is
+converted back to KV or preempted, and its HIDDEN prefill was wasted work (on the CPU engine
+every HIDDEN row was such a first prefill; docs/aptserve.md). So under the paper's rule HIDDEN
+is offered only where the rebuild is free (ρ = 0), or with conversions priced, where the
+re-prefill it would cost keeps it (`price_switches`). Requests already holding HIDDEN are
+valued as they are (their pending time is known).
 
 ρ (seconds of rebuild per block of HIDDEN context per step) is the `rho` argument when given
 (an override), else the cost model's measured `hidden_s_per_token × block_size` (the engine's
@@ -43,6 +55,10 @@ from engine.scheduling.knapsack import Candidate, options, solve
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import SLO, Request
 
+# the value of a request that got its token at `now`: a floor above 0, so that it still counts
+# (a value of 0 would drop it) and is packed last
+FRESH_VALUE = 1e-12
+
 
 class AptServePolicy(SchedulingPolicy):
     name = "aptserve"
@@ -65,6 +81,7 @@ class AptServePolicy(SchedulingPolicy):
         self.hidden_chosen = 0  # requests scheduled in HIDDEN form (a published count)
         self.kv_chosen = 0
         self.conversions = 0  # running requests converted (freed to re-prefill in the other form)
+        self.hidden_withheld = 0  # HIDDEN options not offered: the next decode iteration would drop them
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -175,14 +192,30 @@ class AptServePolicy(SchedulingPolicy):
         tokens = (r.num_computed_tokens + extra) if extra else r.num_tokens
         kv_blocks = max(1, -(-tokens // state.kv.block_size))
         hidden_blocks = hidden.layout.blocks_for(kv_blocks) if hidden is not None and kv_blocks > 1 else None
-        # a floor: a request that got its token at `now` still counts (value 0 would drop it)
-        value = max(request_value(r, state.now, self.decay, self.default_slo), 1e-12)
+        if hidden_blocks is not None and not (running and r.cache_form is CacheForm.HIDDEN):
+            if not self.hidden_kept_next_decode(r, kv_blocks, hidden_blocks, outstanding, state.kv.pool.capacity):
+                hidden_blocks = None
+                self.hidden_withheld += 1
+        value = max(request_value(r, state.now, self.decay, self.default_slo), FRESH_VALUE)
         if not (running and hidden is not None and self.price_switches):
             return make_candidate(value, kv_blocks, hidden_blocks, outstanding, self.rho)
         holds = r.cache_form is CacheForm.HIDDEN
         return make_candidate(
             value, kv_blocks, hidden_blocks, outstanding, self.rho, holds, self.reprefill_seconds(r.num_computed_tokens)
         )
+
+    def hidden_kept_next_decode(
+        self, r: Request, kv_blocks: int, hidden_blocks: int, outstanding: int, capacity: int
+    ) -> bool:
+        """Would the next decode iteration keep this request in HIDDEN once it holds it? Its
+        candidate there: the value of a request that has just got its token (`FRESH_VALUE`),
+        the same blocks and penalty, and, where conversions are priced, the re-prefill that
+        keeping HIDDEN avoids; kept iff its HIDDEN option survives `knapsack.options` (not
+        worthless, not below the hull) in the whole pool."""
+        bonus = self.reprefill_seconds(r.num_tokens) if self.price_switches else 0.0
+        holds = True if self.price_switches else None
+        after = make_candidate(FRESH_VALUE, kv_blocks, hidden_blocks, outstanding, self.rho, holds, bonus)
+        return any(choice.hidden for _, _, choice in options(after, capacity))
 
     def reprefill_seconds(self, tokens: int) -> float:
         """What re-prefilling `tokens` adds to a step: the prefill fit's price of one more row

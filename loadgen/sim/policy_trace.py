@@ -7,7 +7,8 @@ One worker from a shipped or given profile, the ShareGPT workload at one Poisson
 paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s) unless told otherwise; every policy sees the same
 arrivals. `--rho` overrides aptserve's ρ (a sensitivity check: the paper's code divides its
 measured ρ by 5). Two variants of `aptserve` by name: `aptserve-priced` (conversions priced,
-`price_switches=True`) and `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only").
+`price_switches=True`), `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only") and
+`aptserve-priced-kv` (both: only a preemption's re-prefill is priced).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -19,10 +20,16 @@ import json
 import statistics
 from pathlib import Path
 
-VARIANTS = {"aptserve-priced": ("aptserve", {"price_switches": True}), "aptserve-kv": ("aptserve", {"rho": 1e9})}
+VARIANTS = {
+    "aptserve-priced": ("aptserve", {"price_switches": True}),
+    "aptserve-kv": ("aptserve", {"rho": 1e9}),
+    "aptserve-priced-kv": ("aptserve", {"price_switches": True, "rho": 1e9}),
+}
 
 
-def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rho: float | None) -> dict:
+def trace(
+    policy: str, rate: float, seed: int, duration: float, profile: str, rho: float | None, workload: str = "sharegpt"
+) -> dict:
     from engine.kv.hidden import CacheForm
     from engine.scheduling.request import SLO
     from loadgen.arrivals import ArrivalSpec
@@ -54,6 +61,9 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
             idle += 1  # nothing scheduled although the worker had work
             return None
         items = worker.batch.items
+        waiting = worker.scheduler.waiting
+        # the paper's "batch at its memory-bound limit" (§3): a request waits whose blocks are not free
+        blocked = bool(waiting) and worker.kv.blocks_needed(waiting[0], waiting[0].num_tokens) > worker.kv.pool.num_free
         rebuild = cost.hidden_seconds(hidden_context_tokens(items), sum(it.num_new_tokens for it in items))
         steps.append(
             (
@@ -63,12 +73,13 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
                 duration_s,
                 worker.kv.pool.usage(),
                 rebuild,
+                blocked,
             )
         )
         return duration_s
 
     worker.start_step = logged
-    cfg = WorkloadConfig("sharegpt", ArrivalSpec("poisson", rate), duration, seed=seed, slo_ttft_s=1.0, slo_tpot_s=1.0)
+    cfg = WorkloadConfig(workload, ArrivalSpec("poisson", rate), duration, seed=seed, slo_ttft_s=1.0, slo_tpot_s=1.0)
     result = Driver(SimTarget([worker], ClusterSpec()), build_workload(cfg), PromptBuilder(spec.vocab_size, seed)).run()
     rt = summarize(result.records, result.elapsed_s)["rt"]
     gaps = sorted((g for r in result.records for g in tbt_samples(r)), reverse=True)
@@ -90,6 +101,7 @@ def trace(policy: str, rate: float, seed: int, duration: float, profile: str, rh
         "max_batch": max(s[0] for s in steps),
         "mean_step_s": statistics.mean(s[3] for s in steps),
         "mean_kv_usage": statistics.mean(s[4] for s in steps),
+        "time_share_at_memory_limit": sum(s[3] for s in steps if s[6]) / sum(s[3] for s in steps),
         "hidden_rows": hidden_rows,
         "hidden_row_share": hidden_rows / rows if rows else 0.0,
         "steps_with_hidden": sum(1 for s in steps if s[2]),
@@ -117,12 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--policies", default="fcfs,aptserve")
     ap.add_argument("--cost-model", default="opt-13b-a100-40gb")
+    ap.add_argument(
+        "--workload", default="sharegpt", help="a single-turn length profile (loadgen/workloads/datasets.py)"
+    )
     ap.add_argument("--rho", type=float, default=None, help="aptserve's ρ override, s per block")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = []
     for policy in args.policies.split(","):
-        runs.append(trace(policy, args.rate, args.seed, args.duration, args.cost_model, args.rho))
+        runs.append(trace(policy, args.rate, args.seed, args.duration, args.cost_model, args.rho, args.workload))
         print(json.dumps(runs[-1]), flush=True)
     if args.out:
         doc = {"config": vars(args), "runs": runs, "provenance": stamp().as_dict()}

@@ -17,7 +17,7 @@ from loadgen.workloads.jsonl import estimate_tokens, load_jsonl
 from loadgen.workloads.sources import BEBacklog, ClosedUser, HumanSpeeds, Session, SessionUser, Source
 from loadgen.workloads.spec import RequestSpec, SLOSpec, Submission
 
-SINGLE_TURN = ("sharegpt", "lmsys", "code", "summarisation", "sharegpt-ellm")
+SINGLE_TURN = ("sharegpt", "sharegpt-opt", "lmsys", "code", "summarisation", "sharegpt-ellm")
 WORKLOADS = (*SINGLE_TURN, "jsonl", "sessions", "rt-be", "be")
 
 

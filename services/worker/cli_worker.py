@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shared.engine_options import add_cache_form_options
+from shared.engine_options import add_aptserve_options, add_cache_form_options
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run decode-only steps op by op instead of through compiled decoder layers",
     )
     add_cache_form_options(p)
+    add_aptserve_options(p)
     p.add_argument("--worker-id", help="stable id (default: host-pid-random)")
     p.set_defaults(func=run)
 
@@ -48,8 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from services.runtime import run_service
     from services.worker.service import WorkerService
+
+    settings = settings_from_args(args)
+    return run_service("worker", settings, WorkerService(settings))
+
+
+def settings_from_args(args: argparse.Namespace):
+    """The worker's settings: `TANDEM_*` variables, overridden by the flags that were given."""
     from services.worker.settings import WorkerSettings
 
     overrides = {k: v for k, v in vars(args).items() if k in WorkerSettings.model_fields and v is not None}
-    settings = WorkerSettings(**overrides)
-    return run_service("worker", settings, WorkerService(settings))
+    return WorkerSettings(**overrides)

@@ -25,9 +25,11 @@ COST = CostModel(PhaseFit(2e-4, 1e-8, 0.01), PhaseFit(1e-4, 5e-7, 0.02), 25e9, {
 MHA = dict(hidden_size=512, head_dim=64, num_kv_heads=8)  # hidden ratio 1/2
 
 
-def _worker(cost: CostModel, policy: str, num_blocks: int = 64, **dims) -> SimWorker:
+def _worker(cost: CostModel, policy: str, num_blocks: int = 64, price_switches: bool = False, **dims) -> SimWorker:
     spec = WorkerSpec(num_blocks=num_blocks, max_model_len=2048, kv_bytes_per_token=100_000, **dims)
     options = {"cost_model": cost, "default_slo": SLO(1.0, 1.0)} if policy == "aptserve" else {}
+    if price_switches:
+        options["price_switches"] = True
     return SimWorker("w0", spec, cost, policy, options)
 
 
@@ -58,23 +60,62 @@ def test_hybrid_cache_attached_only_with_shape_and_price():
             worker.kv.component(HiddenBlocks)
 
 
-def _run(cost: CostModel, policy: str) -> tuple[SimWorker, list]:
+def _run(cost: CostModel, policy: str, price_switches: bool = False) -> tuple[SimWorker, list]:
     cfg = WorkloadConfig("sharegpt", ArrivalSpec("poisson", 6.0), 10.0, seed=5, slo_ttft_s=1.0, slo_tpot_s=1.0)
-    worker = _worker(cost, policy, num_blocks=96, **MHA)
+    worker = _worker(cost, policy, num_blocks=96, price_switches=price_switches, **MHA)
     target = SimTarget([worker], ClusterSpec())
     result = Driver(target, build_workload(cfg), PromptBuilder(49152, cfg.seed)).run()
     return worker, result.records
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("per_token", [1e-9, 10.0])
-def test_aptserve_in_the_sim_picks_hidden_when_the_rebuild_is_cheap(per_token):
-    """96 blocks against a ShareGPT stream: memory binds. A near-free rebuild makes HIDDEN pay,
-    a 10 s/token one never does; every request finishes, the KV manager stays consistent."""
-    worker, records = _run(dataclasses.replace(COST, hidden_s_per_token=per_token), "aptserve")
+@pytest.mark.parametrize(
+    ("per_token", "price_switches", "hidden"),
+    [(0.0, False, True), (1e-9, True, True), (1e-9, False, False), (10.0, False, False), (10.0, True, False)],
+)
+def test_aptserve_in_the_sim_picks_hidden_when_the_rebuild_is_cheap(per_token, price_switches, hidden):
+    """96 blocks against a ShareGPT stream: memory binds. HIDDEN pays where the next decode
+    iteration keeps it: a free rebuild, or a near-free one with conversions priced (the paper's
+    values drop any penalised HIDDEN request at the next decode, so it is never admitted); a
+    10 s/token rebuild never does. Every request finishes, the KV manager stays consistent."""
+    cost = dataclasses.replace(COST, hidden_s_per_token=per_token)
+    worker, records = _run(cost, "aptserve", price_switches)
     policy = worker.scheduler.policy
     assert records and all(r.finish_reason is not None for r in records)
     worker.kv.check_invariants()
     assert policy.rho == pytest.approx(per_token * 16)
-    assert (policy.hidden_chosen > 0) == (per_token < 1)
+    assert (policy.hidden_chosen > 0) == hidden
     assert policy.kv_chosen > 0
+    if not hidden and per_token < 1:
+        assert policy.hidden_withheld > 0  # offered by the paper's values, withheld by the rule
+
+
+@pytest.mark.parametrize(("flag", "value"), [([], False), (["--aptserve-price-switches"], True)])
+def test_tandem_sim_passes_aptserve_price_switches_to_the_policy(flag, value):
+    """`tandem sim --aptserve-price-switches` (also `tandem loadgen`, `tandem bench policies`)
+    reaches aptserve as `price_switches`; a policy without the option ignores it."""
+    import argparse
+
+    from loadgen.cli import add_run_args
+    from loadgen.factory import sim_target
+
+    p = argparse.ArgumentParser()
+    add_run_args(p, target_default="sim")
+    args = p.parse_args(["--target", "sim", "--step-noise", "none", "--exact-planning", *flag])
+    bundle = sim_target(args, "aptserve", SLO(1.0, 1.0))
+    assert bundle.target.workers["w0"].scheduler.policy.price_switches is value
+    assert sim_target(args, "fcfs").target.workers["w0"].scheduler.policy.name == "fcfs"
+
+
+def test_hidden_frees_half_for_opt_13b_in_the_shipped_profile():
+    """The paper's setup: OPT-13B is MHA (d = 5120 = 40 heads x 128), so a HIDDEN request holds
+    d / (2·kv_heads·head_dim) = 0.5 of its KV blocks, rounded up (the paper's code: ceil(n/2))."""
+    import argparse
+
+    from loadgen.factory import load_cost_model, worker_spec
+
+    cost = load_cost_model("opt-13b-a100-40gb")
+    none = argparse.Namespace(num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None)
+    layout = worker_spec(none, cost.meta).hidden_layout()
+    assert layout.ratio == 0.5 and layout.saves_memory
+    assert [layout.blocks_for(n) for n in (2, 3, 30, 31)] == [1, 2, 15, 16]

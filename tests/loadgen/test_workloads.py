@@ -137,3 +137,30 @@ def test_jsonl_dataset(tmp_path):
 def test_unknown_workload_is_a_value_error():
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload(WorkloadConfig("nope"))
+
+
+def test_sharegpt_as_vllm_sampled_it_for_opt():
+    """`sharegpt-opt`: the vLLM paper's ShareGPT means for the OPT tokenizer (161.31 in, 337.99
+    out), with `sharegpt`'s coefficients of variation."""
+    opt, ours = PROFILES["sharegpt-opt"], PROFILES["sharegpt"]
+    assert opt.prompt.mean() == pytest.approx(161.31) and opt.output.mean() == pytest.approx(337.99)
+    # a log-normal's coefficient of variation is a function of its sigma alone
+    assert opt.prompt.b == pytest.approx(ours.prompt.b, rel=1e-3)
+    assert opt.output.b == pytest.approx(ours.output.b, rel=1e-3)
+
+
+def test_requests_sets_the_window_per_rate():
+    """`--requests N`: each rate gets a window of N expected arrivals (the papers' traces of N
+    sampled requests), so a find-rate probe at 4 req/s lasts 250 s and one at 8 req/s 125 s."""
+    import argparse
+
+    from loadgen.cli import add_run_args
+    from loadgen.factory import workload_config
+
+    p = argparse.ArgumentParser()
+    add_run_args(p, target_default="sim")
+    args = p.parse_args(["--requests", "1000", "--duration", "60"])
+    assert workload_config(args, max_len=2048, slo_scale=1.0, rate=4.0).duration_s == pytest.approx(250.0)
+    assert workload_config(args, max_len=2048, slo_scale=1.0, rate=8.0).duration_s == pytest.approx(125.0)
+    plain = p.parse_args(["--duration", "60"])
+    assert workload_config(plain, max_len=2048, slo_scale=1.0, rate=8.0).duration_s == 60.0

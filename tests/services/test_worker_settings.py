@@ -61,3 +61,17 @@ def test_bad_engine_values_are_refused_and_settings_are_frozen(monkeypatch):
     monkeypatch.delenv("TANDEM_KV_CACHE_GIB")
     with pytest.raises(ValidationError):
         WorkerSettings().dtype = "float16"
+
+
+@pytest.mark.parametrize(("flag", "value"), [([], False), (["--aptserve-price-switches"], True)])
+def test_aptserve_price_switches_is_a_worker_flag(flag, value, tmp_path):
+    """`tandem worker --aptserve-price-switches` reaches the engine (off by default: the paper's rule)."""
+    from services.cli import build_parser
+    from services.worker.cli_worker import settings_from_args
+
+    args = build_parser().parse_args(["worker", "--policy", "aptserve", *flag])
+    settings = settings_from_args(args)
+    config = settings.engine_config(tmp_path)
+    assert config.policy == "aptserve" and config.aptserve_price_switches is value
+    off = build_parser().parse_args(["worker", "--no-aptserve-price-switches"])
+    assert settings_from_args(off).aptserve_price_switches is False

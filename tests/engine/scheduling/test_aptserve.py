@@ -42,11 +42,15 @@ def _cost_model_file(tmp_path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("price_switches", [True, False])
-@pytest.mark.parametrize("rho", [1e-9, 1e3])
-def test_aptserve_keeps_fcfs_tokens_and_picks_hidden_on_mha(rho, price_switches, tiny_model_dir, tmp_path):
-    """12 blocks for six requests: the packing preempts and converts; a tiny penalty makes
-    HIDDEN pay on MHA (OPT), a huge one never does; with conversions priced or not."""
+@pytest.mark.parametrize(
+    ("rho", "price_switches", "hidden"),
+    [(1e-9, True, True), (0.0, False, True), (1e-9, False, False), (1e3, True, False), (1e3, False, False)],
+)
+def test_aptserve_keeps_fcfs_tokens_and_picks_hidden_on_mha(rho, price_switches, hidden, tiny_model_dir, tmp_path):
+    """12 blocks for six requests: the packing preempts and converts. HIDDEN is picked on MHA
+    (OPT) where the next decode iteration keeps it: a free rebuild, or a tiny penalty with
+    conversions priced; never with the paper's values and any ρ > 0 (a just-served request is
+    worth ~0 there, less than any penalty), never with a huge penalty."""
     path = tiny_model_dir("opt")
     reference, _, _ = _run(path, "fcfs", num_blocks=64)
     tokens, engine, forms = _run(
@@ -58,7 +62,7 @@ def test_aptserve_keeps_fcfs_tokens_and_picks_hidden_on_mha(rho, price_switches,
     )
     assert tokens == reference
     assert engine.stats.preemptions > 0  # the pool really was the bottleneck
-    if rho < 1:
+    if hidden:
         assert CacheForm.HIDDEN in forms and engine.scheduler.policy.hidden_chosen > 0
     else:
         assert forms == {CacheForm.KV} and engine.scheduler.policy.hidden_chosen == 0
@@ -114,7 +118,8 @@ def test_a_prefill_iteration_that_admits_nothing_decodes_instead():
 
 def _two_requests(price_switches: bool):
     """A pool of 23 usable blocks (MHA, HIDDEN at half): `a` decodes in KV (11 blocks), `b`
-    waited 0.4 s and only fits in HIDDEN (10 of its 19 blocks); both got a token at 5.0 s."""
+    waited 0.4 s and only fits in HIDDEN (10 of its 19 blocks). Up to the prefill iteration at
+    5.0 s; returns that batch too."""
     from engine.bookkeeping import EngineStats, StepBookkeeping
     from engine.cost_model import CostModel, PhaseFit
     from engine.kv import BlockPool, KVCacheManager
@@ -136,26 +141,50 @@ def _two_requests(price_switches: bool):
     book.append_token(a, 7, None, 4.99)
     b = Request("b", list(range(1000, 1300)), params, arrival_time=4.6)
     scheduler.add(b)
-    batch = scheduler.schedule(5.0)  # b has waited 0.4 s: a prefill iteration, b fits only in HIDDEN
+    batch = scheduler.schedule(5.0)  # b has waited 0.4 s: a prefill iteration by pending time
+    return scheduler, policy, book, a, b, batch
+
+
+def test_priced_switches_keep_the_hidden_request_they_admit():
+    """Priced: b is admitted in HIDDEN at 5.0 s (its only fitting form; worth 0.4 - 0.19 s),
+    and the next decode iteration (5.05 s) keeps it: b's value (0.05 s since its token) is below
+    its HIDDEN penalty (2 x 0.005 x 19 = 0.19 s), but staying HIDDEN also avoids its re-prefill
+    (2 x 0.3 s), so both decode."""
+    scheduler, policy, book, a, b, batch = _two_requests(price_switches=True)
     assert [it.request for it in batch.items] == [b] and b.cache_form is CacheForm.HIDDEN
     book.advance(batch.items)
     book.append_token(b, 7, None, 5.0)
-    return scheduler, policy, a, b
-
-
-@pytest.mark.parametrize("price_switches", [True, False])
-def test_priced_switches_keep_the_hidden_request_the_paper_drops(price_switches):
-    """The next decode iteration (5.05 s): b's value (0.05 s since its token) is below its
-    HIDDEN penalty (2 x 0.005 x 19 = 0.19 s) and its KV form does not fit beside a. The paper's
-    rule then drops b (preempted, to be re-prefilled); priced, staying HIDDEN is worth its
-    value less the penalty plus the re-prefill avoided (2 x 0.3 s), so both decode."""
-    scheduler, policy, a, b = _two_requests(price_switches)
     batch = scheduler.schedule(5.05)
-    if price_switches:
-        assert {it.request for it in batch.items} == {a, b} and not batch.preempted
-        assert b.cache_form is CacheForm.HIDDEN
-    else:
-        assert [it.request for it in batch.items] == [a] and batch.preempted == [b]
+    assert {it.request for it in batch.items} == {a, b} and not batch.preempted
+    assert b.cache_form is CacheForm.HIDDEN
+    scheduler.kv.check_invariants()
+
+
+def test_no_hidden_admission_the_next_decode_iteration_would_drop():
+    """The paper's values: admitted in HIDDEN at 5.0 s, b would be worth ~0 at the next decode
+    iteration (it has just got its token), below its penalty, and its KV form does not fit
+    beside a: it would be preempted right away and its prefill wasted (what every HIDDEN row
+    was on the CPU engine). So b is not offered HIDDEN, stays waiting, and a decodes."""
+    scheduler, policy, book, a, b, batch = _two_requests(price_switches=False)
+    assert [(it.request, it.num_new_tokens) for it in batch.items] == [(a, 1)] and not batch.preempted
+    assert b in scheduler.waiting and policy.hidden_chosen == 0 and policy.hidden_withheld > 0
+    after = policy.hidden_kept_next_decode(b, 19, 10, 2, scheduler.kv.pool.capacity)
+    assert not after  # what the next decode iteration would do with b in HIDDEN: drop it
+    scheduler.kv.check_invariants()
+
+
+def test_the_withheld_hidden_admission_was_the_one_dropped_next(monkeypatch):
+    """Mutation check of the rule above: without it (every HIDDEN option offered, the old
+    behaviour) b is admitted in HIDDEN and preempted by the very next decode iteration."""
+    from engine.scheduling.aptserve import AptServePolicy
+
+    monkeypatch.setattr(AptServePolicy, "hidden_kept_next_decode", lambda *a, **k: True)
+    scheduler, policy, book, a, b, batch = _two_requests(price_switches=False)
+    assert [it.request for it in batch.items] == [b] and b.cache_form is CacheForm.HIDDEN
+    book.advance(batch.items)
+    book.append_token(b, 7, None, 5.0)
+    batch = scheduler.schedule(5.05)
+    assert [it.request for it in batch.items] == [a] and batch.preempted == [b]
     scheduler.kv.check_invariants()
 
 
