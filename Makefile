@@ -59,11 +59,22 @@ test: $(VENV)/.installed-test postgres-bin chromium-bin
 	$(VENV)/bin/python -m pytest -q
 	$(MAKE) --no-print-directory test-avx2
 
-# The engine's core tests once more as an AVX2-only host would run them (no AVX-512, no AMX, no
-# native bf16; kernels/cpu_caps.py): torch's kernels, oneDNN and our own probe all capped, so a
-# change that only works with native bf16 fails CI on every host, not only on AVX2 ones.
+# Once more as an AVX2-only host would run them (no AVX-512, no AMX, no native bf16;
+# kernels/cpu_caps.py): torch's kernels, oneDNN and our own probe all capped, so a change that only
+# works with native bf16 fails CI on every host, not only on AVX2 ones. Only what the ISA changes
+# runs twice: the CPU kernels built or dispatched per ISA (tests/kernels; the Triton ones are
+# left out: without a GPU they run in Triton's interpreter, the same Python on every CPU), packed
+# linear and the compiled decode graph, the dtype `auto` decides (cpu_caps, `up`), and end to
+# end parity: every tiny architecture's logits against transformers with each kernel choice, the
+# bfloat16 serving kernel, and the default model's greedy answer. The rest of tests/engine
+# (scheduling, caches, sessions) runs those same kernels and tests its own logic, which no ISA
+# changes: it ran the whole directory a second time (4 of the 18 minutes of `make test`) for that.
 AVX2_ENV := TANDEM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
-AVX2_TESTS := tests/engine tests/kernels tests/test_cli.py \
+AVX2_TESTS := tests/kernels --ignore-glob='tests/kernels/test_triton_*' \
+	tests/engine/models/test_packed_linear.py tests/engine/models/test_decode_graph.py \
+	tests/engine/test_tiny_models.py \
+	tests/engine/test_partial_residency.py::test_bfloat16_serving_kernel_close_to_full_residency \
+	tests/test_cli.py::test_generate_json_chat \
 	tests/services/test_up.py::test_up_without_flags_decides_the_dtype_for_this_cpu
 test-avx2: $(VENV)/.installed-test
 	$(AVX2_ENV) $(VENV)/bin/python -m pytest -q $(AVX2_TESTS)

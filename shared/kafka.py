@@ -235,7 +235,14 @@ class KafkaClient:
             **extra,
             **kwargs,
         )
-        await with_backoff("consumer start", c.start)
+        try:
+            await with_backoff("consumer start", c.start)
+        except BaseException:
+            # A start that failed or was cancelled (a service stopped while its broker is down)
+            # still opened a client: close it, or the garbage collector reports an "Unclosed
+            # AIOKafkaConsumer" at exit (stop() only closes the consumers that started).
+            await c.stop()
+            raise
         self._consumers.append(c)
         if group and subscribe:
             for topic in topics:

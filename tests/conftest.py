@@ -64,6 +64,28 @@ def smollm2_tokenizer(smollm2_dir):
     return load_tokenizer(resolve_model("default"))
 
 
+@pytest.fixture(scope="session")
+def hf_default_model(smollm2_dir):
+    """transformers' own import of the default model's GGUF in float32, in eval mode: the reference
+    the loader's weights and the engine's greedy outputs are compared with. Loaded once per
+    session (transformers dequantises the whole GGUF in Python: the slowest set-up in
+    tests/engine, paid twice when test_loader and test_hf_parity each loaded it). Tests only read
+    it (forward passes under inference_mode, its config, its state_dict)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), gguf_file=GGUF_NAME, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(smollm2_dir):
+    """transformers' own conversion of the default model's GGUF tokenizer (the reference for our
+    cached conversion and the detokenizer), converted once per session; tests only read it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_dir), gguf_file=GGUF_NAME)
+
+
 def _tiny_configs():
     from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config
 

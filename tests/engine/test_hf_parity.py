@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, SamplingParams
-from tests.conftest import GGUF_NAME
 
 PROMPTS = [
     "What is the capital of France?",
@@ -20,11 +19,8 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), gguf_file=GGUF_NAME, torch_dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_default_model):
+    return hf_default_model  # loaded once per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from engine.loader import (
 )
 from engine.loader import gguf as gguf_loader
 from engine.loader import source as source_module
+from tests.conftest import GGUF_NAME
 
 PROMPT = "What is the capital of France?"
 
@@ -36,11 +37,11 @@ def default_src() -> ModelSource:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(default_src: ModelSource) -> transformers.PreTrainedModel:
-    """transformers' own GGUF import: the reference our loader must reproduce exactly."""
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_src.path.parent), gguf_file=default_src.path.name, dtype=torch.float32
-    )
+def hf_gguf_model(default_src: ModelSource, smollm2_dir, hf_default_model) -> transformers.PreTrainedModel:
+    """transformers' own GGUF import: the reference our loader must reproduce exactly (loaded once
+    per session from the same file, tests/conftest.py)."""
+    assert default_src.path.resolve() == (smollm2_dir / GGUF_NAME).resolve()
+    return hf_default_model
 
 
 def test_default_resolves_to_packaged_gguf(default_src: ModelSource) -> None:
@@ -334,9 +335,10 @@ def test_model_load_error_is_value_error() -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(default_src: ModelSource) -> transformers.PreTrainedTokenizerBase:
-    """transformers' own GGUF tokenizer conversion."""
-    return transformers.AutoTokenizer.from_pretrained(str(default_src.path.parent), gguf_file=default_src.path.name)
+def reference(default_src: ModelSource, smollm2_dir, hf_default_tokenizer) -> transformers.PreTrainedTokenizerBase:
+    """transformers' own GGUF tokenizer conversion (of the same file, once per session)."""
+    assert default_src.path.resolve() == (smollm2_dir / GGUF_NAME).resolve()
+    return hf_default_tokenizer
 
 
 def test_gguf_tokenizer_matches_transformers_and_is_cached(

@@ -14,10 +14,7 @@ from tests.conftest import TINY_MODELS, requires_cxx
 STEPS = 6
 
 
-def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+def _hf_greedy_logits(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     ids, logits = list(prompt), []
     with torch.inference_mode():
         for _ in range(steps):  # no KV cache: the most literal reference
@@ -25,6 +22,26 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
             logits.append(row)
             ids.append(int(row.argmax()))
     return ids[len(prompt) :], logits
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir):
+    """Factory: (model name, prompts) -> transformers' greedy tokens and logits per prompt.
+    Computed once per model and shared by the four kernel choices below, which all compare with
+    the same reference: recomputing it per choice (a model load and 18 forward passes each) was
+    most of this file's time."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[tuple[str, tuple[tuple[int, ...], ...]], list[tuple[list[int], list[torch.Tensor]]]] = {}
+
+    def get(name: str, prompts: list[list[int]]) -> list[tuple[list[int], list[torch.Tensor]]]:
+        key = (name, tuple(map(tuple, prompts)))
+        if key not in made:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(name), dtype=torch.float32).eval()
+            made[key] = [_hf_greedy_logits(model, p, STEPS) for p in prompts]
+        return made[key]
+
+    return get
 
 
 @pytest.mark.parametrize(
@@ -37,7 +54,7 @@ def _hf_greedy_logits(model_dir, prompt: list[int], steps: int) -> tuple[list[in
     ],
 )
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_logits_match_transformers(name, attention, fused_ops, tiny_model_dir):
+def test_logits_match_transformers(name, attention, fused_ops, tiny_model_dir, hf_reference):
     """`fused_ops`: the layers' elementwise work by the C++ kernels (auto resolves to them here)
     or PyTorch op by op (off)."""
     path = tiny_model_dir(name)
@@ -67,8 +84,7 @@ def test_logits_match_transformers(name, attention, fused_ops, tiny_model_dir):
             for r, row in zip(reqs, logits):
                 ours[r.request_id].append(row)
             engine.last_logits = None
-    for i, p in enumerate(prompts):
-        ref_tokens, ref_logits = _hf_greedy_logits(path, p, STEPS)
+    for i, (ref_tokens, ref_logits) in enumerate(hf_reference(name, prompts)):
         assert tokens[str(i)] == ref_tokens
         for mine, ref in zip(ours[str(i)], ref_logits, strict=True):
             torch.testing.assert_close(mine, ref, atol=2e-4, rtol=1e-4)

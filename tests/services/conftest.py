@@ -53,6 +53,11 @@ LEASE_S = 5.0
 # end on the event itself, or at once when a child dies; this bound only turns a hang into a
 # failure that shows the children's logs.
 START_TIMEOUT_S = 300.0
+# How long a child may take to stop cleanly after SIGTERM (Stack.stop). A worker drains running
+# requests for up to 10 s (drain_timeout_s), then closes its engine and Kafka clients; the other
+# services need well under a second of CPU. The margin over that is for a CPU-starved machine:
+# only a stop that hangs (a task that never ends, a client never closed) should exceed it.
+STOP_TIMEOUT_S = 40.0
 
 
 class Stack:
@@ -244,15 +249,33 @@ class Stack:
             out.append(f"--- {f.name}\n" + "\n".join(lines))
         return "\n".join(out)
 
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
+    def stop(self) -> list[str]:
+        """SIGTERM every running child and wait for its clean stop. Returns what went wrong, one
+        entry per child with its last log lines: a stop that hung past STOP_TIMEOUT_S (the child
+        is then SIGKILLed so nothing outlives the test) or a non-zero exit. The caller fails the
+        test on it: a service that cannot stop cleanly is a bug (a deploy or `tandem up` would
+        wait for it, then kill it mid-write), which the silent kill this used to do hid."""
+        signalled = {n: p for n, p in self.procs.items() if p.poll() is None}
+        for p in signalled.values():
+            p.send_signal(signal.SIGTERM)
+        problems = []
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for name, p in signalled.items():
             try:
-                p.wait(timeout=20)
+                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
+                p.wait()
+                problems.append(f"{name}: no clean stop within {STOP_TIMEOUT_S:.0f}s of SIGTERM (killed)")
+            else:
+                if rc not in (0, 128 + signal.SIGTERM):  # uvicorn (the gateway) exits 143 once stopped
+                    problems.append(f"{name}: exit {rc} after SIGTERM")
+            self.stopped.add(name)
+        return [f"{problem}\n{self.log_tail(problem.split(':', 1)[0])}" for problem in problems]
+
+    def log_tail(self, name: str, tail: int = 30) -> str:
+        lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-tail:]
+        return f"--- {name}.log\n" + "\n".join(lines)
 
 
 @pytest.fixture(scope="module")
@@ -267,8 +290,9 @@ def make_stack(kafka_bootstrap, tiny_model_dir, tmp_path_factory, request):
         return stack
 
     yield make
-    for s in stacks:
-        s.stop()
+    hung = [problem for s in stacks for problem in s.stop()]
+    if hung:
+        pytest.fail("a child of the test stack did not stop cleanly:\n" + "\n".join(hung), pytrace=False)
     losses = [line for s in stacks for line in s.spurious_losses()]
     if losses:  # the tests may have passed, but on wrong decisions (re-placed work, a lost worker)
         pytest.fail("the scheduler declared a live worker lost:\n" + "\n".join(losses), pytrace=False)

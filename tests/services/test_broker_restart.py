@@ -73,7 +73,9 @@ def stack(broker, tiny_model_dir, tmp_path_factory):
     s = Stack(broker.bootstrap, tiny_model_dir("llama"), log_dir, "br")
     s.start(("w0",), queue=True)
     yield s
-    s.stop()
+    hung = s.stop()
+    if hung:
+        pytest.fail("a child of the test stack did not stop cleanly:\n" + "\n".join(hung), pytrace=False)
 
 
 def _stream_first_chunk(url: str, body: dict, out: dict, got_first: threading.Event) -> None:

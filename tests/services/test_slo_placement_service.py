@@ -79,7 +79,22 @@ def test_rt_goes_where_the_profile_says_the_slo_holds(stack):
 def test_unattainable_slo_is_answered_429_with_retry_after_and_nothing_else_is_lost(stack):
     _wait_profiles(stack)
     body = chat_body("too tight", max_tokens=4, tandem={"ttft_ms": 0.001})
-    r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
+    answers: list[httpx.Response] = []
+
+    def rejected() -> bool:
+        """One unattainable request. Until the scheduler has the slow worker's profile too (its
+        first telemetry comes later on a loaded machine; `_wait_profiles` needs only the fast
+        one's), it tries that worker unpredicted, as an unprofiled worker might meet the SLO, and
+        the request is served: that case alone, counted `unpredicted`, is tried again."""
+        before = _decisions(stack).get("unpredicted", 0)
+        answers.append(httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120))
+        if answers[-1].status_code != 200:
+            return True
+        assert _decisions(stack).get("unpredicted", 0) == before + 1, answers[-1].text  # not placed as meeting it
+        return False
+
+    stack.wait_until("the scheduler predicting for both workers", rejected)
+    r = answers[-1]
     assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "slo_unattainable"
     assert "no worker meets the SLO" in r.json()["error"]["message"]

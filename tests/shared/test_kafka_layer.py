@@ -147,3 +147,33 @@ def test_owned_consumer_resumes_from_its_groups_commits_without_joining(kafka_bo
 
     first, rest = asyncio.run(run())
     assert first == ["r0", "r1", "r2"] and rest == ["r2"]
+
+
+def test_a_consumer_whose_start_is_cancelled_is_closed(monkeypatch):
+    """A service stopped while its broker is down cancels a consumer's start mid-retry: that
+    consumer is closed, not left for the garbage collector to report as an "Unclosed
+    AIOKafkaConsumer" at exit (what the advisory logged when stopped after its broker died)."""
+    from services.broker import free_port
+    from shared.quiet_consumer import QuietConsumer
+
+    attempts: list[QuietConsumer] = []
+    original = QuietConsumer.start
+
+    async def counted_start(self) -> None:
+        attempts.append(self)
+        await original(self)
+
+    monkeypatch.setattr(QuietConsumer, "start", counted_start)
+
+    async def main() -> None:
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=f"127.0.0.1:{free_port()}"), "test-cancelled-start")
+        starting = asyncio.create_task(kafka.consumer(group=None))
+        while len(attempts) < 2:  # nothing listens there: the first start failed, a retry is under way
+            await asyncio.sleep(0.05)
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+        await kafka.stop()
+
+    asyncio.run(main())
+    assert attempts[0] is attempts[-1] and attempts[0]._closed is True
