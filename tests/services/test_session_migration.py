@@ -330,6 +330,7 @@ def test_corrupt_and_truncated_transfers_are_refused_and_the_turn_recomputes(sta
                     source_worker="evil",
                     source_url=session_kv_url(server.url, "flip"),
                     source_tokens=10_000,
+                    term=placement.term,  # workers drop a Prefetch from an older advisory term
                 )
             )
             asyncio.run(stack.probe.publish((topics.control.name, prefetch, "flip")))
