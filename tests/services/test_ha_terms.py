@@ -4,7 +4,9 @@ its successor began is dropped by the readers (docs/reliability.md, "HA pairs").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 from services.scheduler.affinity import make_affinity
 from services.scheduler.assignments import AssignmentTable
@@ -28,6 +30,17 @@ def _assignment(request_id: str, worker_id: str, term: int) -> Assignment:
     )
 
 
+@contextlib.asynccontextmanager
+async def _state_client(kafka_bootstrap: str, topics: Topics) -> AsyncIterator[KafkaClient]:
+    """A Kafka client on the real broker with the scheduler's state topic created."""
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topics.prefix), "ha-terms")
+    await kafka.start([topics.scheduler_state])
+    try:
+        yield kafka
+    finally:
+        await kafka.stop()
+
+
 def test_state_replay_drops_a_deposed_schedulers_later_records(kafka_bootstrap):
     """The state topic on the real broker, written in this order, replayed by `load()`."""
     topics = Topics("haterms")
@@ -35,16 +48,12 @@ def test_state_replay_drops_a_deposed_schedulers_later_records(kafka_bootstrap):
     # begins at r2 (term 2); r1 -> w1 and r3 are the deposed scheduler's late records (term 1)
 
     async def run() -> AssignmentTable:
-        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topics.prefix), "ha-terms")
-        await kafka.start([topics.scheduler_state])
-        try:
+        async with _state_client(kafka_bootstrap, topics) as kafka:
             for request_id, worker_id, term in written:
                 await kafka.send(topics.scheduler_state.name, _assignment(request_id, worker_id, term), key=request_id)
             table = AssignmentTable(kafka, topics.scheduler_state.name)
             await table.load()
             return table
-        finally:
-            await kafka.stop()
 
     table = asyncio.run(run())
     assert {rid: a.worker_id for rid, a in table.by_request.items()} == {"r1": "w0", "r2": "w1"}
@@ -73,11 +82,9 @@ def test_state_replay_drops_a_deposed_schedulers_late_tombstone(kafka_bootstrap)
     topics = Topics("haterms-tomb")
 
     async def run() -> AssignmentTable:
-        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix=topics.prefix), "ha-terms")
-        await kafka.start([topics.scheduler_state])
-        term = {"now": 1}
-        writer = AssignmentTable(kafka, topics.scheduler_state.name, lambda: term["now"])
-        try:
+        async with _state_client(kafka_bootstrap, topics) as kafka:
+            term = {"now": 1}
+            writer = AssignmentTable(kafka, topics.scheduler_state.name, lambda: term["now"])
             for request_id in ("r1", "r2", "r3"):
                 await (await writer.add_nowait(_assignment(request_id, "w0", 1)))
             await kafka.send(topics.scheduler_state.name, None, key="r3")  # no header: an old writer's
@@ -91,8 +98,6 @@ def test_state_replay_drops_a_deposed_schedulers_late_tombstone(kafka_bootstrap)
             table = AssignmentTable(kafka, topics.scheduler_state.name)
             await table.load()
             return table
-        finally:
-            await kafka.stop()
 
     table = asyncio.run(run())
     assert {rid: a.worker_id for rid, a in table.by_request.items()} == {"r1": "w1"}
