@@ -119,6 +119,7 @@ class LeaseKeeper:
         self._sent: dict[int, float] = {}  # seq -> monotonic send time, until read back
         self._renewed_at = float("-inf")  # send time of the latest own renewal read back as holder
         self.active_term: int | None = None  # the term this instance holds (or held, once deposed)
+        self.active_since: float | None = None  # monotonic: when it read its winning claim back
         self.deposed = False
         self._active = asyncio.Event()
         self._announced = float("-inf")  # when this standby last said it is there
@@ -207,6 +208,7 @@ class LeaseKeeper:
 
     def _became_active(self, term: int) -> None:
         self.active_term = term
+        self.active_since = time.monotonic()
         log.warning("%s: this instance (%s) is now active, term %d", self.role, self.holder, term)
         self._active.set()
 
