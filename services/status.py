@@ -217,7 +217,7 @@ def _workers(beats: list[Heartbeat], reports: list[Telemetry], timeout_s: float)
 
 def _pairs(records: list[LeaseRecord], lease_s: float) -> list[RoleStatus]:
     """Each role's term and instances, by the lease rules (shared/lease.py) on the records read.
-    A standby announces itself every `lease_s`, the active renews every `lease_s / 3`: silent
+    A standby announces itself every `lease_s`, the active renews every `lease_s / 2`: silent
     means no record for twice the lease."""
     now = time.time()
     out = []

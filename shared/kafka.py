@@ -189,6 +189,12 @@ class KafkaClient:
         if self.doorbell is not None:
             self.doorbell.ring(topic)
 
+    def ring(self, bell: str) -> None:
+        """Ring a named bell, after a send it announces: for readers that listen on a bell of
+        their own instead of their topic's (`assign_all(bell=...)`, a lease reader woken only by
+        its role's records of the shared `leases` topic)."""
+        self._ring(bell)
+
     async def consumer(
         self,
         *topics: str,
@@ -277,16 +283,23 @@ class KafkaClient:
         return c
 
     async def assign_all(
-        self, consumer: AIOKafkaConsumer, topic: str, *, from_end: bool, partitions: Sequence[int] | None = None
+        self,
+        consumer: AIOKafkaConsumer,
+        topic: str,
+        *,
+        from_end: bool,
+        partitions: Sequence[int] | None = None,
+        bell: str | None = None,
     ) -> list[TopicPartition]:
-        """Group-less reading of a whole topic (or given partitions), from its start or its end."""
+        """Group-less reading of a whole topic (or given partitions), from its start or its end.
+        `bell`: wake the (quiet) consumer on that bell instead of the topic's (`ring`)."""
         if partitions is None:
             parts = await with_backoff(f"metadata {topic}", lambda: _partitions(consumer, topic))
         else:
             parts = list(partitions)
         tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)
-        self._listen(consumer, topic)
+        self._listen(consumer, topic if bell is None else bell)
         if from_end:
             await consumer.seek_to_end(*tps)
         else:

@@ -11,15 +11,26 @@ holder without talking to each other:
 - a `released` record by the holder ends its term at once (a clean stop: the standby claims
   without waiting out the lease).
 
-The active renews every `lease_s / 3`. A standby that has read no renewal for `lease_s` claims
-the next term. The active counts itself active only within `lease_s` of the *send* time of a
-renewal it has *read back* while still the holder (`is_active`): a paused active that wakes finds
-its window over before it can act, and a renewal it sends then is read back only after the
-standby's claim (one partition, one order), which deposes it. A standby claims no earlier than
-`lease_s` after it read the active's last renewal, which is after that renewal was sent, so the
-two windows do not overlap (on one clock rate; across hosts the skew of *rates* matters, not of
-clocks). What remains is the gap between an active's check and its send; every output that
-matters carries the term and readers drop stale ones (docs/reliability.md, "HA pairs").
+The active renews every `lease_s / 2` (`renew_s`), counted from its previous send. A standby that
+has read no renewal for `lease_s` claims the next term, at that deadline and once it has read
+everything the broker held then (`_read_up_to_now`: a renewal it missed forbids the claim). The
+active counts itself active only within `lease_s` of the *send* time of a renewal it has *read
+back* while still the holder (`is_active`): a paused active that wakes finds its window over
+before it can act, and a renewal it sends then is read back only after the standby's claim (one
+partition, one order), which deposes it. A standby claims no earlier than `lease_s` after it read
+the active's last renewal, which is after that renewal was sent, so the two windows do not overlap
+(on one clock rate; across hosts the skew of *rates* matters, not of clocks). That holds for any
+renewal period: the period decides only how much lateness a live active survives, here
+`lease_s / 2` (a renewal read back or heard that much late; it was `lease_s / 3`, issue 21: each
+renewal wakes its readers, and renewals were the largest idle cost). What remains is the gap
+between an active's check and its send; every output that matters carries the term and readers
+drop stale ones (docs/reliability.md, "HA pairs").
+
+Readers of one role are woken only by that role's records (a bell of their own, `role_bell`),
+not by the other roles' renewals on the shared one-partition topic; between rings a reader looks
+by itself every `kafka_idle_poll_ms` like any quiet consumer. A lost ring can only make a renewal
+read late: the active wakes its own reader after each send, and a standby reads up to the log's
+end before it claims.
 
 A deposed active does not step down in place: the service exits (`on_deposed`) and its
 supervisor starts it again as a standby, since its memory (pending requests, claimed items) may
@@ -39,6 +50,7 @@ from dataclasses import dataclass
 from aiokafka import ConsumerRecord
 
 from shared.kafka import KafkaClient, read_to_end
+from shared.quiet_consumer import QuietConsumer
 from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
 
@@ -95,6 +107,11 @@ class LeaseLog:
         return cur is None or cur.released or now - cur.heard > lease_s
 
 
+def role_bell(topic: str, role: str) -> str:
+    """The doorbell of one role's lease records (`+` is not valid in a topic name: no clash)."""
+    return f"{topic}+{role}"
+
+
 def instance_name(service_id: str) -> str:
     """A holder name unique per process: a restarted instance is not its own predecessor."""
     return f"{service_id}/{os.getpid()}-{int(time.time() * 1000)}"
@@ -113,6 +130,8 @@ class LeaseKeeper:
         on_deposed: Callable[[], None] | None = None,
     ) -> None:
         self.kafka, self.topic, self.role, self.holder, self.lease_s = kafka, topic, role, holder, lease_s
+        self.renew_s = lease_s / 2  # the active's period; also the fastest any instance sends
+        self.bell = role_bell(topic, role)
         self.log = LeaseLog(role)
         self._on_deposed = on_deposed
         self._seq = 0
@@ -123,6 +142,9 @@ class LeaseKeeper:
         self.deposed = False
         self._active = asyncio.Event()
         self._announced = float("-inf")  # when this standby last said it is there
+        self._last_held = float("-inf")  # monotonic: this instance's latest claim or renewal sent
+        self._changed = asyncio.Event()  # a record of this role was applied: re-plan the next tick
+        self._progress = asyncio.Event()  # the read loop applied a batch (its position moved)
         self._tasks: list[asyncio.Task] = []
         self._consumer = None
 
@@ -148,10 +170,10 @@ class LeaseKeeper:
     # -- life cycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # A renewal read late could depose a live active: a lost ring may delay one by at most a
-        # renewal period (a sleeping consumer's own look), not the default 5 s.
-        c = self._consumer = await self.kafka.consumer(group=None, idle_poll_s=self.lease_s / 3)
-        await self.kafka.assign_all(c, self.topic, from_end=False)
+        # Woken by this role's records only; a lost ring makes a renewal late, never a false
+        # claim (the active wakes its reader after each send, a standby reads to the end first).
+        c = self._consumer = await self.kafka.consumer(group=None)
+        await self.kafka.assign_all(c, self.topic, from_end=False, bell=self.bell)
         await read_to_end(c, self._apply)
         cur = self.log.current
         log.info(
@@ -184,9 +206,12 @@ class LeaseKeeper:
 
     async def _read_loop(self) -> None:
         while True:
-            for msgs in (await self._consumer.getmany(timeout_ms=1000)).values():
+            batches = await self._consumer.getmany(timeout_ms=1000)
+            for msgs in batches.values():
                 for m in msgs:
                     self._apply(m)
+            if batches:
+                self._progress.set()
 
     def _apply(self, m: ConsumerRecord) -> None:
         r = decode_record(LeaseRecord, m)
@@ -194,6 +219,7 @@ class LeaseKeeper:
             return
         now = time.monotonic()
         self.log.apply(r, now)
+        self._changed.set()
         cur = self.log.current
         if r.holder == self.holder and r.seq in self._sent:
             sent = self._sent.pop(r.seq)
@@ -225,21 +251,48 @@ class LeaseKeeper:
             self._on_deposed()
 
     async def _tick_loop(self) -> None:
-        interval = self.lease_s / 3
+        """Act when something is due (`_tick`), then sleep until the next deadline or until a
+        record of this role changes the plan (a release is claimed at once, not a period later)."""
         while True:
+            self._changed.clear()
             try:
                 await self._tick()
             except Exception:  # noqa: BLE001 (the broker is briefly away: the next tick retries)
-                log.warning("%s lease record not sent", self.role, exc_info=True)
-            await asyncio.sleep(interval)
+                log.warning("%s lease tick failed; retrying", self.role, exc_info=True)
+                self._last_held = time.monotonic()  # retry a period later, not in a tight loop
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(self._next_due() - time.monotonic(), 0.0))
+
+    def _next_due(self) -> float:
+        """When `_tick` may next have something to do (monotonic). Nothing is sent sooner than
+        `renew_s` after this instance's previous claim or renewal: a claim not yet read back is
+        not repeated at once, and the active renews exactly one period after its last renewal."""
+        cur, paced = self.log.current, self._last_held + self.renew_s
+        if self.deposed:
+            return time.monotonic() + 3600.0
+        if cur is not None and cur.holder == self.holder and not cur.released:
+            return paced
+        if self.log.expired(time.monotonic(), self.lease_s):
+            return paced
+        # a standby: the lease's deadline (just past it: `expired` is strict), or its next announce
+        return min(cur.heard + self.lease_s + 0.005, self._announced + self.lease_s)
 
     async def _tick(self) -> None:
         if self.deposed:
             return
         cur, now = self.log.current, time.monotonic()
+        paced = now < self._last_held + self.renew_s
         if cur is not None and cur.holder == self.holder and not cur.released:
-            await self._send("held", cur.term)  # renew (read back, it extends the window)
+            if not paced:
+                await self._send("held", cur.term)  # renew (read back, it extends the window)
         elif self.log.expired(now, self.lease_s):
+            if paced:
+                return
+            if cur is not None and not cur.released:
+                await self._read_up_to_now()  # a renewal read late (a lost ring) forbids the claim
+                cur = self.log.current
+                if not self.log.expired(time.monotonic(), self.lease_s) or cur.holder == self.holder:
+                    return
             term = (cur.term if cur else 0) + 1
             log.info("%s lease %s: claiming term %d", self.role, "free" if cur is None else "lapsed", term)
             await self._send("held", term)
@@ -247,10 +300,33 @@ class LeaseKeeper:
             self._announced = now
             await self._send("standby", cur.term)
 
+    async def _read_up_to_now(self) -> None:
+        """Wait until the read loop has applied everything the broker holds now (bounded by
+        `lease_s`: a broker that does not answer raises, and the claim waits for a later tick)."""
+        c = self._consumer
+        end = await c.end_offsets(list(c.assignment()))
+        if isinstance(c, QuietConsumer):
+            c.wake()  # asleep: fetch now, not at its next look
+        deadline = time.monotonic() + self.lease_s
+        while True:
+            self._progress.clear()
+            if all([await c.position(tp) >= e for tp, e in end.items()]):
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.role} lease: the log's end was not reached before claiming")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), left)
+
     async def _send(self, state: LeaseState, term: int) -> None:
         self._seq += 1
         self._sent[self._seq] = time.monotonic()
         record = LeaseRecord(
             role=self.role, holder=self.holder, term=term, state=state, sent_at=time.time(), seq=self._seq
         )
+        if state == "held":
+            self._last_held = self._sent[self._seq]
         await self.kafka.send(self.topic, record, key=self.role)
+        self.kafka.ring(self.bell)  # this role's readers (the topic's own bell wakes no lease reader)
+        if state == "held" and isinstance(self._consumer, QuietConsumer):
+            self._consumer.wake()  # read it back without relying on a ring

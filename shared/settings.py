@@ -49,8 +49,8 @@ class ServiceSettings(BaseSettings):
     broker_hole_wait_s: float = 3.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
     # The doubled services (scheduler, queue, advisory): the active renews its lease every
-    # lease_s / 3 and a standby claims after lease_s without a renewal (shared/lease.py), so a
-    # takeover after a crash takes lease_s to 4/3 lease_s plus the new active's start.
+    # lease_s / 2 and a standby claims lease_s after the last renewal it read (shared/lease.py),
+    # so a takeover after a crash takes lease_s / 2 to lease_s plus the new active's start.
     lease_s: float = 3.0
 
     @model_validator(mode="after")

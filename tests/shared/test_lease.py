@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from shared.kafka import KafkaClient
-from shared.lease import LeaseKeeper, LeaseLog
+from shared.kafka import KafkaClient, read_to_end
+from shared.lease import LeaseKeeper, LeaseLog, role_bell
 from shared.schemas.lease import LeaseRecord
 from shared.settings import ServiceSettings
 from shared.topics import Topics
@@ -40,11 +40,13 @@ def test_first_claim_of_a_term_wins_and_stale_records_change_nothing():
     assert log.expired(3.7, 1.0)  # a clean stop: no need to wait out the lease
 
 
-async def _keeper(bootstrap: str, prefix: str, name: str, deposed: list[str]) -> tuple[KafkaClient, LeaseKeeper]:
+async def _keeper(
+    bootstrap: str, prefix: str, name: str, deposed: list[str], *, lease_s: float = LEASE_S, **settings
+) -> tuple[KafkaClient, LeaseKeeper]:
     topics = Topics(prefix)
-    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix), name)
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, **settings), name)
     await kafka.start([topics.leases])
-    keeper = LeaseKeeper(kafka, topics.leases.name, "scheduler", name, LEASE_S, on_deposed=lambda: deposed.append(name))
+    keeper = LeaseKeeper(kafka, topics.leases.name, "scheduler", name, lease_s, on_deposed=lambda: deposed.append(name))
     await keeper.start()
     return kafka, keeper
 
@@ -102,5 +104,75 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         await c.stop()
         await kb.stop()
         await kc.stop()
+
+    asyncio.run(run())
+
+
+async def _records(bootstrap: str, prefix: str) -> list[LeaseRecord]:
+    """Every record of the `leases` topic so far, in log order."""
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap), "lease-probe")
+    consumer = await kafka.consumer(group=None)
+    out: list[LeaseRecord] = []
+    try:
+        await kafka.assign_all(consumer, Topics(prefix).leases.name, from_end=False)
+        await read_to_end(consumer, lambda m: out.append(LeaseRecord.decode(m.value)))
+    finally:
+        await kafka.stop()
+    return out
+
+
+def test_the_active_renews_every_half_lease_and_readers_listen_on_their_roles_bell(kafka_bootstrap):
+    """Renewals are the largest idle item (issue 21): the active renews at `lease_s / 2`, the
+    slowest period that leaves a live active half a lease of lateness, and its reader is woken
+    by its role's bell, not by every record of the shared topic. Checked on the send times the
+    records carry (a slow host only spaces them further)."""
+
+    async def run():
+        ka, a = await _keeper(kafka_bootstrap, "lease2", "a", [])
+        await asyncio.wait_for(a.wait_active(), 10)
+        await _until(lambda: a._seq >= 5 and not a._sent)  # noqa: SLF001 (claim + 4 renewals, read back)
+        assert a.is_active()
+        held = [r for r in await _records(kafka_bootstrap, "lease2") if r.holder == "a" and r.state == "held"]
+        assert len(held) >= 5, held
+        gaps = [y.sent_at - x.sent_at for x, y in zip(held, held[1:])]
+        assert a.renew_s == LEASE_S / 2 and min(gaps) >= a.renew_s * 0.99, gaps
+        topic = Topics("lease2").leases.name
+        assert role_bell(topic, "scheduler") in ka.doorbell._bells  # noqa: SLF001
+        assert topic not in ka.doorbell._bells  # noqa: SLF001 (not woken by other roles' renewals)
+        await a.stop()
+        await ka.stop()
+
+    asyncio.run(run())
+
+
+def test_a_standby_that_missed_renewals_reads_to_the_end_before_claiming(kafka_bootstrap):
+    """A lost ring must not depose a live active. The active's rings are dropped here and the
+    standby's own looks are an hour apart, so it hears renewals only by reading to the log's
+    end when its lease deadline comes: each time it finds a newer renewal and claims nothing."""
+    lease_s = 4.0  # renewals every 2 s: a live active survives a 2 s stall of this busy host
+
+    async def run():
+        deposed: list[str] = []
+        ka, a = await _keeper(kafka_bootstrap, "lease3", "a", deposed, lease_s=lease_s)
+        await asyncio.wait_for(a.wait_active(), 10)
+        kb, b = await _keeper(kafka_bootstrap, "lease3", "b", deposed, lease_s=lease_s, kafka_idle_poll_ms=3_600_000)
+        for k in (ka, kb):  # every ring is lost (b's own announcements would wake b too)
+            k._ring = k.ring = lambda _bell: None  # noqa: SLF001
+        heard: list[float] = []
+
+        def on_read():
+            cur = b.log.current
+            if cur is not None and (not heard or cur.heard != heard[-1]):
+                heard.append(cur.heard)
+            return len(heard) >= 4  # the one read at start, then three
+
+        await _until(on_read, timeout=60)  # three renewals heard only by reading up to the end
+        assert b.active_term is None and deposed == [], (b.active_term, deposed)
+        assert b.log.current.holder == "a"
+        assert not [r for r in await _records(kafka_bootstrap, "lease3") if r.holder == "b" and r.state == "held"]
+        await a.stop()
+        await b.stop()
+        await ka.stop()
+        await kb.stop()
 
     asyncio.run(run())
