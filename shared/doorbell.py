@@ -7,8 +7,10 @@ doorbell, an idle consumer stops fetching (`shared/quiet_consumer.py`) and a pro
 record acked on a topic rings that topic's doorbells, which wakes the consumers reading it.
 
 The bell is a Unix datagram socket per (reading client, topic), bound under
-`<directory>/<topic>/`; ringing is one empty datagram to each socket in the topic's folder after
-the broker acked the record, so the woken consumer's next fetch finds it. A ring that is lost
+`<directory>/<topic>/`; ringing is one datagram to each socket in the topic's folder after
+the broker acked the record, so the woken consumer's next fetch finds it. The datagram may say
+where the record is (`partition:offset`): a reader then knows when it has read what it was rung
+for and can sleep at once (`shared/quiet_consumer.py`); an empty one only says "look". A ring that is lost
 (a full socket buffer, a producer outside this package) costs latency, never a record: quiet
 consumers also wake on their own every `kafka_idle_poll_ms`. Sockets of dead processes are
 removed by the first ringer that finds nobody listening.
@@ -47,11 +49,12 @@ class Doorbell:
         self._token = uuid.uuid4().hex[:12]
         self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.setblocking(False)
-        self._bells: dict[str, tuple[socket.socket, str, list[Callable[[], None]]]] = {}
+        self._bells: dict[str, tuple[socket.socket, str, list[Callable[[list[bytes]], None]]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def listen(self, topic: str, on_ring: Callable[[], None]) -> None:
-        """Call `on_ring` (on the event loop) whenever someone rings `topic`."""
+    def listen(self, topic: str, on_ring: Callable[[list[bytes]], None]) -> None:
+        """Call `on_ring(payloads)` (on the event loop) whenever someone rings `topic`, with what
+        each ring since the last call carried (b"" for a bare ring)."""
         if topic in self._bells:
             self._bells[topic][2].append(on_ring)
             return
@@ -67,19 +70,18 @@ class Doorbell:
         self._loop.add_reader(sock.fileno(), self._drain, sock, callbacks)
 
     @staticmethod
-    def _drain(sock: socket.socket, callbacks: list[Callable[[], None]]) -> None:
-        rung = False
+    def _drain(sock: socket.socket, callbacks: list[Callable[[list[bytes]], None]]) -> None:
+        payloads = []
         while True:  # several rings since the last wake-up are one wake-up
             try:
-                sock.recv(16)
-                rung = True
+                payloads.append(sock.recv(64))
             except (BlockingIOError, InterruptedError):
                 break
-        if rung:
+        if payloads:
             for cb in callbacks:
-                cb()
+                cb(payloads)
 
-    def ring(self, topic: str) -> None:
+    def ring(self, topic: str, payload: bytes = b"") -> None:
         """Wake every client listening on `topic` (best effort; see the module docstring)."""
         folder = os.path.join(self.directory, topic)
         try:
@@ -89,7 +91,7 @@ class Doorbell:
         with entries:
             for entry in entries:
                 try:
-                    self._sender.sendto(b"", entry.path)
+                    self._sender.sendto(payload, entry.path)
                 except ConnectionRefusedError:  # the socket of a process that died
                     _unlink(entry.path)
                 except (BlockingIOError, FileNotFoundError, PermissionError, OSError):

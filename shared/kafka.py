@@ -24,9 +24,10 @@ from typing import TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
+from aiokafka.structs import RecordMetadata
 
 from shared.doorbell import Doorbell, doorbell_directory
-from shared.quiet_consumer import QuietConsumer
+from shared.quiet_consumer import QuietConsumer, ring_payload
 from shared.records import decode_record
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
@@ -158,14 +159,15 @@ class KafkaClient:
         key: str | None = None,
         partition: int | None = None,
         headers: KafkaHeaders | None = None,
-    ) -> None:
+    ) -> RecordMetadata:
         """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
-        trace context and send time (`shared/tracing.py`)."""
+        trace context and send time (`shared/tracing.py`). Returns where the record landed."""
         value = None if message is None else message.encode()
-        await self.producer.send_and_wait(
+        landed = await self.producer.send_and_wait(
             topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
         )
-        self._ring(topic)
+        self._ring(topic, landed)
+        return landed
 
     async def send_nowait(
         self,
@@ -181,19 +183,20 @@ class KafkaClient:
             topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
         )
         if self.doorbell is not None:
-            ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic))
+            ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic, f.result()))
         return ack
 
-    def _ring(self, topic: str) -> None:
-        """Wake the quiet consumers of `topic` now that the broker has the record."""
+    def _ring(self, topic: str, landed: RecordMetadata | None = None) -> None:
+        """Wake the quiet consumers of `topic` now that the broker has the record, telling them
+        where it landed (they sleep again once they have read it)."""
         if self.doorbell is not None:
-            self.doorbell.ring(topic)
+            self.doorbell.ring(topic, ring_payload(landed))
 
-    def ring(self, bell: str) -> None:
+    def ring(self, bell: str, landed: RecordMetadata | None = None) -> None:
         """Ring a named bell, after a send it announces: for readers that listen on a bell of
         their own instead of their topic's (`assign_all(bell=...)`, a lease reader woken only by
         its role's records of the shared `leases` topic)."""
-        self._ring(bell)
+        self._ring(bell, landed)
 
     async def consumer(
         self,
@@ -225,7 +228,10 @@ class KafkaClient:
             poll_s = (
                 s.kafka_idle_poll_ms / 1000 if idle_poll_s is None else min(idle_poll_s, s.kafka_idle_poll_ms / 1000)
             )
-            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s}
+            # Off the token path a reader sleeps as soon as it has read what it was rung for; on it,
+            # it stays awake for the window: the next token comes within it, and a sleeping reader
+            # takes a ring's round trip longer to see it.
+            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s, "settle_early": not hot}
             cls = QuietConsumer
         c = cls(
             *topics if group and subscribe else (),
@@ -255,9 +261,9 @@ class KafkaClient:
                 self._listen(c, topic)
         return c
 
-    def _listen(self, consumer: AIOKafkaConsumer, topic: str) -> None:
+    def _listen(self, consumer: AIOKafkaConsumer, topic: str, bell: str | None = None) -> None:
         if isinstance(consumer, QuietConsumer) and self.doorbell is not None:
-            self.doorbell.listen(topic, consumer.wake)
+            self.doorbell.listen(bell or topic, lambda payloads: consumer.wake(topic, payloads))
 
     async def owned_consumer(self, *topics: str, group: str, hot: bool = False) -> AIOKafkaConsumer:
         """All partitions of topics only this process reads (a worker's `dispatch.<id>`; the
@@ -299,7 +305,7 @@ class KafkaClient:
             parts = list(partitions)
         tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)
-        self._listen(consumer, topic if bell is None else bell)
+        self._listen(consumer, topic, bell)
         if from_end:
             await consumer.seek_to_end(*tps)
         else:

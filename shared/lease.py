@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from aiokafka import ConsumerRecord
 
 from shared.kafka import KafkaClient, read_to_end
-from shared.quiet_consumer import QuietConsumer
+from shared.quiet_consumer import QuietConsumer, ring_payload
 from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
 
@@ -326,7 +326,7 @@ class LeaseKeeper:
         )
         if state == "held":
             self._last_held = self._sent[self._seq]
-        await self.kafka.send(self.topic, record, key=self.role)
-        self.kafka.ring(self.bell)  # this role's readers (the topic's own bell wakes no lease reader)
+        landed = await self.kafka.send(self.topic, record, key=self.role)
+        self.kafka.ring(self.bell, landed)  # this role's readers (the topic's own bell wakes no lease reader)
         if state == "held" and isinstance(self._consumer, QuietConsumer):
-            self._consumer.wake()  # read it back without relying on a ring
+            self._consumer.wake(self.topic, [ring_payload(landed)])  # read back without a ring

@@ -11,6 +11,18 @@ late, never lost). A ring resumes the partitions at once,
 from the doorbell's callback, so the next fetch (one `fetch_max_wait_ms` later on tansu) carries
 the record: the same latency as a consumer that never slept.
 
+**Sleeping on the answer that carried the rung record** (`settle_early`, off the token path;
+issue 21, sixth session). A ring says where its record landed (`partition:offset`, see
+`ring_payload`), so the reader knows what it was woken for: once its position on every rung
+partition is past the rung offset, nothing it holds is unread (no buffered records) and the last
+answer showed no more (`highwater`), it sleeps at once instead of waiting out the awake window,
+which cost about three fetches per record. A fetch that was in flight when the record landed
+answers without it and leaves the position short, so the reader simply fetches again: no
+assumption about when a fetch was sent. A ring with no position (a bare `wake()`, a safety look,
+a ring from older code) keeps the awake-window rule, which is also the upper bound in every case
+(a rung offset above a restarted broker's end is never reached). A record produced without a
+ring while the reader sleeps waits for the next ring or look, as before.
+
 It subclasses `AIOKafkaConsumer` (rather than wrapping it) because it must see the service's own
 `pause`/`resume` (the scheduler pauses its BE partitions for flow control): a partition the
 service paused is never resumed by a wake-up, and `getmany`/`getone` mark activity.
@@ -25,6 +37,7 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import IllegalStateError
+from aiokafka.structs import RecordMetadata
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +53,33 @@ def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+def ring_payload(landed: RecordMetadata | None) -> bytes:
+    """What a ring carries: where the record landed (`partition:offset`), or nothing."""
+    return b"" if landed is None else f"{landed.partition}:{landed.offset}".encode()
+
+
+def _rung_offsets(topic: str, payloads: list[bytes]) -> dict[TopicPartition, int] | None:
+    """The highest rung offset per partition, or None when any ring did not say (look anyway)."""
+    out: dict[TopicPartition, int] = {}
+    for p in payloads:
+        try:
+            partition, offset = (int(x) for x in p.split(b":"))
+        except ValueError:
+            return None
+        tp = TopicPartition(topic, partition)
+        out[tp] = max(out.get(tp, -1), offset)
+    return out
+
+
 class QuietConsumer(AIOKafkaConsumer):
-    def __init__(self, *topics: str, awake_s: float, idle_poll_s: float, **kwargs) -> None:
+    def __init__(self, *topics: str, awake_s: float, idle_poll_s: float, settle_early: bool = False, **kwargs) -> None:
         super().__init__(*topics, **kwargs)
         self._awake_s = awake_s
         self._idle_poll_s = idle_poll_s
+        self._settle_early = settle_early
+        # Since it last fell asleep: the offset each rung partition must pass (None: a wake-up
+        # that did not say where, so the awake window decides).
+        self._due: dict[TopicPartition, int] | None = {}
         self._held: set[TopicPartition] = set()  # paused by the service: never resumed here
         self._asleep: set[TopicPartition] = set()  # paused here, resumed by a wake-up
         self._last_activity = time.monotonic()
@@ -83,17 +118,29 @@ class QuietConsumer(AIOKafkaConsumer):
         batches = await super().getmany(*partitions, timeout_ms=timeout_ms, max_records=max_records)
         if batches:
             self._mark_activity()
+            self._settle_if_read()
         return batches
 
     async def getone(self, *partitions: TopicPartition):
         record = await super().getone(*partitions)
         self._mark_activity()
+        self._settle_if_read()
         return record
 
-    def wake(self) -> None:
-        """A producer rang: fetch again now (called from the doorbell on the event loop)."""
+    def wake(self, topic: str | None = None, payloads: list[bytes] | None = None) -> None:
+        """A producer rang: fetch again now (called from the doorbell on the event loop, with
+        what the rings said; with nothing, a plain "look")."""
         if self._watch_task is None:
             return  # stopped (or not started): nothing to wake
+        rung = None if topic is None or payloads is None else _rung_offsets(topic, payloads)
+        if rung is None or self._due is None:
+            self._due = None
+        else:
+            for tp, offset in rung.items():
+                if tp in self.assignment():
+                    self._due[tp] = max(self._due.get(tp, -1), offset)
+            if self._asleep and self._read_all_rung():
+                return  # read already (an awake fetch got there before the ring): stay asleep
         self._mark_activity()
         self._resume_slept()
         self._rung.set()
@@ -109,19 +156,20 @@ class QuietConsumer(AIOKafkaConsumer):
     # Sleep and wake -----------------------------------------------------------------------------
     async def _watch(self) -> None:
         while True:
-            awake_left = self._awake_s - (time.monotonic() - self._last_activity)
-            if awake_left > _TIMER_SLACK_S:
-                await asyncio.sleep(awake_left)  # a timer, not a poll of the broker
-                continue
-            if not self._drained():
-                await asyncio.sleep(self._fetch_wait_s() + 0.001)  # a fetch is still on its way
-                continue
-            self._fall_asleep()
-            self._rung.clear()
+            if not self._asleep:  # (asleep already: it settled early, on the rung record's answer)
+                awake_left = self._awake_s - (time.monotonic() - self._last_activity)
+                if awake_left > _TIMER_SLACK_S:
+                    await asyncio.sleep(awake_left)  # a timer, not a poll of the broker
+                    continue
+                if not self._drained():
+                    await asyncio.sleep(self._fetch_wait_s() + 0.001)  # a fetch is still on its way
+                    continue
+                self._fall_asleep()
             try:
                 await asyncio.wait_for(self._rung.wait(), self._idle_poll_s)
             except TimeoutError:
                 # Safety net: look once (a short awake window, and until a fetch has answered).
+                self._due = None
                 self._mark_activity()
                 self._last_activity = time.monotonic() - self._awake_s + self._probe_s()
                 self._resume_slept()
@@ -145,7 +193,27 @@ class QuietConsumer(AIOKafkaConsumer):
                 return False
         return True
 
+    def _settle_if_read(self) -> None:
+        """Off the token path: sleep now if everything rung since the last sleep has been read."""
+        if self._settle_early and self._due and not self._asleep and self._read_all_rung():
+            self._fall_asleep()
+
+    def _read_all_rung(self) -> bool:
+        """Every rung partition's position is past its rung offset, nothing fetched waits unread
+        and the latest answers showed nothing beyond the position."""
+        buffered = self._fetcher._records  # noqa: SLF001 (aiokafka has no public "pending records")
+        assignment = self._subscription.subscription.assignment  # noqa: SLF001 (sync position read)
+        for tp, offset in (self._due or {}).items():
+            state = assignment.state_value(tp) if tp in self.assignment() else None
+            if state is None or not state.has_valid_position or state.position <= offset or tp in buffered:
+                return False
+            if state.highwater is not None and state.highwater > state.position:
+                return False
+        return bool(self._due)
+
     def _fall_asleep(self) -> None:
+        self._rung.clear()
+        self._due = {}
         tps = self.assignment() - self._held
         if not tps:
             return

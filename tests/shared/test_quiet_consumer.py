@@ -189,3 +189,38 @@ def test_quiet_consumer_never_rearms_a_sub_millisecond_timer(kafka_bootstrap, mo
 
     uvloop.run(run())
     assert short == []
+
+
+def test_a_reader_off_the_token_path_sleeps_once_it_has_read_what_it_was_rung_for(kafka_bootstrap):
+    """A ring says where its record landed, so a reader off the token path sleeps as soon as its
+    position is past it, not after the awake window (an hour here: only the early sleep can put
+    it to sleep within the test). Records rung back to back, faster than one fetch wait, are all
+    read: a fetch that answered before one of them existed leaves the position short of its
+    offset, so the reader fetches again rather than sleeping (its own looks are an hour apart:
+    an unread record would hang the test)."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=3_600_000, kafka_idle_poll_ms=3_600_000)
+
+    async def run() -> None:
+        topic = "qc-settle"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 1, "none")])
+        cold = await kafka.consumer(group=None)
+        hot = await kafka.consumer(group=None, hot=True)
+        for c in (cold, hot):
+            await kafka.assign_all(c, topic, from_end=True)
+        # Right after start nothing was rung: the awake window (an hour) would keep it up; one
+        # record rung and read puts it to sleep.
+        await kafka.send(topic, _envelope(0))
+        assert await _ids(cold, 1) == ["r0"]
+        await _until(lambda: cold.sleeping, "the reader to sleep on the rung record's answer")
+        for i in range(1, 6):
+            acks = [await kafka.send_nowait(topic, _envelope(10 * i + k)) for k in range(3)]
+            await asyncio.gather(*acks)
+            assert await _ids(cold, 3) == [f"r{10 * i + k}" for k in range(3)]
+            await _until(lambda: cold.sleeping, "the reader to sleep again")
+        # The token path keeps its awake window: it reads everything too, and is not asleep
+        # (its window is an hour; asserted on a reader whose window cannot have run out).
+        assert len(await _ids(hot, 16)) == 16 and not hot.sleeping
+        await kafka.stop()
+
+    asyncio.run(run())
