@@ -24,7 +24,7 @@ class ServiceSettings(BaseSettings):
     # without any, and wake on a producer's doorbell or every `kafka_idle_poll_ms`.
     kafka_long_poll: bool = False
     kafka_long_poll_wait_ms: int = 500
-    kafka_fetch_wait_ms: int = 2
+    kafka_fetch_wait_ms: int = 1  # 2 until issue 21, sixth session (docs/services.md, "Fetch waits")
     kafka_awake_ms: int = 50
     # The safety look of a sleeping consumer, for a lost ring (only producers outside this package
     # lose one): up to this much latency for such a record, never a loss. Each look is 1-2 fetches
