@@ -64,7 +64,7 @@ class SymphonyRepro(Repro):
         for group, (workers, _) in GROUPS.items():
             part = {k.removeprefix(f"sim-{group}-"): v for k, v in docs.items() if k.startswith(f"sim-{group}-")}
             if part:
-                lines += [f"# {workers} workers", "", *users_table(part), *limits_table(part)]
+                lines += [f"# {workers} workers", "", *users_table(part), *equal_tpot_table(part), *limits_table(part)]
         return lines
 
     def not_implemented(self) -> list[str]:
@@ -192,6 +192,72 @@ def carried_users(row: dict[int, dict], key: str, bound: float) -> int:
             break
         best = u
     return best
+
+
+def equal_tpot_table(docs: dict[str, dict]) -> list[str]:
+    """The paper's own axis, read both ways. The paper states one pair: vLLM at 64 users, 18 ms
+    mean TPOT, and Symphony at 512 users, 20.5 ms (+14%). For each recompute cell as the anchor
+    (its users U and mean TPOT T; bound B = 1.14 T) this gives:
+    - "vs anchor": the most users each reusing mode carries at mean TPOT <= B, over U (the
+      paper's reading: it does not say how many users vLLM itself carries at 20.5 ms);
+    - "same bound": the same over the users recompute itself carries at <= B. Where recompute's
+      TPOT is flat (near the unloaded step), recompute carries far more than U at B and the two
+      readings part.
+    Counts are grid cells; in brackets the count where the mode's TPOT crosses B, interpolated in
+    log(users) between the cells around it ("> N": no tested count broke it, so a lower bound).
+    The "same bound" ratio uses the interpolated counts when both have one."""
+    by_mode = _by_mode(docs)
+    reusing = [m for m in MODES[1:] if m in by_mode]
+    if "recompute" not in by_mode or not reusing:
+        return []
+    lines = [
+        "## Users at the paper's similar latency (mean TPOT within +14% of recompute's at each count)",
+        "",
+        "| anchor: recompute users | its mean TPOT ms | bound ms | recompute carries | "
+        + " | ".join(f"{m} carries | vs anchor | same bound" for m in reusing)
+        + " |",
+        "|---" * (4 + 3 * len(reusing)) + "|",
+    ]
+    for u, doc in sorted(by_mode["recompute"].items()):
+        tpot = _rt_metric(doc, "tpot_mean_s")
+        if tpot is None:
+            continue
+        bound = tpot[0] * TPOT_INFLATION
+        rec_grid, rec_at = crossing_users(by_mode["recompute"], "tpot_mean_s", bound)
+        cells = [_carried(rec_grid, rec_at)]
+        for m in reusing:
+            grid, at = crossing_users(by_mode[m], "tpot_mean_s", bound)
+            same = "—"
+            if grid and rec_grid:
+                a = at if at is not None and at != float("inf") else grid
+                b = rec_at if rec_at is not None and rec_at != float("inf") else rec_grid
+                same = f"{a / b:.1f}x" + ("+" if at == float("inf") else "")
+            cells += [_carried(grid, at), f"{grid / u:.1f}x" if grid else "0", same]
+        lines.append(f"| {u} | {tpot[0] * 1e3:.1f} | {bound * 1e3:.1f} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _carried(grid: int, at: float | None) -> str:
+    if at is None:
+        return str(grid)
+    return f"{grid} (> {grid})" if at == float("inf") else f"{grid} ({at:.0f})"
+
+
+def crossing_users(row: dict[int, dict], key: str, bound: float) -> tuple[int, float | None]:
+    """(the most users under `bound` on the grid, as `carried_users`; the user count where the
+    seed-mean metric crosses the bound, interpolated in log(users) between the last cell under it
+    and the first over it: inf when no tested count broke it, None when the lightest did)."""
+    grid = carried_users(row, key, bound)
+    counts = sorted(row)
+    values = {u: v[0] for u in counts if (v := _rt_metric(row[u], key)) is not None}
+    over = next((u for u in counts if u > grid and u in values and values[u] > bound), None)
+    if over is None:
+        return grid, float("inf") if grid else None
+    if not grid:
+        return grid, None
+    lo, hi = values[grid], values[over]
+    frac = (bound - lo) / (hi - lo) if hi > lo else 0.0
+    return grid, grid * (over / grid) ** frac
 
 
 def limits_table(docs: dict[str, dict]) -> list[str]:
