@@ -64,7 +64,14 @@ class SymphonyRepro(Repro):
         for group, (workers, _) in GROUPS.items():
             part = {k.removeprefix(f"sim-{group}-"): v for k, v in docs.items() if k.startswith(f"sim-{group}-")}
             if part:
-                lines += [f"# {workers} workers", "", *users_table(part), *equal_tpot_table(part), *limits_table(part)]
+                lines += [
+                    f"# {workers} workers",
+                    "",
+                    *users_table(part),
+                    *ttft_bound_table(part),
+                    *equal_tpot_table(part),
+                    *limits_table(part),
+                ]
         return lines
 
     def not_implemented(self) -> list[str]:
@@ -234,6 +241,38 @@ def equal_tpot_table(docs: dict[str, dict]) -> list[str]:
                 same = f"{a / b:.1f}x" + ("+" if at == float("inf") else "")
             cells += [_carried(grid, at), f"{grid / u:.1f}x" if grid else "0", same]
         lines.append(f"| {u} | {tpot[0] * 1e3:.1f} | {bound * 1e3:.1f} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def ttft_bound_table(docs: dict[str, dict]) -> list[str]:
+    """Per TTFT p99 bound: the users each mode carries (grid, and the interpolated crossing as in
+    `equal_tpot_table`) and each reusing mode's ratio to recompute at that bound. Recompute's p99
+    has a floor (the prefill of the longest histories, whatever the load), so a bound near it
+    makes the ratio large and a bound under it makes it undefined: read the ratio with the bound."""
+    by_mode = _by_mode(docs)
+    modes = [m for m in MODES if m in by_mode]
+    if "recompute" not in by_mode or len(modes) < 2:
+        return []
+    lines = [
+        "## Users carried at each TTFT p99 bound (grid, interpolated crossing), and the ratio to recompute",
+        "",
+        "| bound | " + " | ".join(modes) + " | " + " | ".join(f"{m} / recompute" for m in modes[1:]) + " |",
+        "|---" * (1 + 2 * len(modes) - 1) + "|",
+    ]
+    for bound in TTFT_P99_BOUNDS_S:
+        found = {m: crossing_users(by_mode[m], "ttft_p99_s", bound) for m in modes}
+        rec_grid, rec_at = found["recompute"]
+        ratios = []
+        for m in modes[1:]:
+            grid, at = found[m]
+            if not grid or not rec_grid:
+                ratios.append("—")
+                continue
+            a = at if at is not None and at != float("inf") else grid
+            b = rec_at if rec_at is not None and rec_at != float("inf") else rec_grid
+            ratios.append(f"{a / b:.1f}x" + ("+" if at == float("inf") else ""))
+        cells = [_carried(*found[m]) for m in modes]
+        lines.append(f"| {bound * 1e3:.0f} ms | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return [*lines, ""]
 
 

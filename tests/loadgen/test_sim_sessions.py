@@ -272,3 +272,19 @@ def test_equal_tpot_table_reads_the_paper_pair_from_each_anchor_and_at_the_same_
     assert "| 512 | 20.0 | 22.8 | 512 (> 512) | 1024 (> 1024) | 2.0x | 2.0x+ |" in lines
     assert crossing_users({64: doc(0.05)}, "tpot_mean_s", 0.01) == (0, None)  # the lightest broke it
     assert equal_tpot_table({"hints-u64": doc(0.01)}) == []  # no recompute row: no anchor
+
+
+def test_ttft_bound_table_gives_each_ratio_with_its_bound():
+    from loadgen.repro.symphony import ttft_bound_table
+
+    def doc(ttft):
+        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": 0.01}}}
+
+    docs = {"recompute-u64": doc(0.15), "recompute-u128": doc(0.25), "recompute-u256": doc(0.5)}
+    docs |= {"hints-u512": doc(0.05), "hints-u1024": doc(0.3)}
+    lines = ttft_bound_table(docs)
+    assert "| 100 ms | 0 | 512 (588) | — |" in lines  # under recompute's floor: no ratio
+    # 200 ms: recompute crosses at 64 * 2 ** 0.5 = 90.5; hints at 512 * 2 ** 0.6 = 776; 776 / 90.5 = 8.6
+    assert "| 200 ms | 64 (91) | 512 (776) | 8.6x |" in lines
+    # 400 ms: hints held at every tested count: a lower bound
+    assert "| 400 ms | 128 (194) | 1024 (> 1024) | 5.3x+ |" in lines
