@@ -123,9 +123,8 @@ def _mode(name: str) -> Mode:
 
 
 async def _bench(args: argparse.Namespace, modes: list[Mode], levels: list[int]) -> dict:
-    from loadgen.bench.common import host_info
-
-    out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "host": host_info(), "modes": {}}
+    # the host is in the provenance stamp `run` adds (it replaced `common.host_info`)
+    out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {}}
     for mode in modes:
         out["modes"][mode.name] = await _run_mode(args, mode, levels)
     out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
@@ -167,12 +166,14 @@ async def _run_level(args: argparse.Namespace, mode: Mode, url: str, name: str, 
     workload = build_workload(cfg)
     client = HttpClient(url, name, send_session_ids=mode.session_ids)
     before = await worker_stats(client.client)
+    load_before = os.getloadavg()  # the host is shared: every cell says how busy it was
     try:
         res = await HttpRun(client, workload, cfg.seed, None, False, send_hints=mode.hints).run()
         after = await worker_stats(client.client)
     finally:
         await client.close()
     level = {"users": users, "summary": summarize(res.records, res.elapsed_s)["rt"], "typing_hints": res.typing_hints}
+    level["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
     level.update(session_figures(res.records))
     level["kv_moved"] = stats_delta(before, after)
     return level

@@ -20,6 +20,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, metavar="DIR", help="default: docs/results/<paper>")
     p.add_argument("--quick", action="store_true", help="short cells, one seed: a smoke test of the pipeline")
     p.add_argument("--engine", action="store_true", help="also run the CPU-engine cells (minutes each)")
+    p.add_argument(
+        "--only", action="append", default=[], metavar="GLOB", help="run only cells whose name matches (repeatable)"
+    )
+    p.add_argument("--seeds", type=int, default=None, help="replace every cell's seed count")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="read cells whose JSON is already in the output folder instead of re-running",
+    )
     p.set_defaults(func=cmd_repro)
 
 
@@ -29,7 +38,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
     repro = REPROS[args.paper]
     out = Path(args.out or f"docs/results/{args.paper}")
-    outcome = run_repro(repro, out, quick=args.quick, engine=args.engine)
+    outcome = run_repro(
+        repro, out, quick=args.quick, engine=args.engine, only=tuple(args.only), seeds=args.seeds, keep=args.keep
+    )
     print("\n".join(outcome.readme))
     print(f"wrote {out}/README.md and {len(outcome.docs)} cell files", file=sys.stderr)
     return 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from loadgen.repro.base import Cell, Outcome, PaperRow, Repro
@@ -32,6 +34,20 @@ def _ellm_sim(cell: Cell) -> dict:
 BENCHES = {"ellm-sim": _ellm_sim}  # `Cell.bench` -> how to run it
 
 
+def with_seeds(cell: Cell, seeds: int | None) -> Cell:
+    """The cell with its `--seeds` value replaced (added when it has none); None: as it is."""
+    if seeds is None:
+        return cell
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    argv = list(cell.argv)
+    if "--seeds" in argv:
+        argv[argv.index("--seeds") + 1] = str(seeds)
+    else:
+        argv += ["--seeds", str(seeds)]
+    return replace(cell, argv=tuple(argv))
+
+
 def command_line(cell: Cell) -> str:
     """The cell as a `tandem` command a reader can run."""
     tool = f"bench {cell.bench}" if cell.bench else "loadgen compare" if cell.engine else "sim"
@@ -56,13 +72,33 @@ def run_cell(cell: Cell) -> dict:
     return out
 
 
-def run_repro(repro: Repro, out_dir: Path, *, quick: bool, engine: bool) -> Outcome:
+def run_repro(
+    repro: Repro,
+    out_dir: Path,
+    *,
+    quick: bool,
+    engine: bool,
+    only: tuple[str, ...] = (),
+    seeds: int | None = None,
+    keep: bool = False,
+) -> Outcome:
+    """Run the repro's cells into `out_dir`. `only`: glob patterns on cell names (a paper's full
+    grid can be hours; a subset is run and documented as such); `seeds`: replace each cell's
+    `--seeds`; `keep`: a cell whose JSON is already in `out_dir` is read, not re-run, so a long
+    grid can be run in parts (one process at a time) and the README covers every part."""
     out_dir.mkdir(parents=True, exist_ok=True)
     outcome = Outcome()
     for cell in repro.cells(quick=quick, engine=engine):
+        path = out_dir / f"{cell.name}.json"
+        if keep and path.exists():
+            outcome.docs[cell.name] = json.loads(path.read_text())
+            continue
+        if only and not any(fnmatch.fnmatchcase(cell.name, pat) for pat in only):
+            continue
+        cell = with_seeds(cell, seeds)
         print(f"repro {repro.name}: {cell.name} ...", file=sys.stderr, flush=True)
         doc = run_cell(cell)
-        (out_dir / f"{cell.name}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         outcome.docs[cell.name] = doc
     outcome.readme = readme(repro, outcome.docs, quick=quick)
     (out_dir / "README.md").write_text("\n".join(outcome.readme) + "\n")

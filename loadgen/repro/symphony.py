@@ -15,8 +15,10 @@ Two choices follow from issue 20's analysis (docs/sessions.md, "Why not 8x"):
 - cells measure the steady state: a closed loop starts every user on a fresh conversation, so
   the first `WARMUP_S` seconds (about ten turn cycles) are dropped (`--warmup-s`); a 300 s run
   without it is 39% first turns and halves the history recompute pays for.
-Two cell groups: the paper's 8 workers at 64 to 1024 users, and 2 workers at 256 to 2048 users,
-where each worker carries 4x the load and recompute saturates.
+Two cell groups: the paper's 8 workers at 256 to 8192 users, and 2 workers at 64 to 4096 users,
+where each worker carries 4x the load; both reach the count where hints break as well. The full
+grid (4 modes x 13 counts x 3 seeds) takes hours on one core: `tandem repro symphony --only GLOB
+--seeds N --keep` runs it in parts into the same folder.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ TTFT_P99_BOUNDS_S = (0.1, 0.2, 0.4)  # "users carried at p99 TTFT <= bound" (0.4
 TPOT_INFLATION = 1.14  # the paper's "similar latency": 18 -> 20.5 ms average TPOT
 WARMUP_S = 500
 MEASURE_S = 200
-GROUPS = {  # cell name prefix -> (workers, users)
-    "w8": (8, ("64", "128", "256", "512", "1024")),
-    "w2": (2, ("256", "512", "1024", "2048")),
+# cell name prefix -> (workers, users). Each group runs up to where hints break too (issue 20:
+# a "carries at least N" figure needs the count where it stops holding): 2 workers carry 4x the
+# per-worker load of the same user count on 8, so the w2 group reaches hints' limit cheaply.
+GROUPS = {
+    "w8": (8, ("256", "512", "1024", "2048", "4096", "8192")),
+    "w2": (2, ("64", "128", "256", "512", "1024", "2048", "4096")),
 }
 
 
@@ -59,7 +64,14 @@ class SymphonyRepro(Repro):
         for group, (workers, _) in GROUPS.items():
             part = {k.removeprefix(f"sim-{group}-"): v for k, v in docs.items() if k.startswith(f"sim-{group}-")}
             if part:
-                lines += [f"# {workers} workers", "", *users_table(part), *limits_table(part)]
+                lines += [
+                    f"# {workers} workers",
+                    "",
+                    *users_table(part),
+                    *ttft_bound_table(part),
+                    *equal_tpot_table(part),
+                    *limits_table(part),
+                ]
         return lines
 
     def not_implemented(self) -> list[str]:
@@ -187,6 +199,104 @@ def carried_users(row: dict[int, dict], key: str, bound: float) -> int:
             break
         best = u
     return best
+
+
+def equal_tpot_table(docs: dict[str, dict]) -> list[str]:
+    """The paper's own axis, read both ways. The paper states one pair: vLLM at 64 users, 18 ms
+    mean TPOT, and Symphony at 512 users, 20.5 ms (+14%). For each recompute cell as the anchor
+    (its users U and mean TPOT T; bound B = 1.14 T) this gives:
+    - "vs anchor": the most users each reusing mode carries at mean TPOT <= B, over U (the
+      paper's reading: it does not say how many users vLLM itself carries at 20.5 ms);
+    - "same bound": the same over the users recompute itself carries at <= B. Where recompute's
+      TPOT is flat (near the unloaded step), recompute carries far more than U at B and the two
+      readings part.
+    Counts are grid cells; in brackets the count where the mode's TPOT crosses B, interpolated in
+    log(users) between the cells around it ("> N": no tested count broke it, so a lower bound).
+    The "same bound" ratio uses the interpolated counts when both have one."""
+    by_mode = _by_mode(docs)
+    reusing = [m for m in MODES[1:] if m in by_mode]
+    if "recompute" not in by_mode or not reusing:
+        return []
+    lines = [
+        "## Users at the paper's similar latency (mean TPOT within +14% of recompute's at each count)",
+        "",
+        "| anchor: recompute users | its mean TPOT ms | bound ms | recompute carries | "
+        + " | ".join(f"{m} carries | vs anchor | same bound" for m in reusing)
+        + " |",
+        "|---" * (4 + 3 * len(reusing)) + "|",
+    ]
+    for u, doc in sorted(by_mode["recompute"].items()):
+        tpot = _rt_metric(doc, "tpot_mean_s")
+        if tpot is None:
+            continue
+        bound = tpot[0] * TPOT_INFLATION
+        rec_grid, rec_at = crossing_users(by_mode["recompute"], "tpot_mean_s", bound)
+        cells = [_carried(rec_grid, rec_at)]
+        for m in reusing:
+            grid, at = crossing_users(by_mode[m], "tpot_mean_s", bound)
+            same = "—"
+            if grid and rec_grid:
+                a = at if at is not None and at != float("inf") else grid
+                b = rec_at if rec_at is not None and rec_at != float("inf") else rec_grid
+                same = f"{a / b:.1f}x" + ("+" if at == float("inf") else "")
+            cells += [_carried(grid, at), f"{grid / u:.1f}x" if grid else "0", same]
+        lines.append(f"| {u} | {tpot[0] * 1e3:.1f} | {bound * 1e3:.1f} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def ttft_bound_table(docs: dict[str, dict]) -> list[str]:
+    """Per TTFT p99 bound: the users each mode carries (grid, and the interpolated crossing as in
+    `equal_tpot_table`) and each reusing mode's ratio to recompute at that bound. Recompute's p99
+    has a floor (the prefill of the longest histories, whatever the load), so a bound near it
+    makes the ratio large and a bound under it makes it undefined: read the ratio with the bound."""
+    by_mode = _by_mode(docs)
+    modes = [m for m in MODES if m in by_mode]
+    if "recompute" not in by_mode or len(modes) < 2:
+        return []
+    lines = [
+        "## Users carried at each TTFT p99 bound (grid, interpolated crossing), and the ratio to recompute",
+        "",
+        "| bound | " + " | ".join(modes) + " | " + " | ".join(f"{m} / recompute" for m in modes[1:]) + " |",
+        "|---" * (1 + 2 * len(modes) - 1) + "|",
+    ]
+    for bound in TTFT_P99_BOUNDS_S:
+        found = {m: crossing_users(by_mode[m], "ttft_p99_s", bound) for m in modes}
+        rec_grid, rec_at = found["recompute"]
+        ratios = []
+        for m in modes[1:]:
+            grid, at = found[m]
+            if not grid or not rec_grid:
+                ratios.append("—")
+                continue
+            a = at if at is not None and at != float("inf") else grid
+            b = rec_at if rec_at is not None and rec_at != float("inf") else rec_grid
+            ratios.append(f"{a / b:.1f}x" + ("+" if at == float("inf") else ""))
+        cells = [_carried(*found[m]) for m in modes]
+        lines.append(f"| {bound * 1e3:.0f} ms | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return [*lines, ""]
+
+
+def _carried(grid: int, at: float | None) -> str:
+    if at is None:
+        return str(grid)
+    return f"{grid} (> {grid})" if at == float("inf") else f"{grid} ({at:.0f})"
+
+
+def crossing_users(row: dict[int, dict], key: str, bound: float) -> tuple[int, float | None]:
+    """(the most users under `bound` on the grid, as `carried_users`; the user count where the
+    seed-mean metric crosses the bound, interpolated in log(users) between the last cell under it
+    and the first over it: inf when no tested count broke it, None when the lightest did)."""
+    grid = carried_users(row, key, bound)
+    counts = sorted(row)
+    values = {u: v[0] for u in counts if (v := _rt_metric(row[u], key)) is not None}
+    over = next((u for u in counts if u > grid and u in values and values[u] > bound), None)
+    if over is None:
+        return grid, float("inf") if grid else None
+    if not grid:
+        return grid, None
+    lo, hi = values[grid], values[over]
+    frac = (bound - lo) / (hi - lo) if hi > lo else 0.0
+    return grid, grid * (over / grid) ** frac
 
 
 def limits_table(docs: dict[str, dict]) -> list[str]:

@@ -79,3 +79,20 @@ def test_new_modes_separate_hints_from_routing_and_cache_from_sessions():
     cached = MODES["recompute-cached"]
     assert not cached.session_ids and "TANDEM_ENABLE_PREFIX_CACHING" not in cached.env  # prefix cache on
     assert MODES["recompute"].env["TANDEM_ENABLE_PREFIX_CACHING"] == "false"
+
+
+def test_the_bench_document_builds_without_a_stack():
+    """`_bench`'s own code path (it imported the removed `common.host_info` and failed before
+    starting any stack); with no mode to run it still writes the config and the comparison."""
+    import argparse
+    import asyncio
+
+    from loadgen.bench.sessions import _bench
+
+    args = argparse.Namespace(users="2", duration=1.0, ttft_p99_target=2.0, func=None)
+    out = asyncio.run(_bench(args, [], [2]))
+    assert out == {
+        "config": {"users": "2", "duration": 1.0, "ttft_p99_target": 2.0},
+        "modes": {},
+        "comparison": {"ttft_p99_target_s": 2.0},
+    }

@@ -86,3 +86,31 @@ def test_every_paper_has_cells_and_an_unknown_bench_is_refused():
     with pytest.raises(ValueError, match="unknown bench"):
         run_cell(Cell("x", (), ("fcfs",), bench="nope"))
     assert REPROS["symphony"].cells(quick=True, engine=False)  # symphony has simulator cells
+
+
+def test_repro_runs_a_subset_and_keeps_cells_already_written(tmp_path, monkeypatch):
+    """`--only` / `--keep`: a long grid run in parts into one folder; the README covers every part."""
+    from loadgen.repro import run as repro_run
+
+    cells = [Cell(f"sim-x-u{u}", ("--workload", "rt-be", "--seeds", "3"), ("fcfs",)) for u in (1, 2, 3)]
+    repro = REPROS["bros"]
+    monkeypatch.setattr(repro, "cells", lambda quick, engine: cells)
+    ran = []
+    monkeypatch.setattr(repro_run, "run_cell", lambda cell: ran.append(cell) or {"command": cell.name})
+    (tmp_path / "sim-x-u1.json").write_text(json.dumps({"command": "written before"}))
+    outcome = run_repro(repro, tmp_path, quick=False, engine=False, only=("*-u2",), seeds=1, keep=True)
+    assert [c.name for c in ran] == ["sim-x-u2"]  # u1 read back, u3 not selected
+    assert ran[0].argv == ("--workload", "rt-be", "--seeds", "1")
+    assert outcome.docs == {"sim-x-u1": {"command": "written before"}, "sim-x-u2": {"command": "sim-x-u2"}}
+    assert json.loads((tmp_path / "sim-x-u2.json").read_text()) == {"command": "sim-x-u2"}
+
+
+def test_with_seeds_replaces_or_adds_the_seed_count():
+    from loadgen.repro.run import with_seeds
+
+    cell = Cell("c", ("--rate", "2"), ("fcfs",))
+    assert with_seeds(cell, None) is cell
+    assert with_seeds(cell, 2).argv == ("--rate", "2", "--seeds", "2")
+    assert with_seeds(with_seeds(cell, 2), 5).argv == ("--rate", "2", "--seeds", "5")
+    with pytest.raises(ValueError, match="seeds"):
+        with_seeds(cell, 0)

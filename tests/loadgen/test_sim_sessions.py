@@ -250,3 +250,41 @@ def test_warmup_drops_early_arrivals_and_rates_count_the_measured_window_only():
         measured_window(run, 100.0)
     with pytest.raises(ValueError, match=">= 0"):
         measured_window(run, -1.0)
+
+
+def test_equal_tpot_table_reads_the_paper_pair_from_each_anchor_and_at_the_same_bound():
+    """The paper's 8x is one pair (vLLM at 64 users, 18 ms; Symphony at 512, 20.5 ms). Where
+    recompute's TPOT is flat near the unloaded step it also carries far more than its anchor at
+    that bound, and the two readings part: here 8x from the anchor, 2x at the same bound."""
+    from loadgen.repro.symphony import crossing_users, equal_tpot_table
+
+    def doc(tpot):
+        return {"summary": {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": tpot}}}
+
+    recompute = {64: doc(0.0100), 128: doc(0.0105), 256: doc(0.0113), 512: doc(0.0200)}
+    hints = {512: doc(0.0110), 1024: doc(0.0130)}
+    docs = {f"recompute-u{u}": d for u, d in recompute.items()} | {f"hints-u{u}": d for u, d in hints.items()}
+    lines = equal_tpot_table(docs)
+    # anchor 64: bound 11.4 ms; recompute holds through 256 and crosses just above it (258); hints
+    # hold at 512 and cross between 512 and 1024: 512 * 2 ** ((11.4 - 11) / (13 - 11)) = 588
+    assert "| 64 | 10.0 | 11.4 | 256 (258) | 512 (588) | 8.0x | 2.3x |" in lines
+    # anchor 512: bound 22.8 ms; nothing tested broke it: lower bounds only
+    assert "| 512 | 20.0 | 22.8 | 512 (> 512) | 1024 (> 1024) | 2.0x | 2.0x+ |" in lines
+    assert crossing_users({64: doc(0.05)}, "tpot_mean_s", 0.01) == (0, None)  # the lightest broke it
+    assert equal_tpot_table({"hints-u64": doc(0.01)}) == []  # no recompute row: no anchor
+
+
+def test_ttft_bound_table_gives_each_ratio_with_its_bound():
+    from loadgen.repro.symphony import ttft_bound_table
+
+    def doc(ttft):
+        return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": 0.01}}}
+
+    docs = {"recompute-u64": doc(0.15), "recompute-u128": doc(0.25), "recompute-u256": doc(0.5)}
+    docs |= {"hints-u512": doc(0.05), "hints-u1024": doc(0.3)}
+    lines = ttft_bound_table(docs)
+    assert "| 100 ms | 0 | 512 (588) | — |" in lines  # under recompute's floor: no ratio
+    # 200 ms: recompute crosses at 64 * 2 ** 0.5 = 90.5; hints at 512 * 2 ** 0.6 = 776; 776 / 90.5 = 8.6
+    assert "| 200 ms | 64 (91) | 512 (776) | 8.6x |" in lines
+    # 400 ms: hints held at every tested count: a lower bound
+    assert "| 400 ms | 128 (194) | 1024 (> 1024) | 5.3x+ |" in lines
