@@ -26,6 +26,7 @@ from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExists
 
 from shared.doorbell import Doorbell, doorbell_directory
 from shared.kafka_reading import OffsetTracker, apply_safely, fetch_decoded, read_to_end, tail
+from shared.produce_resend import NO_RESEND, RESEND, ResendPolicy, with_resend
 from shared.quiet_consumer import QuietConsumer
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
@@ -33,7 +34,17 @@ from shared.topics import TopicSpec
 from shared.tracing import KafkaHeaders
 
 # The reading helpers live in shared/kafka_reading.py; importable from here as before.
-__all__ = ["KafkaClient", "OffsetTracker", "apply_safely", "fetch_decoded", "read_to_end", "tail", "with_backoff"]
+__all__ = [
+    "NO_RESEND",
+    "RESEND",
+    "KafkaClient",
+    "OffsetTracker",
+    "apply_safely",
+    "fetch_decoded",
+    "read_to_end",
+    "tail",
+    "with_backoff",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,12 +170,17 @@ class KafkaClient:
         key: str | None = None,
         partition: int | None = None,
         headers: KafkaHeaders | None = None,
+        resend: ResendPolicy = RESEND,
     ) -> None:
         """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
-        trace context and send time (`shared/tracing.py`)."""
+        trace context and send time (`shared/tracing.py`). A record the broker refuses is sent
+        again per `resend` (`shared/produce_resend.py`: periodic reports pass `NO_RESEND`)."""
         value = None if message is None else message.encode()
-        await self.producer.send_and_wait(
-            topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
+        raw_key = None if key is None else key.encode()
+        await with_resend(
+            f"record to {topic}",
+            lambda: self.producer.send_and_wait(topic, value, key=raw_key, partition=partition, headers=headers),
+            resend,
         )
         self._ring(topic)
 
@@ -176,11 +192,24 @@ class KafkaClient:
         key: str | None = None,
         partition: int | None = None,
         headers: KafkaHeaders | None = None,
+        resend: ResendPolicy = RESEND,
     ) -> asyncio.Future:
-        """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
-        ack = await self.producer.send(
-            topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
-        )
+        """Queue a send; the returned future resolves on the ack (lets callers pipeline). A
+        refused record is sent again per `resend` before the future resolves; the re-send is
+        not ordered with sends queued after this one (`shared/produce_resend.py`)."""
+        value, raw_key = message.encode(), None if key is None else key.encode()
+        ack = await self.producer.send(topic, value, key=raw_key, partition=partition, headers=headers)
+        if resend.attempts:
+            ack = asyncio.ensure_future(
+                with_resend(
+                    f"record to {topic}",
+                    lambda: self.producer.send_and_wait(
+                        topic, value, key=raw_key, partition=partition, headers=headers
+                    ),
+                    resend,
+                    first_ack=ack,
+                )
+            )
         if self.doorbell is not None:
             ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic))
         return ack

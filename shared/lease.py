@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from aiokafka import ConsumerRecord
 
-from shared.kafka import KafkaClient, read_to_end
+from shared.kafka import NO_RESEND, KafkaClient, read_to_end
 from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
 
@@ -253,4 +253,5 @@ class LeaseKeeper:
         record = LeaseRecord(
             role=self.role, holder=self.holder, term=term, state=state, sent_at=time.time(), seq=self._seq
         )
-        await self.kafka.send(self.topic, record, key=self.role)
+        # Not re-sent when refused: the next tick sends the state of that moment (produce_resend.py).
+        await self.kafka.send(self.topic, record, key=self.role, resend=NO_RESEND)

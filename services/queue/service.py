@@ -40,7 +40,7 @@ from shared.openai_api.translate import ReplyTo
 from shared.schemas.batches import BatchNotice
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
-from shared.schemas.results import Rerouted, ResultBatch
+from shared.schemas.results import Delta, Rerouted, ResultBatch
 from shared.schemas.telemetry import Heartbeat
 from shared.topics import Topics
 
@@ -194,13 +194,19 @@ class QueueService:
             if isinstance(event, Rerouted):
                 await self._rerun(run, event.reason)
                 continue
+            if isinstance(event, Delta) and event.index > len(run.token_ids):
+                # Deltas between were lost (a produce the broker refused, or re-sent after later
+                # ones: shared/produce_resend.py); as the gateway resumes a stream, run it again.
+                await self._rerun(run, f"delta gap: have {len(run.token_ids)}, got {event.index}")
+                continue
             run.apply(event)
             if run.finished:
                 finished.append(run)
         return finished
 
     async def _rerun(self, run: ItemRun, reason: str) -> None:
-        """Its worker was lost: run the item again from scratch as the next attempt."""
+        """Its worker was lost, or its results have a gap: run the item again from scratch as the
+        next attempt (a worker still running the old one cancels it for the new one)."""
         attempt = run.request.attempt
         rid = run.request.request_id
         if not self.lease.is_active():

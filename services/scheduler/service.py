@@ -42,7 +42,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.standby import ActiveStandby
 from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.consumer_lag import consumer_lag
-from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
+from shared.kafka import NO_RESEND, KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
 from shared.schemas.capacity import BECapacity
@@ -342,7 +342,9 @@ class SchedulerService:
             if not self.lease.is_active():
                 continue
             try:
-                await self.kafka.send(self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id)
+                await self.kafka.send(
+                    self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id, resend=NO_RESEND
+                )
             except Exception:  # noqa: BLE001 (the broker may be briefly away; the next round retries)
                 log.warning("BE capacity not published", exc_info=True)
 
