@@ -33,7 +33,11 @@ offsets blocks for 40 s on a partition an auto-created topic lacks, and new reco
 
 What the repair does, in this order, before the service hears of it:
 1. Catalogue topics with the wrong partition count are deleted and created again with the
-   catalogue's (tansu has no CreatePartitions); missing ones are created. It is idempotent and
+   catalogue's (tansu has no CreatePartitions); missing ones are created. Wrong means fewer,
+   or, once the marker is gone (the broker lost its data), more: tansu auto-creates with 4, and
+   a keyed record of a one-partition topic (`leases`) then lands where no reader looks. Looked
+   at again after the repair (up to three rounds): a metadata request may auto-create a topic
+   between the look and the create. It is idempotent and
    safe when several services repair at once: each deletes only a topic it has just seen short
    (re-read right before the delete), and "already exists" on create is success.
 2. The client's producer and consumers refresh their metadata (aiokafka otherwise keeps the old
@@ -210,29 +214,46 @@ class BrokerWatch:
 
     async def _repair(self, topics: dict[str, int], reasons: list[str]) -> BrokerRestart:
         detected = time.time()
-        recreated = await self._recreate_short(topics)
-        await self._kafka.ensure_topics(list(self._kafka.catalogue.values()))
-        self._marker = await self._ensure_marker(await self.partition_counts())
+        # Only a broker that lost its data (the marker gone) may have a catalogue topic with
+        # *more* partitions than it should: tansu auto-created it with its default 4 (`leases`,
+        # `be.capacity`: keyed records then went to partitions nobody reads). On a broker that
+        # kept its data, more partitions are an operator's choice and are left alone.
+        lost_data = any(r.startswith("marker ") for r in reasons)
+        recreated: list[str] = []
+        for _ in range(3):  # a client's metadata request may auto-create a topic mid-repair: look again
+            recreated += await self._recreate_miscounted(topics, lost_data)
+            await self._kafka.ensure_topics(list(self._kafka.catalogue.values()))
+            topics = await self.partition_counts()
+            if not self._miscounted(topics, lost_data):
+                break
+        self._marker = await self._ensure_marker(topics)
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
         self.holes.arm()
-        restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(recreated))
+        restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(dict.fromkeys(recreated)))
         self._last_alive = time.time()
         return restart
 
-    async def _recreate_short(self, topics: dict[str, int]) -> list[str]:
-        """Delete the catalogue topics an auto-creation left with too few partitions (seen short
-        in `topics` and again right now, so a topic another service just fixed is kept)."""
-        short = [s.name for s in self._kafka.catalogue.values() if 0 < topics.get(s.name, 0) < s.partitions]
-        if not short:
+    def _miscounted(self, topics: dict[str, int], more_too: bool) -> list[str]:
+        """Catalogue topics present with fewer partitions than the catalogue says (or, with
+        `more_too`, any other count)."""
+        out = []
+        for spec in self._kafka.catalogue.values():
+            have = topics.get(spec.name, 0)
+            if 0 < have < spec.partitions or (more_too and have > spec.partitions):
+                out.append(spec.name)
+        return out
+
+    async def _recreate_miscounted(self, topics: dict[str, int], more_too: bool) -> list[str]:
+        """Delete the catalogue topics an auto-creation left with the wrong partition count (seen
+        so in `topics` and again right now, so a topic another service just fixed is kept)."""
+        if not self._miscounted(topics, more_too):
             return []
-        now = await self.partition_counts()
-        specs = self._kafka.catalogue
-        short = [name for name in short if 0 < now.get(name, 0) < specs[name].partitions]
-        if short:
+        wrong = self._miscounted(await self.partition_counts(), more_too)
+        if wrong:
             admin = await self._admin_client()
-            await asyncio.wait_for(admin.delete_topics(short), _CALL_TIMEOUT_S)
-        return short
+            await asyncio.wait_for(admin.delete_topics(wrong), _CALL_TIMEOUT_S)
+        return wrong
 
     async def _ensure_marker(self, topics: dict[str, int]) -> str:
         """The marker this watch remembers: one that exists already (any: they all vanish

@@ -17,26 +17,38 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.structs import RecordMetadata
 
 from shared.doorbell import Doorbell, doorbell_directory
+from shared.kafka_reading import OffsetTracker, apply_safely, fetch_decoded, read_to_end, tail
+from shared.produce_resend import NO_RESEND, RESEND, ResendPolicy, with_resend
 from shared.quiet_consumer import QuietConsumer, ring_payload
-from shared.records import decode_record
 from shared.schemas.base import WireModel
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
 from shared.tracing import KafkaHeaders
 
+# The reading helpers live in shared/kafka_reading.py; importable from here as before.
+__all__ = [
+    "NO_RESEND",
+    "RESEND",
+    "KafkaClient",
+    "OffsetTracker",
+    "apply_safely",
+    "fetch_decoded",
+    "read_to_end",
+    "tail",
+    "with_backoff",
+]
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-M = TypeVar("M", bound=WireModel)
 
 
 async def with_backoff(
@@ -159,12 +171,18 @@ class KafkaClient:
         key: str | None = None,
         partition: int | None = None,
         headers: KafkaHeaders | None = None,
+        resend: ResendPolicy = RESEND,
     ) -> RecordMetadata:
         """Send and wait for the broker's ack (None = tombstone on a compacted topic). `headers`:
-        trace context and send time (`shared/tracing.py`). Returns where the record landed."""
+        trace context and send time (`shared/tracing.py`). A record the broker refuses is sent
+        again per `resend` (`shared/produce_resend.py`: periodic reports pass `NO_RESEND`).
+        Returns where the record landed."""
         value = None if message is None else message.encode()
-        landed = await self.producer.send_and_wait(
-            topic, value, key=None if key is None else key.encode(), partition=partition, headers=headers
+        raw_key = None if key is None else key.encode()
+        landed = await with_resend(
+            f"record to {topic}",
+            lambda: self.producer.send_and_wait(topic, value, key=raw_key, partition=partition, headers=headers),
+            resend,
         )
         self._ring(topic, landed)
         return landed
@@ -177,11 +195,24 @@ class KafkaClient:
         key: str | None = None,
         partition: int | None = None,
         headers: KafkaHeaders | None = None,
+        resend: ResendPolicy = RESEND,
     ) -> asyncio.Future:
-        """Queue a send; the returned future resolves on the ack (lets callers pipeline)."""
-        ack = await self.producer.send(
-            topic, message.encode(), key=None if key is None else key.encode(), partition=partition, headers=headers
-        )
+        """Queue a send; the returned future resolves on the ack (lets callers pipeline). A
+        refused record is sent again per `resend` before the future resolves; the re-send is
+        not ordered with sends queued after this one (`shared/produce_resend.py`)."""
+        value, raw_key = message.encode(), None if key is None else key.encode()
+        ack = await self.producer.send(topic, value, key=raw_key, partition=partition, headers=headers)
+        if resend.attempts:
+            ack = asyncio.ensure_future(
+                with_resend(
+                    f"record to {topic}",
+                    lambda: self.producer.send_and_wait(
+                        topic, value, key=raw_key, partition=partition, headers=headers
+                    ),
+                    resend,
+                    first_ack=ack,
+                )
+            )
         if self.doorbell is not None:
             ack.add_done_callback(lambda f: f.cancelled() or f.exception() or self._ring(topic, f.result()))
         return ack
@@ -337,67 +368,6 @@ class KafkaClient:
             self._doorbell = None
 
 
-async def fetch_decoded(consumer: AIOKafkaConsumer, cls: type[M], timeout_ms: int = 1000) -> list[M]:
-    """The next batch of messages decoded as `cls`; malformed ones are logged and skipped
-    (`shared/records.py`)."""
-    out = []
-    for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
-        for m in msgs:
-            msg = decode_record(cls, m)
-            if msg is not None:
-                out.append(msg)
-    return out
-
-
-async def tail(
-    consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None], timeout_ms: int = 1000
-) -> None:
-    """Apply every message as it arrives, forever (after `read_to_end` rebuilt a compacted topic)."""
-    while True:
-        for msgs in (await consumer.getmany(timeout_ms=timeout_ms)).values():
-            for m in msgs:
-                apply_safely(on_message, m)
-
-
-async def read_to_end(
-    consumer: AIOKafkaConsumer, on_message: Callable[[ConsumerRecord], None], *, stall_s: float = 10.0
-) -> None:
-    """Apply every message up to the current end of the consumer's assigned partitions (rebuilding
-    state from a compacted topic); the consumer then tails from there.
-
-    Gives up on reaching the end after `stall_s` without a record: tansu, right after a restart,
-    acknowledges records at offsets it can never serve (a produce that raced the topic's
-    creation), so its reported end can stay out of reach, and a restarted scheduler waited on it
-    forever (found by `tandem chaos`). What could be read has been applied; the gap is logged."""
-    end = await consumer.end_offsets(list(consumer.assignment()))
-    last_record = time.monotonic()
-    while not await _caught_up(consumer, end):
-        if time.monotonic() - last_record > stall_s:
-            behind = {f"{tp.topic}[{tp.partition}]": (await consumer.position(tp), e) for tp, e in end.items()}
-            log.warning("replay stalled below the reported end (position, end): %s; going on", behind)
-            return
-        for msgs in (await consumer.getmany(timeout_ms=200)).values():
-            last_record = time.monotonic()
-            for m in msgs:
-                apply_safely(on_message, m)
-
-
-def apply_safely(on_message: Callable[[ConsumerRecord], None], m: ConsumerRecord) -> None:
-    """One record through `on_message`; an exception is logged and the loop goes on (one bad
-    record, or a bug its contents trigger, must not stop a service reading its topic)."""
-    try:
-        on_message(m)
-    except Exception:  # noqa: BLE001
-        log.exception("record at %s[%d]@%d not applied; skipped", m.topic, m.partition, m.offset)
-
-
-async def _caught_up(consumer: AIOKafkaConsumer, end_offsets: dict) -> bool:
-    for tp, end in end_offsets.items():
-        if await consumer.position(tp) < end:
-            return False
-    return True
-
-
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
     parts = consumer.partitions_for_topic(topic)
     if not parts:
@@ -411,30 +381,3 @@ async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
 def _new_topic(t: TopicSpec) -> NewTopic:
     configs = {"cleanup.policy": "compact"} if t.compacted else {}
     return NewTopic(t.name, t.partitions, 1, topic_configs=configs)
-
-
-class OffsetTracker:
-    """Manual-commit bookkeeping when messages finish out of order.
-
-    The committable offset of a partition is the lowest offset still being worked on (or one past
-    the last seen): committing it never skips unfinished work, so a restart redelivers exactly
-    the unfinished messages (and consumers drop the finished ones they see again by id).
-    """
-
-    def __init__(self) -> None:
-        self._pending: dict[TopicPartition, set[int]] = {}
-        self._next: dict[TopicPartition, int] = {}
-
-    def started(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.setdefault(tp, set()).add(offset)
-        self._next[tp] = max(self._next.get(tp, 0), offset + 1)
-
-    def done(self, tp: TopicPartition, offset: int) -> None:
-        self._pending.get(tp, set()).discard(offset)
-
-    def committable(self) -> dict[TopicPartition, int]:
-        out = {}
-        for tp, nxt in self._next.items():
-            pending = self._pending.get(tp)
-            out[tp] = min(pending) if pending else nxt
-        return out

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from aiokafka import ConsumerRecord
 
-from shared.kafka import KafkaClient, read_to_end
+from shared.kafka import NO_RESEND, KafkaClient, read_to_end
 from shared.quiet_consumer import QuietConsumer, ring_payload
 from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
@@ -326,7 +326,8 @@ class LeaseKeeper:
         )
         if state == "held":
             self._last_held = self._sent[self._seq]
-        landed = await self.kafka.send(self.topic, record, key=self.role)
+        # Not re-sent when refused: the next tick sends the state of that moment (produce_resend.py).
+        landed = await self.kafka.send(self.topic, record, key=self.role, resend=NO_RESEND)
         self.kafka.ring(self.bell, landed)  # this role's readers (the topic's own bell wakes no lease reader)
         if state == "held" and isinstance(self._consumer, QuietConsumer):
             self._consumer.wake(self.topic, [ring_payload(landed)])  # read back without a ring

@@ -13,7 +13,7 @@ import zlib
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream, StreamRegistry
 from shared.broker_watch import BrokerRestart, BrokerWatch
-from shared.kafka import KafkaClient, fetch_decoded
+from shared.kafka import NO_RESEND, KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -142,7 +142,7 @@ class GatewayCore:
         while True:
             hb = OwnerHeartbeat(owner_id=self.gateway_id, started_at=started_at, sent_at=time.time())
             try:
-                await self.kafka.send(self.topics.owners.name, hb, key=self.gateway_id)
+                await self.kafka.send(self.topics.owners.name, hb, key=self.gateway_id, resend=NO_RESEND)
             except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
                 log.warning("owner heartbeat not sent", exc_info=True)
             await asyncio.sleep(self.settings.heartbeat_interval_s)

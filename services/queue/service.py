@@ -40,7 +40,7 @@ from shared.openai_api.translate import ReplyTo
 from shared.schemas.batches import BatchNotice
 from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
-from shared.schemas.results import Rerouted, ResultBatch
+from shared.schemas.results import Delta, Rerouted, ResultBatch
 from shared.schemas.telemetry import Heartbeat
 from shared.topics import Topics
 
@@ -90,6 +90,11 @@ class QueueService:
         await self.db.start()
         await self.kafka.start(self.topics.static())
         self.metrics.serve(self.settings.metrics_port)
+        # Standby too: the watch is what rewinds the lease reader onto a restarted broker's new
+        # `leases` topic. A standby without one kept its old position, above the new topic's end,
+        # read nothing more, claimed the next term every tick and never read its claim back, while
+        # the active read that claim and exited deposed: no queue was active (`tandem chaos --ha`).
+        await self.broker_watch.start()
         await self.lease.start(self._activate)
 
     async def _activate(self, term: int) -> None:
@@ -111,7 +116,6 @@ class QueueService:
             self._tick_loop(),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
-        await self.broker_watch.start()
         log.info("queue %s reading results partition %d", self.queue_id, self.partition)
 
     async def _tail(self, topic: str, hot: bool = False, partitions: list[int] | None = None):
@@ -133,7 +137,12 @@ class QueueService:
         gone. The database is the source of truth: every item it has in flight is queued again as
         a new attempt (released at the next tick), exactly as after the queue's own restart; a
         late result of an old attempt is ignored, so each item still ends with one result. Old
-        attempts still running on workers run out unread (their work is wasted, not doubled)."""
+        attempts still running on workers run out unread (their work is wasted, not doubled).
+        A standby has nothing in flight, and must not re-queue the active's items: the repair
+        (its lease reader rewound) is all it needs."""
+        if not self.lease.term:
+            log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
+            return
         self.runs.clear()
         requeued = await self._db(self.store.requeue_in_flight)
         self.m_in_flight.set(0)
@@ -185,13 +194,19 @@ class QueueService:
             if isinstance(event, Rerouted):
                 await self._rerun(run, event.reason)
                 continue
+            if isinstance(event, Delta) and event.index > len(run.token_ids):
+                # Deltas between were lost (a produce the broker refused, or re-sent after later
+                # ones: shared/produce_resend.py); as the gateway resumes a stream, run it again.
+                await self._rerun(run, f"delta gap: have {len(run.token_ids)}, got {event.index}")
+                continue
             run.apply(event)
             if run.finished:
                 finished.append(run)
         return finished
 
     async def _rerun(self, run: ItemRun, reason: str) -> None:
-        """Its worker was lost: run the item again from scratch as the next attempt."""
+        """Its worker was lost, or its results have a gap: run the item again from scratch as the
+        next attempt (a worker still running the old one cancels it for the new one)."""
         attempt = run.request.attempt
         rid = run.request.request_id
         if not self.lease.is_active():

@@ -42,7 +42,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.standby import ActiveStandby
 from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.consumer_lag import consumer_lag
-from shared.kafka import KafkaClient, OffsetTracker, read_to_end, tail
+from shared.kafka import NO_RESEND, KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
 from shared.schemas.capacity import BECapacity
@@ -99,6 +99,10 @@ class SchedulerService:
     async def start(self) -> None:
         await self.kafka.start(self.topics.static())
         self.metrics.serve(self.settings.metrics_port)
+        # Standby too: the watch rewinds the lease reader onto a restarted broker's new `leases`
+        # topic; without it a standby read nothing there and deposed the active with claims it
+        # never read back itself (docs/reliability.md, "Broker restarts").
+        await self.broker_watch.start()
         await self.lease.start(self._activate)
 
     async def _activate(self, term: int) -> None:
@@ -137,7 +141,6 @@ class SchedulerService:
             tail(self._plc, self._on_placement, 100),
         )
         self._tasks = [asyncio.create_task(c) for c in loops]
-        await self.broker_watch.start()
 
     async def _tail(self, topic: str):
         c = await self.kafka.consumer(group=None)
@@ -259,7 +262,11 @@ class SchedulerService:
         items, and every request topic is read again from its new beginning (the watch rewound
         the consumer). Assignments made before the last check that still saw the old broker are
         dropped (the new state topic does not hold them); later ones are kept, since they may be
-        placements of new requests, and dropping those would place them twice."""
+        placements of new requests, and dropping those would place them twice. A standby holds
+        none of this: the repair (its lease reader rewound) is all it needs."""
+        if not self.lease.term:
+            log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
+            return
         self.pending = {"rt": deque(), "be": deque()}
         self.offsets = OffsetTracker()  # old offsets mean nothing in the new topics
         self.affinity.forget_terms()  # lease terms start again at 1 on the new broker
@@ -335,7 +342,9 @@ class SchedulerService:
             if not self.lease.is_active():
                 continue
             try:
-                await self.kafka.send(self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id)
+                await self.kafka.send(
+                    self.topics.be_capacity.name, self._be_capacity(), key=self.settings.scheduler_id, resend=NO_RESEND
+                )
             except Exception:  # noqa: BLE001 (the broker may be briefly away; the next round retries)
                 log.warning("BE capacity not published", exc_info=True)
 

@@ -17,7 +17,7 @@ from services.worker.requests import RequestRunner
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow
-from shared.kafka import KafkaClient
+from shared.kafka import NO_RESEND, KafkaClient
 from shared.metrics import ServiceMetrics
 from shared.repeat_filter import RepeatFilter
 from shared.schemas.telemetry import Heartbeat, Telemetry
@@ -94,7 +94,7 @@ class WorkerReports:
     async def send_heartbeat(self) -> None:
         hb = self.heartbeat()
         try:
-            await self.kafka.send(self.topics.heartbeats.name, hb, key=self.identity.worker_id)
+            await self.kafka.send(self.topics.heartbeats.name, hb, key=self.identity.worker_id, resend=NO_RESEND)
         except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
             log.warning("heartbeat not sent", exc_info=True)
 
@@ -116,7 +116,7 @@ class WorkerReports:
         self.telemetry_filter.sent(msg)
         self._update_metrics(msg)
         try:
-            await self.kafka.send(self.topics.telemetry.name, msg, key=self.identity.worker_id)
+            await self.kafka.send(self.topics.telemetry.name, msg, key=self.identity.worker_id, resend=NO_RESEND)
         except Exception:  # noqa: BLE001
             log.warning("telemetry not sent", exc_info=True)
 

@@ -283,3 +283,56 @@ def test_batch_submit_cli_waits_and_writes_the_output(stack, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 1 and "line 1: invalid_request" in proc.stderr
+
+
+def _in_flight_items(stack, batch_id: str) -> list[tuple[str, str, int]]:
+    """(custom_id, request_id, attempt) of every item of the batch in flight now."""
+    import sqlite3
+
+    from tests.services.test_batch_api import _db
+
+    with sqlite3.connect(_db(stack)) as conn:
+        rows = conn.execute(
+            "SELECT custom_id, request_id, attempt FROM tandem_batch_items WHERE batch_id = ? AND status = 'in_flight'",
+            (batch_id,),
+        )
+        return list(rows)
+
+
+async def _send_gap(stack, request_id: str, attempt: int) -> None:
+    """A delta far ahead of anything the item has: what the queue reads when the deltas between
+    were lost (a produce the broker refused, or one re-sent after later ones)."""
+    topics = Topics(stack.prefix)
+    partition = zlib.crc32(f"{stack.prefix}-queue".encode()) % topics.results.partitions
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-gap")
+    await kafka.start()
+    try:
+        gap = Delta(request_id=request_id, attempt=attempt, index=100_000, token_ids=[1], text="?")
+        await kafka.send(topics.results.name, ResultBatch(source="test-gap", events=[gap]), partition=partition)
+    finally:
+        await kafka.stop()
+
+
+def test_a_gap_in_an_items_deltas_runs_it_again_and_the_job_ends_exactly_once(stack, client):
+    """The queue used to drop a delta that skipped ahead and wait for the missing ones forever
+    (the item stayed in flight until the queue or the broker restarted). Now, as the gateway
+    resumes a stream, it runs the item again as the next attempt; the job completes with every
+    item once and bodies equal to synchronous calls."""
+    lines = chat_lines(6, max_tokens=300, prefix="gap")
+    batch = submit(client, lines)
+    _wait_in_flight(stack, batch.id)
+    for custom_id, request_id, attempt in _in_flight_items(stack, batch.id):
+        asyncio.run(_send_gap(stack, request_id, attempt))
+        stack.wait_until(
+            f"{custom_id} re-run or finished",
+            lambda c=custom_id, a=attempt: (
+                attempts(stack, batch.id)[c] > a or c not in {i[0] for i in _in_flight_items(stack, batch.id)}
+            ),
+        )
+        if attempts(stack, batch.id)[custom_id] > attempt:
+            break  # it was still running when the gap came: re-run (else it finished first: try another)
+    else:
+        pytest.fail("every item finished before its gap arrived")
+    assert attempts(stack, batch.id)[custom_id] == attempt + 1
+    bodies = _exactly_once(client, wait_final(client, batch.id, stack), lines)
+    _same_as_sync(stack, lines, bodies)
