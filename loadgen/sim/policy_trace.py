@@ -79,6 +79,14 @@ def trace(
         return duration_s
 
     worker.start_step = logged
+    admitted: list = []  # every Request the worker made, for per-request preemption counts
+    add = worker.add
+
+    def recorded(req, arrival_time: float):
+        admitted.append(add(req, arrival_time))
+        return admitted[-1]
+
+    worker.add = recorded
     cfg = WorkloadConfig(workload, ArrivalSpec("poisson", rate), duration, seed=seed, slo_ttft_s=1.0, slo_tpot_s=1.0)
     result = Driver(SimTarget([worker], ClusterSpec()), build_workload(cfg), PromptBuilder(spec.vocab_size, seed)).run()
     rt = summarize(result.records, result.elapsed_s)["rt"]
@@ -113,7 +121,50 @@ def trace(
         "largest_gaps_s": gaps[:5],
         "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
         "rho_s_per_block": getattr(p, "rho", None),
+        **preemption_profile(admitted, result.records),
     }
+
+
+def preemption_profile(requests: list, records: list) -> dict:
+    """Who is preempted and how often: the requests preempted at least once, the most times
+    one request was, a histogram of counts, the preemptions falling on the largest quarter of
+    requests (by prompt + output tokens), and the P99-TBT attainment of preempted vs never
+    preempted requests (the churn that costs P99 TBT at high rates; docs/aptserve.md)."""
+    from loadgen.metrics import tbt_p99
+
+    counts = [r.num_preemptions for r in requests]
+    total = sum(counts)
+    sizes = sorted(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+    big = sizes[(3 * len(sizes)) // 4] if sizes else 0
+    on_big = sum(r.num_preemptions for r in requests if len(r.prompt_token_ids) + r.params.max_tokens >= big)
+    by_id = {r.request_id: r.num_preemptions for r in requests}
+    # per group (preempted at least once, never): [records, completed, P99 TBT met among completed]
+    group = {True: [0, 0, 0], False: [0, 0, 0]}
+    for rec in records:
+        cell = group[by_id.get(rec.request_id, 0) > 0]
+        cell[0] += 1
+        if rec.completed:
+            p99 = tbt_p99(rec)
+            cell[1] += 1
+            cell[2] += p99 is None or rec.slo_tpot_s is None or p99 <= rec.slo_tpot_s
+    hist: dict[str, int] = {}
+    for c in counts:
+        hist[str(c)] = hist.get(str(c), 0) + 1
+    return {
+        "requests": len(requests),
+        "preempted_requests": sum(1 for c in counts if c),
+        "max_preemptions_per_request": max(counts, default=0),
+        "preemption_histogram": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "preemption_share_on_largest_quarter": on_big / total if total else 0.0,
+        "completed_share_preempted": _ratio(group[True][1], group[True][0]),
+        "completed_share_not_preempted": _ratio(group[False][1], group[False][0]),
+        "tbt_p99_met_of_completed_preempted": _ratio(group[True][2], group[True][1]),
+        "tbt_p99_met_of_completed_not_preempted": _ratio(group[False][2], group[False][1]),
+    }
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
 
 
 def _mean(values: list[float]) -> float | None:
