@@ -6,9 +6,10 @@ the "why" behind an effective-throughput number (docs/aptserve.md, docs/results.
 One worker from a shipped or given profile, the ShareGPT workload at one Poisson rate, the
 paper's SLO (TTFT <= 1 s, P99 TBT <= 1 s) unless told otherwise; every policy sees the same
 arrivals. `--rho` overrides aptserve's ρ (a sensitivity check: the paper's code divides its
-measured ρ by 5). Two variants of `aptserve` by name: `aptserve-priced` (conversions priced,
+measured ρ by 5). Variants of `aptserve` by name: `aptserve-priced` (conversions priced,
 `price_switches=True`), `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only") and
-`aptserve-priced-kv` (both: only a preemption's re-prefill is priced).
+`aptserve-priced-kv` (both: only a preemption's re-prefill is priced), `aptserve-paper-hidden`
+(HIDDEN offered by the paper's rule alone, also where the next decode iteration drops it).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -24,11 +25,20 @@ VARIANTS = {
     "aptserve-priced": ("aptserve", {"price_switches": True}),
     "aptserve-kv": ("aptserve", {"rho": 1e9}),
     "aptserve-priced-kv": ("aptserve", {"price_switches": True, "rho": 1e9}),
+    "aptserve-paper-hidden": ("aptserve", {"withhold_dropped_hidden": False}),
 }
 
 
 def trace(
-    policy: str, rate: float, seed: int, duration: float, profile: str, rho: float | None, workload: str = "sharegpt"
+    policy: str,
+    rate: float,
+    seed: int,
+    duration: float,
+    profile: str,
+    rho: float | None,
+    workload: str = "sharegpt",
+    slo: tuple[float, float] = (1.0, 1.0),
+    cv: float = 1.0,
 ) -> dict:
     from engine.kv.hidden import CacheForm
     from engine.scheduling.request import SLO
@@ -46,7 +56,7 @@ def trace(
     none = argparse.Namespace(num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None)
     spec = worker_spec(none, cost.meta)
     name, variant = VARIANTS.get(policy, (policy, {}))
-    options = {"cost_model": cost, "default_slo": SLO(1.0, 1.0)} if name == "aptserve" else {}
+    options = {"cost_model": cost, "default_slo": SLO(*slo)} if name == "aptserve" else {}
     if rho is not None and name == "aptserve":
         options["rho"] = rho
     options |= variant
@@ -87,7 +97,14 @@ def trace(
         return admitted[-1]
 
     worker.add = recorded
-    cfg = WorkloadConfig(workload, ArrivalSpec("poisson", rate), duration, seed=seed, slo_ttft_s=1.0, slo_tpot_s=1.0)
+    cfg = WorkloadConfig(
+        workload,
+        ArrivalSpec("poisson", rate) if cv == 1.0 else ArrivalSpec("gamma", rate, cv),
+        duration,
+        seed=seed,
+        slo_ttft_s=slo[0],
+        slo_tpot_s=slo[1],
+    )
     result = Driver(SimTarget([worker], ClusterSpec()), build_workload(cfg), PromptBuilder(spec.vocab_size, seed)).run()
     rt = summarize(result.records, result.elapsed_s)["rt"]
     gaps = sorted((g for r in result.records for g in tbt_samples(r)), reverse=True)
@@ -184,11 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         "--workload", default="sharegpt", help="a single-turn length profile (loadgen/workloads/datasets.py)"
     )
     ap.add_argument("--rho", type=float, default=None, help="aptserve's ρ override, s per block")
+    ap.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, s (the paper's Table 3)")
+    ap.add_argument("--slo-tpot", type=float, default=1.0, help="P99 TBT target, s")
+    ap.add_argument("--cv", type=float, default=1.0, help="Gamma arrivals' CV (1: Poisson; the paper's Table 4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = []
     for policy in args.policies.split(","):
-        runs.append(trace(policy, args.rate, args.seed, args.duration, args.cost_model, args.rho, args.workload))
+        slo = (args.slo_ttft, args.slo_tpot)
+        runs.append(
+            trace(policy, args.rate, args.seed, args.duration, args.cost_model, args.rho, args.workload, slo, args.cv)
+        )
         print(json.dumps(runs[-1]), flush=True)
     if args.out:
         doc = {"config": vars(args), "runs": runs, "provenance": stamp().as_dict()}
