@@ -70,11 +70,15 @@ class AptServePolicy(SchedulingPolicy):
         default_slo: SLO = SLO(1.0, 1.0),
         cost_model: CostModel | None = None,
         price_switches: bool = False,
+        withhold_dropped_hidden: bool = True,
     ) -> None:
         """`rho`: ρ override (else `cost_model`'s measured one); `decay`: a demoted request's
         value factor (0: near zero, the paper; 0.4: its "Scheduling*"); `default_slo`: for
         requests without their own (the paper's 1 s / 1 s); `price_switches`: price the
-        re-prefill of a conversion or preemption (needs `cost_model`; False: the paper)."""
+        re-prefill of a conversion or preemption (needs `cost_model`; False: the paper);
+        `withhold_dropped_hidden`: offer HIDDEN only where the next decode iteration would keep
+        it (False: the paper's rule, offered wherever the knapsack takes it; an ablation)."""
+        self.withhold_dropped_hidden = withhold_dropped_hidden
         self._rho_override, self.cost_model = rho, cost_model
         self.decay, self.default_slo, self.price_switches = decay, default_slo, price_switches
         self.rho = 0.0  # the ρ in use (set on the first step that offers HIDDEN)
@@ -192,7 +196,8 @@ class AptServePolicy(SchedulingPolicy):
         tokens = (r.num_computed_tokens + extra) if extra else r.num_tokens
         kv_blocks = max(1, -(-tokens // state.kv.block_size))
         hidden_blocks = hidden.layout.blocks_for(kv_blocks) if hidden is not None and kv_blocks > 1 else None
-        if hidden_blocks is not None and not (running and r.cache_form is CacheForm.HIDDEN):
+        holds_hidden = running and r.cache_form is CacheForm.HIDDEN
+        if hidden_blocks is not None and self.withhold_dropped_hidden and not holds_hidden:
             if not self.hidden_kept_next_decode(r, kv_blocks, hidden_blocks, outstanding, state.kv.pool.capacity):
                 hidden_blocks = None
                 self.hidden_withheld += 1

@@ -116,7 +116,7 @@ def test_a_prefill_iteration_that_admits_nothing_decodes_instead():
     kv.check_invariants()
 
 
-def _two_requests(price_switches: bool):
+def _two_requests(price_switches: bool, withhold_dropped_hidden: bool = True):
     """A pool of 23 usable blocks (MHA, HIDDEN at half): `a` decodes in KV (11 blocks), `b`
     waited 0.4 s and only fits in HIDDEN (10 of its 19 blocks). Up to the prefill iteration at
     5.0 s; returns that batch too."""
@@ -131,7 +131,9 @@ def _two_requests(price_switches: bool):
     kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))
     # a re-prefill costs 1 ms per token: 0.3 s for b's 300 tokens
     cost = CostModel(PhaseFit(1e-3, 0.0, 0.01), PhaseFit(1e-4, 0.0, 0.01), 1e9)
-    policy = AptServePolicy(rho=0.005, cost_model=cost, price_switches=price_switches)
+    policy = AptServePolicy(
+        rho=0.005, cost_model=cost, price_switches=price_switches, withhold_dropped_hidden=withhold_dropped_hidden
+    )
     scheduler = Scheduler(kv, BatchLimits(8, 512, True), policy)
     book = StepBookkeeping(scheduler, EngineStats())
     params = SamplingParams(max_tokens=50, ignore_eos=True)
@@ -173,13 +175,12 @@ def test_no_hidden_admission_the_next_decode_iteration_would_drop():
     scheduler.kv.check_invariants()
 
 
-def test_the_withheld_hidden_admission_was_the_one_dropped_next(monkeypatch):
-    """Mutation check of the rule above: without it (every HIDDEN option offered, the old
-    behaviour) b is admitted in HIDDEN and preempted by the very next decode iteration."""
-    from engine.scheduling.aptserve import AptServePolicy
-
-    monkeypatch.setattr(AptServePolicy, "hidden_kept_next_decode", lambda *a, **k: True)
-    scheduler, policy, book, a, b, batch = _two_requests(price_switches=False)
+def test_the_withheld_hidden_admission_was_the_one_dropped_next():
+    """Mutation check of the rule above, through its switch: without it (the paper's rule,
+    `withhold_dropped_hidden=False`, the ablation of docs/aptserve.md) b is admitted in HIDDEN
+    and preempted by the very next decode iteration."""
+    scheduler, policy, book, a, b, batch = _two_requests(price_switches=False, withhold_dropped_hidden=False)
+    assert policy.hidden_withheld == 0
     assert [it.request for it in batch.items] == [b] and b.cache_form is CacheForm.HIDDEN
     book.advance(batch.items)
     book.append_token(b, 7, None, 5.0)
