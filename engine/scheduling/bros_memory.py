@@ -97,19 +97,14 @@ class StepMemory:
         be_victims = sorted((x for x in held if x.req_class is RequestClass.BE), key=self.be_key, reverse=True)
         rt_victims = [x for x in held if x.req_class is RequestClass.RT] if evict_rt else []
         rt_victims.sort(key=lambda x: deadline(x, self.slo), reverse=True)
-        if be:  # BE owed its minimum share may also push RT to host (`evict_rt`), or it could never run
-            return ([x for x in be_victims if self.be_key(x) > self.be_key(r)] if force else []) + rt_victims
+        if be:  # BE never pushes RT out (under memory-bound overload RT would recompute it back)
+            return [x for x in be_victims if self.be_key(x) > self.be_key(r)] if force else []
         return be_victims + rt_victims
 
     def evict(self, victim: Request, swap_only: bool = False) -> bool:
         """Swap `victim` out whole, or when host space is full drop its KV for recompute
         (unless `swap_only`); whether it was evicted."""
         mark = self.kv.undo.mark()
-        import os
-
-        reserve = float(os.environ.get("BROS_HOST_RESERVE", "0"))
-        if swap_only and self.kv.host.num_free - self.kv.device_blocks(victim) < reserve * self.kv.host.num_blocks:
-            return False
         if self.kv.swap_out(victim):
             self.batch.swapped_out.append(victim)
             return True

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine.kv.block_pool import Block
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.scheduling.bros_floor import BEFloor
 from engine.scheduling.bros_memory import StepMemory
 from engine.scheduling.packing import Packing
 from engine.scheduling.policy import ScheduledBatch, SchedulerState
@@ -73,6 +74,17 @@ def be_key(kv: KVCacheManager, be_order: str, r: Request) -> tuple[int, float, s
     return checkpointed, r.arrival_time, r.request_id
 
 
+@dataclass(frozen=True)
+class _Evict:
+    """Whom a candidate may evict besides BE requests (`StepMemory.victims`): `rt`, RT requests
+    not in the batch; `behind`, (BE) BE requests behind it in BE order; `last_resort`, (the RT
+    head when nothing else could run) the BE requests inside the memory floor too."""
+
+    rt: bool = False
+    behind: bool = False
+    last_resort: bool = False
+
+
 class _Outcome(enum.Enum):
     OK = "ok"
     MEMORY = "memory"
@@ -96,10 +108,12 @@ class BROSStep:
         self.saveable: set[Request] = set()
         self.be_candidates: list[Request] = []
         self.owed_blocks = 0  # device blocks new RT admissions leave to owed BE this step
+        self.floor = BEFloor()  # the minimum share on memory (bros_floor.py)
 
     def run(self) -> ScheduledBatch:
         self._order_rt()
         self.be_candidates = self._be_order()
+        self.floor = BEFloor.of(self.kv, self.be_candidates, self.policy.min_be_share)
         owed = self.policy.be_owed_tokens(self.pack.token_budget) if self.be_candidates else 0
         self.owed_blocks = self._owed_blocks(owed)
         reserve, seat = min(owed, self.pack.token_budget - 1), int(owed > 0 and self.decision.cap > 1)
@@ -131,7 +145,7 @@ class BROSStep:
             if owed <= 0 or len(self.pack) >= self.decision.cap:
                 break
             left = min(owed, self.pack.tokens_left)
-            if self._try(b, be=True, force=True, limit=left, evict_rt=True) is _Outcome.OK:
+            if self._try(b, be=True, force=True, limit=left) is _Outcome.OK:  # evicts BE behind it only
                 self.decision.be_owed.append(b)
                 self.decision.be_scheduled.append(b)
                 owed -= self.pack.items[b][0]
@@ -167,7 +181,7 @@ class BROSStep:
             if parked and not self.kv.holds(r):
                 d.skipped.append(r)  # admission control: admitted RT requests on host are restored first
                 continue
-            if self.owed_blocks and not self.kv.holds(r) and self.kv.pool.num_free < self.owed_blocks + 1:
+            if self._held_for_be(r):
                 d.skipped.append(r)  # admission control: the blocks left are owed to BE
                 continue
             # the first RT request always joins (BE packed for the minimum share does not count)
@@ -180,10 +194,18 @@ class BROSStep:
             else:
                 d.skipped.append(r)  # first-fit: a resident request behind it may still run
         if not d.rt_scheduled and d.rt_order:  # nothing fit: the head runs, evicting whatever it must
-            if self._try(d.rt_order[0], be=False, force=True, evict_rt=True) is _Outcome.OK:
+            if self._try(d.rt_order[0], be=False, force=True, evict_rt=True, last_resort=True) is _Outcome.OK:
                 d.rt_scheduled.append(d.rt_order[0])
                 if d.rt_order[0] in d.skipped:
                     d.skipped.remove(d.rt_order[0])
+
+    def _held_for_be(self, r: Request) -> bool:
+        """Whether new RT request `r` must wait: admitting it would leave fewer free blocks than
+        BE is owed, for this step's owed tokens or for the BE memory floor (`BEFloor`)."""
+        reserve = max(self.owed_blocks, self.floor.deficit)
+        if not reserve or self.kv.holds(r):
+            return False
+        return self.kv.pool.num_free - self.kv.blocks_needed(r, r.num_tokens) < reserve
 
     def _is_growing(self, r: Request) -> bool:
         """A resident admitted request: only its growth may push other RT requests to host."""
@@ -263,9 +285,12 @@ class BROSStep:
         evict_rt: bool = False,
         limit: int | None = None,
         evict_behind: bool = False,
+        last_resort: bool = False,
     ) -> _Outcome:
         """Reserve KV for `r`, check the step time, keep or roll back. `limit`: at most that
         many tokens, and a forced chunk of up to that many (the minimum BE share).
+        `last_resort`: the RT head when nothing else could run, which alone may evict the BE
+        requests inside the memory floor.
         `evict_behind`: an admitted BE request may swap out BE requests behind it in BE order
         to get its KV back from host (or grow); those swap-outs are undone with it if it is then
         rejected, so a BE request that does not run never leaves copies behind."""
@@ -277,7 +302,8 @@ class BROSStep:
             return _Outcome.COST
         n_full = min(n_full, max(self.pack.tokens_left, 1))
         outer, swapped = self.kv.undo.mark(), len(self.batch.swapped_out)
-        outcome = self._reserve_and_fit(r, prefix, base, n_full, force, be, deferred, evict_rt, limit, evict_behind)
+        evict = _Evict(evict_rt, evict_behind, last_resort)
+        outcome = self._reserve_and_fit(r, prefix, base, n_full, force, be, deferred, evict, limit)
         if outcome is not _Outcome.OK and evict_behind and not force:  # undo its swap-outs too
             self.kv.undo.rollback(outer)
             del self.batch.swapped_out[swapped:]
@@ -292,12 +318,11 @@ class BROSStep:
         force: bool,
         be: bool,
         deferred,
-        evict_rt: bool,
+        evict: _Evict,
         limit: int | None,
-        evict_behind: bool,
     ) -> _Outcome:
         """`_try`'s reservation and time check (see there)."""
-        mark = self._make_room(r, n_full, prefix, be, force, evict_rt, evict_behind)
+        mark = self._make_room(r, n_full, prefix, be, force, evict)
         if mark is None:
             return _Outcome.MEMORY
         n = self._fit(r, base, n_full, deferred)
@@ -310,26 +335,20 @@ class BROSStep:
             return _Outcome.COST
         if n < n_full:  # a chunk fits: reserve just that
             self.kv.undo.rollback(mark)
-            if self._make_room(r, n, prefix, be, False, evict_behind=evict_behind) is None:
+            if self._make_room(r, n, prefix, be, False, replace(evict, rt=False)) is None:
                 return _Outcome.MEMORY
         self._accept(r, n, base)
         return _Outcome.OK
 
-    def _make_room(
-        self,
-        r: Request,
-        n: int,
-        prefix: list[Block],
-        be: bool,
-        force: bool,
-        evict_rt: bool = False,
-        evict_behind: bool = False,
-    ) -> int | None:
+    def _make_room(self, r: Request, n: int, prefix: list[Block], be: bool, force: bool, evict: _Evict) -> int | None:
         """Reserve KV for `n` tokens of `r` (`StepMemory.make_room`), never evicting a request
-        this step has packed or replaced."""
-        keep = (*self.pack.items, *self.decision.replaced)
+        this step has packed or replaced, nor (for RT, but the last resort) a BE request inside
+        the memory floor."""
+        keep = [*self.pack.items, *self.decision.replaced]
+        if not be and not evict.last_resort:
+            keep += self.floor.protected
         return self.memory.make_room(
-            r, n, prefix, be=be, force=force, evict_rt=evict_rt, keep=keep, evict_behind=evict_behind
+            r, n, prefix, be=be, force=force, evict_rt=evict.rt, keep=keep, evict_behind=evict.behind
         )
 
     def _prefix(self, r: Request) -> tuple[list[Block], int]:

@@ -15,9 +15,16 @@ held, and for `bros` why each BE request left out was left out (`Decision.be_no_
 - `time_be_tail`: seconds when fewer than a quarter of a BE batch were outstanding (the
   workload refills only when the whole batch is done, so a straggler idles the backlog);
 - `step_s_mean` and `fixed_cost_share`: how long steps were and which part of the simulated
-  time was the profile's per-step fixed cost (β), which smaller steps pay more often.
+  time was the profile's per-step fixed cost (β), which smaller steps pay more often;
+- `rt_latency_parts`: RT normalised latency split into its TTFT part (mean of TTFT / output
+  tokens) and its decode part (mean of (finish − first token) / output tokens), with the mean
+  and p90 gap between RT tokens: where RT latency is (docs/bros.md, "Fourth pass").
 
-Writes one JSON document with the provenance stamp (`--out`).
+Writes one JSON document with the provenance stamp (`--json`). `--windows S` adds, per run,
+the steps summed up over windows of S seconds of simulated time (`windows`: what each class
+computed and threw away, blocks held, BE requests on host), which is how the rate-3 starvation
+was read (docs/bros.md, "Fourth pass"); `--summarize FILE` computes them from a JSON written
+with `--steps` and keeps that file's provenance.
 """
 
 from __future__ import annotations
@@ -128,6 +135,7 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
     return {
         "policy": policy,
         "rt_normalized_latency_s": summary["rt"]["normalized_latency_s"],
+        "rt_latency_parts": rt_latency_parts(result.records),
         "be_throughput_rps": summary["be"]["throughput_rps"],
         **_account(logs, args.be_batch or 16, worker.cost),
         # tokens finished requests took from the prefix cache: at their first admission (0 for
@@ -135,7 +143,20 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
         # dropped request whose blocks were still cached pays little for it)
         "prompt_tokens_cached": worker.prompt_tokens_cached,
         "recompute_tokens_cached": worker.recompute_tokens_cached,
-        "steps": [asdict(s) for s in logs] if args.steps else None,
+        "steps": [asdict(s) for s in logs] if args.steps or args.windows else None,
+    }
+
+
+def rt_latency_parts(records) -> dict:
+    """RT normalised latency (mean of e2e / output tokens) = `ttft_part_s` + `decode_part_s`
+    over completed RT requests, plus the gaps between their tokens (`RequestRecord`s)."""
+    done = [r for r in records if r.req_class == "rt" and r.finish_s is not None and r.token_times_s]
+    gaps = sorted(b - a for r in done for a, b in zip(r.token_times_s, r.token_times_s[1:]))
+    return {
+        "ttft_part_s": _mean([(r.token_times_s[0] - r.arrival_s) / len(r.token_times_s) for r in done]),
+        "decode_part_s": _mean([(r.finish_s - r.token_times_s[0]) / len(r.token_times_s) for r in done]),
+        "gap_mean_s": _mean(gaps),
+        "gap_p90_s": gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
     }
 
 
@@ -195,6 +216,38 @@ def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
     }
 
 
+def windows(steps: list[dict], width_s: float) -> list[dict]:
+    """Per-step logs (`StepLog` as dicts) summed up over windows of `width_s` simulated seconds:
+    tokens per second computed and dropped by recompute preemption per class, mean blocks held
+    per class and free, mean BE requests on host and not yet admitted, BE swap-outs, BE rows."""
+    buckets: dict[int, list[dict]] = {}
+    for s in steps:
+        buckets.setdefault(int(s["start_s"] // width_s), []).append(s)
+    return [_window(b * width_s, buckets[b]) for b in sorted(buckets)]
+
+
+def _window(start_s: float, group: list[dict]) -> dict:
+    span = sum(s["duration_s"] for s in group) or 1.0
+    rates = ("rt_tokens", "be_tokens", "rt_dropped_tokens", "be_dropped_tokens")
+    means = ("be_rows", "blocks_rt", "blocks_be", "free_blocks", "be_on_host", "be_unadmitted", "be_no_memory")
+    return {
+        "start_s": start_s,
+        "steps": len(group),
+        **{f"{k}_per_s": sum(s[k] for s in group) / span for k in rates},
+        **{k: statistics.mean(s[k] for s in group) for k in means},
+        "be_swapped_out": sum(s["be_swapped_out"] for s in group),
+    }
+
+
+def summarize_file(path: str, width_s: float) -> dict:
+    """A `--steps` JSON with its steps replaced by their windows (its config and provenance kept)."""
+    doc = json.loads(Path(path).read_text())
+    for run in doc["runs"]:
+        run["windows"] = windows(run.pop("steps") or [], width_s)
+    doc["summarized_from"] = {"file": Path(path).name, "window_s": width_s}
+    return doc
+
+
 def _time_mean(logs: list[StepLog], name: str, span: float) -> float:
     return sum(getattr(s, name) * s.duration_s for s in logs) / span
 
@@ -212,12 +265,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="fcfs-prefill-first,bros")
     ap.add_argument("--steps", action="store_true", help="keep every step's log in the JSON")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--windows", type=float, default=None, metavar="S", help="add per-window sums (S seconds)")
+    ap.add_argument("--summarize", default=None, metavar="FILE", help="windows of a --steps JSON, to --json")
     args = ap.parse_args(argv)
+    if args.summarize:
+        doc = summarize_file(args.summarize, args.windows or 30.0)
+        Path(args.json).write_text(json.dumps(doc, indent=2)) if args.json else print(json.dumps(doc, indent=2))
+        return 0
     prov = stamp().as_dict()  # at the start: the code that runs is the code checked out now
     runs = []
     for policy in args.policies.split(","):
         runs.append(trace(args, policy))
-        print(json.dumps({k: v for k, v in runs[-1].items() if k != "steps"}), flush=True)
+        if args.windows:
+            runs[-1]["windows"] = windows(runs[-1]["steps"] or [], args.windows)
+            runs[-1]["steps"] = runs[-1]["steps"] if args.steps else None
+        print(json.dumps({k: v for k, v in runs[-1].items() if k not in ("steps", "windows")}), flush=True)
     if args.json:
         doc = {"config": {k: v for k, v in vars(args).items()}, "runs": runs, "provenance": prov}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

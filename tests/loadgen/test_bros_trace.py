@@ -3,10 +3,13 @@ short fair-simulator run."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
 from engine.cost_model import CostModel, PhaseFit
-from loadgen.sim.bros_trace import StepLog, _account, main
+from loadgen.metrics import RequestRecord
+from loadgen.sim.bros_trace import StepLog, _account, main, rt_latency_parts, windows
 
 COST = CostModel(PhaseFit(1e-4, 0.0, 0.01), PhaseFit(1e-4, 0.0, 0.02), swap_bytes_per_s=1e9)
 
@@ -54,10 +57,38 @@ def test_time_is_charged_to_the_first_reason_that_applies():
 def test_a_short_run_accounts_for_no_more_time_than_it_simulated(tmp_path, capsys):
     path = tmp_path / "trace.json"
     argv = ["--rate", "2", "--duration", "15", "--be-batch", "8", "--policies", "bros", "--json", str(path)]
-    assert main(argv) == 0
+    assert main([*argv, "--windows", "5", "--steps"]) == 0
     import json
 
     (run,) = json.loads(path.read_text())["runs"]
     held = sum(run[k] for k in run if k.startswith("time_be_out_"))
     assert 0 < run["be_tokens_per_s"] and held <= run["simulated_busy_s"] + 1e-9
     assert run["time_be_out_other"] == 0.0  # bros records its reasons
+    assert sum(w["steps"] for w in run["windows"]) == run["steps_count"] == len(run["steps"])
+    parts = run["rt_latency_parts"]
+    assert parts["ttft_part_s"] + parts["decode_part_s"] == pytest.approx(run["rt_normalized_latency_s"])
+    # the windows of a --steps file, computed afterwards, are the ones written with the run
+    out = tmp_path / "windows.json"
+    assert main(["--summarize", str(path), "--windows", "5", "--json", str(out)]) == 0
+    summarized = json.loads(out.read_text())
+    assert summarized["runs"][0]["windows"] == run["windows"] and "steps" not in summarized["runs"][0]
+    assert summarized["provenance"] == json.loads(path.read_text())["provenance"]
+
+
+def test_windows_sum_steps_by_simulated_time():
+    steps = [asdict(_step(1.0, 1, 4, on_host=2, be_tokens=10)) for _ in range(3)]
+    for i, s in enumerate(steps):
+        s["start_s"] = float(i)  # steps at 0, 1 and 2 s: windows of 2 s hold two, then one
+    first, second = windows(steps, 2.0)
+    assert (first["start_s"], first["steps"], second["start_s"], second["steps"]) == (0.0, 2, 2.0, 1)
+    assert first["be_tokens_per_s"] == 10.0 and first["rt_tokens_per_s"] == 10.0 and first["be_on_host"] == 2
+
+
+def test_rt_latency_parts_split_normalised_latency():
+    rt = RequestRecord("r", "rt", arrival_s=0.0, prompt_tokens=4, max_tokens=4, token_times_s=[1.0, 1.5, 2.0, 3.0])
+    rt.finish_s = 3.0
+    be = RequestRecord("b", "be", arrival_s=0.0, prompt_tokens=4, max_tokens=1, token_times_s=[9.0])
+    be.finish_s = 9.0
+    parts = rt_latency_parts([rt, be])  # BE does not count
+    assert parts["ttft_part_s"] == pytest.approx(1.0 / 4) and parts["decode_part_s"] == pytest.approx(2.0 / 4)
+    assert parts["gap_mean_s"] == pytest.approx(2.0 / 3) and parts["gap_p90_s"] == pytest.approx(0.5)
