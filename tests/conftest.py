@@ -99,6 +99,11 @@ def _tiny_configs():
     )
     return {
         "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        # the "llama" weights' shapes with a long context: a turn that runs for thousands of
+        # tokens, so a test can hold a worker busy until it releases (cancels) the stream
+        "llama_long": LlamaConfig(
+            num_key_value_heads=2, tie_word_embeddings=False, **{**common, "max_position_embeddings": 8192}
+        ),
         "llama_bias": LlamaConfig(num_key_value_heads=2, attention_bias=True, **common),
         "llama3_rope": LlamaConfig(
             num_key_value_heads=1,

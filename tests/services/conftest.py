@@ -280,12 +280,13 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def make_stack(kafka_bootstrap, tiny_model_dir, tmp_path_factory, request):
-    """Factory for stacks torn down at the end of the module."""
+    """Factory for stacks torn down at the end of the module, on the tiny model `model`
+    (a `tiny_model_dir` name)."""
     stacks: list[Stack] = []
 
-    def make(**env) -> Stack:
+    def make(model: str = "llama", **env) -> Stack:
         prefix = f"t{len(stacks)}-{request.module.__name__.rsplit('.', 1)[-1].replace('_', '-')}"
-        stack = Stack(kafka_bootstrap, tiny_model_dir("llama"), tmp_path_factory.mktemp(prefix), prefix, **env)
+        stack = Stack(kafka_bootstrap, tiny_model_dir(model), tmp_path_factory.mktemp(prefix), prefix, **env)
         stacks.append(stack)
         return stack
 
