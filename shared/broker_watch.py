@@ -25,8 +25,12 @@ finds a restart when:
   exists (it adopts any one it finds, or creates one) and remembers its name; only a broker
   that lost its data loses it. This catches a restart even when another service repaired the
   topics first, which the two checks below cannot.
-- a catalogue topic (every `TopicSpec` this client ensured or was told about) is missing or has
-  fewer partitions than the catalogue says.
+- a catalogue topic this client ensured (created or found at start) is missing or has fewer
+  partitions than the catalogue says. Topics it was only told about (`KafkaClient.remember`,
+  such as the scheduler's `dispatch.<worker>`) are repaired with the rest but are no sign: their
+  owner may not have created them yet (a worker that heartbeats before its topic exists, or never
+  makes it) or may have deleted them, and reading that as a restart dropped the scheduler's
+  pending requests and rewound its consumers over old heartbeats.
 A cluster id would be the natural marker, but tansu reports the same one (`tansu_cluster`) after
 a restart; a consumer's position past its partition's end is not checked either: reading end
 offsets blocks for 40 s on a partition an auto-created topic lacks, and new records soon hide it.
@@ -201,6 +205,8 @@ class BrokerWatch:
         if self._marker is not None and self._marker not in topics:
             reasons.append(f"marker {self._marker} gone")
         for spec in self._kafka.catalogue.values():
+            if spec.name not in self._kafka.ensured:
+                continue  # remembered only: another service's topic (module docstring)
             have = topics.get(spec.name)
             if have is None:
                 reasons.append(f"{spec.name} missing")
@@ -211,7 +217,7 @@ class BrokerWatch:
     async def _repair(self, topics: dict[str, int], reasons: list[str]) -> BrokerRestart:
         detected = time.time()
         recreated = await self._recreate_short(topics)
-        await self._kafka.ensure_topics(list(self._kafka.catalogue.values()))
+        await self._kafka.ensure_topics(list(self._kafka.catalogue.values()), own=False)
         self._marker = await self._ensure_marker(await self.partition_counts())
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
