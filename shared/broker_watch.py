@@ -143,8 +143,9 @@ class BrokerWatch:
         await self.holes.stop()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # gather, not `suppress(CancelledError)`: that would also swallow a cancellation of
+            # this stop itself (its caller's timeout)
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         await self.close_admin()
 
@@ -158,13 +159,15 @@ class BrokerWatch:
         """Return when the broker connection closes, cannot be opened, or `interval_s` passed."""
         host, port = _first_broker(self._kafka.bootstrap)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):  # not wait_for: see shared/aio.py
+                reader, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError):
             return  # unreachable: look now (and again every retry_s until it answers)
         try:
             # The broker never writes unasked, so this returns only on EOF or a reset (or data,
             # which is just as odd): either way, look.
-            await asyncio.wait_for(reader.read(1), self._interval_s)
+            async with asyncio.timeout(self._interval_s):
+                await reader.read(1)
         except (OSError, TimeoutError):
             pass  # a reset, or the safety interval
         finally:
@@ -237,7 +240,8 @@ class BrokerWatch:
         short = [name for name in short if 0 < now.get(name, 0) < specs[name].partitions]
         if short:
             admin = await self._admin_client()
-            await asyncio.wait_for(admin.delete_topics(short), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.delete_topics(short)
         return short
 
     async def _ensure_marker(self, topics: dict[str, int]) -> str:
@@ -249,7 +253,8 @@ class BrokerWatch:
         name = f"{self._marker_prefix}{int(time.time() * 1000)}-{secrets.token_hex(4)}"
         admin = await self._admin_client()
         try:
-            await asyncio.wait_for(admin.create_topics([NewTopic(name, 1, 1)]), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.create_topics([NewTopic(name, 1, 1)])
         except TopicAlreadyExistsError:
             pass
         return name
@@ -257,7 +262,8 @@ class BrokerWatch:
     async def partition_counts(self) -> dict[str, int]:
         """Every topic on the broker and its partition count (one metadata request)."""
         admin = await self._admin_client()
-        described = await asyncio.wait_for(admin.describe_topics(), _CALL_TIMEOUT_S)
+        async with asyncio.timeout(_CALL_TIMEOUT_S):
+            described = await admin.describe_topics()
         return {t["topic"]: len(t["partitions"]) for t in described if t.get("error_code", 0) == 0}
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
@@ -265,7 +271,8 @@ class BrokerWatch:
             admin = AIOKafkaAdminClient(
                 bootstrap_servers=self._kafka.bootstrap, client_id=f"{self._kafka.client_id}-watch"
             )
-            await asyncio.wait_for(admin.start(), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.start()
             self._admin = admin
         return self._admin
 

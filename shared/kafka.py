@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 
+from shared.aio import within
 from shared.doorbell import Doorbell, doorbell_directory
 from shared.quiet_consumer import QuietConsumer
 from shared.records import decode_record
@@ -132,7 +133,7 @@ class KafkaClient:
         clients = [self.producer.client] if self.producer is not None else []
         clients += [c._client for c in self.live_consumers()]  # noqa: SLF001 (aiokafka has no public refresh)
         results = await asyncio.gather(
-            *(asyncio.wait_for(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
+            *(within(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):  # the next metadata refresh or send retries it

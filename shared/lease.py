@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from aiokafka import ConsumerRecord
 
+from shared.aio import within
 from shared.kafka import KafkaClient, read_to_end
 from shared.records import decode_record
 from shared.schemas.lease import LeaseRecord, LeaseState
@@ -177,7 +178,7 @@ class LeaseKeeper:
             # Bounded: when the broker went away with us (a whole stack stopping), the lease
             # simply runs out; an unacked send must not hold up the stop.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send("released", self.active_term), RELEASE_WAIT_S)
+                await within(self._send("released", self.active_term), RELEASE_WAIT_S)
                 log.info("%s lease term %d released", self.role, self.active_term)
 
     # -- the loops -------------------------------------------------------------------------------
