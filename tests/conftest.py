@@ -41,13 +41,14 @@ def cpu_kernel_targets() -> list[str]:
     return [t for t in out if t != "avx512_bf16" or "avx512_bf16" in caps.flags]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built(request) -> None:
-    """Every C++ kernel target this CPU runs, compiled (or found in the cache) once at the start
-    of the session, before any test. The first test that needed them used to compile them under
-    its own timeout: 7-34 min at load 50 failed that test. Workers the tests start find them in
-    the same cache. A build that fails is left to the tests that need it (they fall back or
-    fail with the compiler's message); the time it took is printed."""
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every C++ kernel target this CPU runs, compiled (or found in the cache) once before any
+    test, outside every test's timeout: the first test that needed them used to compile them
+    under its own (7-34 min at load 50 failed that test), and a session fixture would still
+    count against the first test's (pytest-timeout times fixture set-up too: three cold builds
+    at load 25 overran 600 s that way). Workers the tests start find them in the same cache.
+    A build that fails is left to the tests that need it (they fall back, or fail with the
+    compiler's message); the time it took is printed."""
     import time
 
     if not HAS_CXX:
@@ -62,7 +63,7 @@ def cpu_kernels_built(request) -> None:
         except KernelBuildError as exc:
             failed.append(f"{target}: {exc}")
     took = time.monotonic() - t0
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and (took > 1.0 or failed):
         reporter.write_line(f"C++ kernels built in {took:.1f}s" + (f"; failed: {failed}" if failed else ""))
 
