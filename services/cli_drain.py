@@ -52,7 +52,8 @@ async def _run(worker_id: str, wait: bool, timeout_s: float) -> int:
     settings = ServiceSettings()
     kafka = KafkaClient(settings, f"tandem-drain-{worker_id}")
     try:
-        await asyncio.wait_for(kafka.start(), 10.0)
+        async with asyncio.timeout(10.0):
+            await kafka.start()
         control = Topics(settings.topic_prefix).control.name
         await kafka.send(control, ControlEnvelope(message=Drain(worker_id=worker_id)), key=worker_id)
     except Exception as exc:  # noqa: BLE001 - any broker failure is "not sent", said plainly

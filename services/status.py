@@ -114,7 +114,8 @@ async def collect(settings: ServiceSettings, timeout_s: float = 5.0, window: int
         request_timeout_ms=int(timeout_s * 1000),
     )
     try:
-        await asyncio.wait_for(consumer.start(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await consumer.start()
     except Exception as exc:  # noqa: BLE001 (any failure to connect is the answer, not a crash)
         text = str(exc) or type(exc).__name__
         status.error = text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
@@ -289,8 +290,10 @@ async def _committed(settings: ServiceSettings, tps: list[TopicPartition], timeo
         return {}
     admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap, client_id="tandem-status-admin")
     try:
-        await asyncio.wait_for(admin.start(), timeout_s)
-        offsets = await asyncio.wait_for(admin.list_consumer_group_offsets(SCHEDULER_GROUP, partitions=tps), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+        async with asyncio.timeout(timeout_s):
+            offsets = await admin.list_consumer_group_offsets(SCHEDULER_GROUP, partitions=tps)
         return {tp: meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
     finally:
         await _quietly(admin.close())

@@ -239,7 +239,8 @@ async def _stop(child: Child, grace_s: float = 15.0) -> None:
     child.stopping = True
     p.send_signal(signal.SIGTERM)
     try:
-        await asyncio.wait_for(p.wait(), grace_s)
+        async with asyncio.timeout(grace_s):
+            await p.wait()
     except TimeoutError:
         _say(f"{child.name} did not stop in {grace_s:.0f}s; killing it")
         p.kill()

@@ -25,8 +25,12 @@ finds a restart when:
   exists (it adopts any one it finds, or creates one) and remembers its name; only a broker
   that lost its data loses it. This catches a restart even when another service repaired the
   topics first, which the two checks below cannot.
-- a catalogue topic (every `TopicSpec` this client ensured or was told about) is missing or has
-  fewer partitions than the catalogue says.
+- a catalogue topic this client ensured (created or found at start) is missing or has fewer
+  partitions than the catalogue says. Topics it was only told about (`KafkaClient.remember`,
+  such as the scheduler's `dispatch.<worker>`) are repaired with the rest but are no sign: their
+  owner may not have created them yet (a worker that heartbeats before its topic exists, or never
+  makes it) or may have deleted them, and reading that as a restart dropped the scheduler's
+  pending requests and rewound its consumers over old heartbeats.
 A cluster id would be the natural marker, but tansu reports the same one (`tansu_cluster`) after
 a restart; a consumer's position past its partition's end is not checked either: reading end
 offsets blocks for 40 s on a partition an auto-created topic lacks, and new records soon hide it.
@@ -143,8 +147,9 @@ class BrokerWatch:
         await self.holes.stop()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # gather, not `suppress(CancelledError)`: that would also swallow a cancellation of
+            # this stop itself (its caller's timeout)
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         await self.close_admin()
 
@@ -158,13 +163,15 @@ class BrokerWatch:
         """Return when the broker connection closes, cannot be opened, or `interval_s` passed."""
         host, port = _first_broker(self._kafka.bootstrap)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):  # not wait_for: see shared/aio.py
+                reader, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError):
             return  # unreachable: look now (and again every retry_s until it answers)
         try:
             # The broker never writes unasked, so this returns only on EOF or a reset (or data,
             # which is just as odd): either way, look.
-            await asyncio.wait_for(reader.read(1), self._interval_s)
+            async with asyncio.timeout(self._interval_s):
+                await reader.read(1)
         except (OSError, TimeoutError):
             pass  # a reset, or the safety interval
         finally:
@@ -205,6 +212,8 @@ class BrokerWatch:
         if self._marker is not None and self._marker not in topics:
             reasons.append(f"marker {self._marker} gone")
         for spec in self._kafka.catalogue.values():
+            if spec.name not in self._kafka.ensured:
+                continue  # remembered only: another service's topic (module docstring)
             have = topics.get(spec.name)
             if have is None:
                 reasons.append(f"{spec.name} missing")
@@ -222,7 +231,7 @@ class BrokerWatch:
         recreated: list[str] = []
         for _ in range(3):  # a client's metadata request may auto-create a topic mid-repair: look again
             recreated += await self._recreate_miscounted(topics, lost_data)
-            await self._kafka.ensure_topics(list(self._kafka.catalogue.values()))
+            await self._kafka.ensure_topics(list(self._kafka.catalogue.values()), own=False)
             topics = await self.partition_counts()
             if not self._miscounted(topics, lost_data):
                 break
@@ -252,7 +261,8 @@ class BrokerWatch:
         wrong = self._miscounted(await self.partition_counts(), more_too)
         if wrong:
             admin = await self._admin_client()
-            await asyncio.wait_for(admin.delete_topics(wrong), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.delete_topics(wrong)
         return wrong
 
     async def _ensure_marker(self, topics: dict[str, int]) -> str:
@@ -264,7 +274,8 @@ class BrokerWatch:
         name = f"{self._marker_prefix}{int(time.time() * 1000)}-{secrets.token_hex(4)}"
         admin = await self._admin_client()
         try:
-            await asyncio.wait_for(admin.create_topics([NewTopic(name, 1, 1)]), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.create_topics([NewTopic(name, 1, 1)])
         except TopicAlreadyExistsError:
             pass
         return name
@@ -272,7 +283,8 @@ class BrokerWatch:
     async def partition_counts(self) -> dict[str, int]:
         """Every topic on the broker and its partition count (one metadata request)."""
         admin = await self._admin_client()
-        described = await asyncio.wait_for(admin.describe_topics(), _CALL_TIMEOUT_S)
+        async with asyncio.timeout(_CALL_TIMEOUT_S):
+            described = await admin.describe_topics()
         return {t["topic"]: len(t["partitions"]) for t in described if t.get("error_code", 0) == 0}
 
     async def _admin_client(self) -> AIOKafkaAdminClient:
@@ -280,7 +292,8 @@ class BrokerWatch:
             admin = AIOKafkaAdminClient(
                 bootstrap_servers=self._kafka.bootstrap, client_id=f"{self._kafka.client_id}-watch"
             )
-            await asyncio.wait_for(admin.start(), _CALL_TIMEOUT_S)
+            async with asyncio.timeout(_CALL_TIMEOUT_S):
+                await admin.start()
             self._admin = admin
         return self._admin
 

@@ -25,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, TopicAlreadyExistsError
 from aiokafka.structs import RecordMetadata
 
+from shared.aio import within
 from shared.doorbell import Doorbell, doorbell_directory
 from shared.kafka_reading import OffsetTracker, apply_safely, fetch_decoded, read_to_end, tail
 from shared.produce_resend import NO_RESEND, RESEND, ResendPolicy, with_resend
@@ -80,6 +81,11 @@ class KafkaClient:
         # Every topic this client created or was told it relies on, by name: what a broker-restart
         # repair recreates with the right partition count (shared/broker_watch.py).
         self.catalogue: dict[str, TopicSpec] = {}
+        # The catalogue topics this client created (or found) itself, not only remembered: only
+        # those missing is a sign the broker restarted. A remembered topic belongs to another
+        # service, which may not have created it yet or may have deleted it (a worker's dispatch
+        # topic, remembered by the scheduler when the worker's first heartbeat arrives).
+        self.ensured: set[str] = set()
         # Only for a broker that cannot long-poll; made on first use (it needs the event loop).
         self._doorbell: Doorbell | None = None
 
@@ -107,9 +113,12 @@ class KafkaClient:
         )
         await with_backoff("producer start", self.producer.start)
 
-    async def ensure_topics(self, topics: Sequence[TopicSpec]) -> None:
-        """Create missing topics (creating an existing one is a no-op)."""
+    async def ensure_topics(self, topics: Sequence[TopicSpec], *, own: bool = True) -> None:
+        """Create missing topics (creating an existing one is a no-op). `own=False` (a repair
+        that recreates remembered topics too) leaves them out of `ensured`."""
         self.remember(*topics)
+        if own:
+            self.ensured.update(t.name for t in topics)
         if not topics:
             return
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
@@ -137,7 +146,7 @@ class KafkaClient:
         clients = [self.producer.client] if self.producer is not None else []
         clients += [c._client for c in self.live_consumers()]  # noqa: SLF001 (aiokafka has no public refresh)
         results = await asyncio.gather(
-            *(asyncio.wait_for(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
+            *(within(client.force_metadata_update(), 3) for client in clients), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):  # the next metadata refresh or send retries it

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from aiokafka import ConsumerRecord
 
+from shared.aio import within
 from shared.kafka import NO_RESEND, KafkaClient, read_to_end
 from shared.quiet_consumer import QuietConsumer, ring_payload
 from shared.records import decode_record
@@ -199,7 +200,7 @@ class LeaseKeeper:
             # Bounded: when the broker went away with us (a whole stack stopping), the lease
             # simply runs out; an unacked send must not hold up the stop.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send("released", self.active_term), RELEASE_WAIT_S)
+                await within(self._send("released", self.active_term), RELEASE_WAIT_S)
                 log.info("%s lease term %d released", self.role, self.active_term)
 
     # -- the loops -------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ class LeaseKeeper:
                 log.warning("%s lease tick failed; retrying", self.role, exc_info=True)
                 self._last_held = time.monotonic()  # retry a period later, not in a tight loop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(self._next_due() - time.monotonic(), 0.0))
+                await within(self._changed.wait(), max(self._next_due() - time.monotonic(), 0.0))
 
     def _next_due(self) -> float:
         """When `_tick` may next have something to do (monotonic). Nothing is sent sooner than
@@ -316,7 +317,7 @@ class LeaseKeeper:
             if left <= 0:
                 raise TimeoutError(f"{self.role} lease: the log's end was not reached before claiming")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), left)
+                await within(self._progress.wait(), left)
 
     async def _send(self, state: LeaseState, term: int) -> None:
         self._seq += 1

@@ -94,8 +94,9 @@ class QuietConsumer(AIOKafkaConsumer):
     async def stop(self) -> None:
         if self._watch_task is not None:
             self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            # gather, not `suppress(CancelledError)`: that would also swallow a cancellation of
+            # this stop itself (its caller's timeout)
+            await asyncio.gather(self._watch_task, return_exceptions=True)
             self._watch_task = None
         await super().stop()
 
@@ -166,7 +167,8 @@ class QuietConsumer(AIOKafkaConsumer):
                     continue
                 self._fall_asleep()
             try:
-                await asyncio.wait_for(self._rung.wait(), self._idle_poll_s)
+                async with asyncio.timeout(self._idle_poll_s):  # not wait_for: see shared/aio.py
+                    await self._rung.wait()
             except TimeoutError:
                 # Safety net: look once (a short awake window, and until a fetch has answered).
                 self._due = None

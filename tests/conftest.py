@@ -29,6 +29,45 @@ HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++",
 requires_cxx = pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: Inductor cannot build the fused kernel")
 
 
+def cpu_kernel_targets() -> list[str]:
+    """The C++ kernel build targets this CPU may run: at or below the probed ISA (the bf16 dot
+    product only where the CPU has it); the last is the native one."""
+    from kernels.cpu_caps import ISA_LEVELS, probe
+
+    level = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+    caps = probe()
+    rank = ISA_LEVELS.index(caps.isa)
+    out = [t for t, lvl in level.items() if ISA_LEVELS.index(lvl) <= rank]
+    return [t for t in out if t != "avx512_bf16" or "avx512_bf16" in caps.flags]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Every C++ kernel target this CPU runs, compiled (or found in the cache) once before any
+    test, outside every test's timeout: the first test that needed them used to compile them
+    under its own (7-34 min at load 50 failed that test), and a session fixture would still
+    count against the first test's (pytest-timeout times fixture set-up too: three cold builds
+    at load 25 overran 600 s that way). Workers the tests start find them in the same cache.
+    A build that fails is left to the tests that need it (they fall back, or fail with the
+    compiler's message); the time it took is printed."""
+    import time
+
+    if not HAS_CXX:
+        return
+    from kernels.cpu.build import KernelBuildError, build
+
+    t0 = time.monotonic()
+    failed = []
+    for target in cpu_kernel_targets():
+        try:
+            build(target)
+        except KernelBuildError as exc:
+            failed.append(f"{target}: {exc}")
+    took = time.monotonic() - t0
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and (took > 1.0 or failed):
+        reporter.write_line(f"C++ kernels built in {took:.1f}s" + (f"; failed: {failed}" if failed else ""))
+
+
 @pytest.fixture(scope="session")
 def triton_kernels():
     """`kernels.triton`, usable on `kernel_device`: CUDA where there is one, else CPU tensors
@@ -99,6 +138,11 @@ def _tiny_configs():
     )
     return {
         "llama": LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common),
+        # the "llama" weights' shapes with a long context: a turn that runs for thousands of
+        # tokens, so a test can hold a worker busy until it releases (cancels) the stream
+        "llama_long": LlamaConfig(
+            num_key_value_heads=2, tie_word_embeddings=False, **{**common, "max_position_embeddings": 8192}
+        ),
         "llama_bias": LlamaConfig(num_key_value_heads=2, attention_bias=True, **common),
         "llama3_rope": LlamaConfig(
             num_key_value_heads=1,

@@ -259,7 +259,8 @@ class HttpRun:
                 wait = min(self._due[0][0] if self._due else self.duration_s, self.duration_s) - self.now()
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=max(0.0, wait))
+                    async with asyncio.timeout(max(0.0, wait)):  # not wait_for: see shared/aio.py
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
                 continue

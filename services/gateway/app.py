@@ -249,7 +249,8 @@ class _Ctx:
 
     async def _next(self, first: bool = False):
         try:
-            return await asyncio.wait_for(self.stream.events.get(), self._timeout(first))
+            async with asyncio.timeout(self._timeout(first)):  # not wait_for: see shared/aio.py
+                return await self.stream.events.get()
         except TimeoutError:
             if first:
                 raise APIError(503, "no worker accepted the request in time", code="no_capacity") from None

@@ -56,7 +56,8 @@ class TickClock:
 
     async def wait(self) -> None:
         try:
-            await asyncio.wait_for(self._event.wait(), self.timeout_s())
+            async with asyncio.timeout(self.timeout_s()):  # not wait_for: see shared/aio.py
+                await self._event.wait()
         except TimeoutError:
             pass
         self._event.clear()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -346,9 +345,7 @@ def test_gguf_tokenizer_matches_transformers_and_is_cached(
 ) -> None:
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
 
-    start = time.perf_counter()
     first = load_tokenizer(default_src)
-    convert_s = time.perf_counter() - start
     cached_dirs = list((tmp_path / "tokenizers").iterdir())
     assert len(cached_dirs) == 1 and (cached_dirs[0] / "tokenizer.json").is_file()
 
@@ -361,12 +358,11 @@ def test_gguf_tokenizer_matches_transformers_and_is_cached(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
-    start = time.perf_counter()
     second = load_tokenizer(default_src)
-    cached_s = time.perf_counter() - start
+    # Read from the cache, not converted: shown by the one call and its arguments (a timing
+    # comparison with the conversion, here before, is what a loaded machine can reverse).
     assert len(calls) == 1 and "gguf_file" not in calls[0]
     assert Path(calls[0]["args"][0]) == cached_dirs[0]
-    assert cached_s < convert_s
 
     chat = [{"role": "user", "content": "hi"}]
     expected_chat = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

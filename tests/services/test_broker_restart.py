@@ -310,3 +310,37 @@ async def _check_until_repaired(watch: BrokerWatch):
         if restart is not None:
             return restart
     raise AssertionError("the restart was never noticed")
+
+
+def test_a_remembered_topic_that_does_not_exist_is_no_restart(own_broker):
+    """The scheduler remembers `dispatch.<worker>` when a worker's first heartbeat arrives, and
+    that topic may not exist (yet, or any more): a check must not read that as a restart (which
+    dropped the scheduler's pending requests and rewound its consumers over old heartbeats). A
+    real restart is still seen (the marker is gone), and its repair creates the remembered topic."""
+    asyncio.run(_remembered_missing_topic(own_broker))
+
+
+async def _remembered_missing_topic(broker: RestartableBroker) -> None:
+    topics = Topics("watch-remembered")
+    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=broker.bootstrap), "watch-remembered")
+    await kafka.start([topics.control])
+    told: list = []
+
+    async def on_restart(restart):
+        told.append(restart)
+
+    watch = BrokerWatch(kafka, topics.prefix, on_restart)
+    await watch.start(background=False)  # checked by hand here
+    try:
+        never_started = topics.dispatch("never-started")
+        kafka.remember(never_started)
+        assert never_started.name not in await watch.partition_counts()
+        assert await watch.check() is None and told == []
+        broker.restart()
+        restart = await _check_until_repaired(watch)
+        assert any("marker" in r for r in restart.reasons), restart.reasons
+        assert (await watch.partition_counts())[never_started.name] == never_started.partitions
+        assert await watch.check() is None and len(told) == 1
+    finally:
+        await watch.stop()
+        await kafka.stop()

@@ -220,7 +220,9 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
             _wait_running_on(stack, worker, batch.id)
         for i in range(4):  # served while the batch holds the BE slots
             rt_request(i)
-        assert client.batches.retrieve(batch.id).status == "in_progress"  # ... and did not wait for it
+        # Not asserted: that the batch is still in progress now. Its 30 short items can end while
+        # a slow loop serves the 4 RT requests one after another (it failed so under load); that
+        # RT did not wait for the batch is shown in engine steps below.
         done.set()
         results = log.result()
     progress = _be_progress_while_rt_ran(results, batch.id)

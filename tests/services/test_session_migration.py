@@ -4,7 +4,9 @@ recomputes. Every turn's greedy text equals a no-session run of the same convers
 
 Set-up: only worker `wa` runs while the sessions' first turns are served (so `wa` holds them all),
 then `wb` joins. Workers have 4 sequence slots and the scheduler's holder-room share is 0.25, so
-a holder running one RT request has no room for a turn without a hint. Workers pull a turn's KV
+a holder running one RT request has no room for a turn without a hint. The model is the tiny
+Llama with a long context (`llama_long`), so that the busy holder's turn can run until the test
+cancels it. Workers pull a turn's KV
 whenever it has a source (`session_pull=always`): the cost model's choice on this tiny model is a
 coin toss, and the test must know which path ran.
 """
@@ -35,6 +37,8 @@ pytestmark = pytest.mark.timeout(400)
 MAX_TOKENS = 24
 SESSIONS = ("mig", "decoy", "nohint", "flip", "busy")
 BLOCK = 16  # the engine's block size: only full blocks are kept and moved
+MODEL = "llama_long"  # 8K context: the busy holder's turn runs until the test releases it
+BUSY_TOKENS = 6000
 
 
 def _turn1(sid: str) -> list[dict]:
@@ -127,7 +131,7 @@ class Probe:
 @pytest.fixture(scope="module")
 def stack(make_stack, tiny_model_dir):
     s = make_stack(
-        TANDEM_MAX_NUM_SEQS=4, TANDEM_HOLDER_ROOM=0.25, TANDEM_PLACEMENT_TTL_S=60, TANDEM_SESSION_PULL="always"
+        MODEL, TANDEM_MAX_NUM_SEQS=4, TANDEM_HOLDER_ROOM=0.25, TANDEM_PLACEMENT_TTL_S=60, TANDEM_SESSION_PULL="always"
     )
     s.scheduler()
     s.advisory()
@@ -138,7 +142,7 @@ def stack(make_stack, tiny_model_dir):
     s.worker("wb")
     s.wait_workers(2)
     s.probe = Probe(s)
-    s.reference = Reference(tiny_model_dir("llama"))
+    s.reference = Reference(tiny_model_dir(MODEL))
     return s
 
 
@@ -183,11 +187,21 @@ def test_hint_moves_the_session_to_the_less_loaded_worker_which_pulls_its_kv_ove
 
 class BusyHolder:
     """A long streamed turn of the `busy` session, on its holder wa (idle, so it has room then);
-    entered once its first token arrived, so the scheduler counts it on wa."""
+    entered once its first token arrived, so the scheduler counts it on wa; on exit the stream
+    is closed, which cancels the turn.
+
+    Why it must be cancelled, not left to finish: the scheduler counts the turn on wa from its
+    dispatch until a heartbeat of wa says it finished. A 400-token turn lasted 0.5 s on a quiet
+    host (the tiny model decodes in ~1 ms), and the turn the test placed meanwhile went to wa
+    once (its first 0.1 s of HTTP, Kafka and scheduler hops took longer than that): a race
+    between two timings. A turn of thousands of tokens that ends only when the test closes it
+    keeps wa busy for as long as the test needs, whatever the machine's load.
+    """
 
     def __init__(self, stack) -> None:
         self.stack = stack
         self.started = threading.Event()
+        self.release = threading.Event()
         self.thread = threading.Thread(target=self._run)
 
     def _run(self) -> None:
@@ -195,7 +209,7 @@ class BusyHolder:
         body = {
             "model": "tiny",
             "messages": messages,
-            "max_tokens": 400,
+            "max_tokens": BUSY_TOKENS,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -207,6 +221,8 @@ class BusyHolder:
             for line in r.iter_lines():
                 if '"content"' in line:
                     self.started.set()
+                if self.release.is_set():
+                    break  # closing the stream cancels the turn on wa
         self.started.set()
 
     def __enter__(self):
@@ -215,6 +231,7 @@ class BusyHolder:
         return self
 
     def __exit__(self, *exc):
+        self.release.set()
         self.thread.join(timeout=300)
         assert self.worker == "wa"
 

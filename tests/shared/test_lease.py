@@ -17,6 +17,7 @@ from shared.topics import Topics
 
 pytestmark = pytest.mark.timeout(120)
 LEASE_S = 1.5
+HANDOVER_LEASE_S = 30.0  # the clean-stop handover's lease: see the test
 
 
 def _rec(holder: str, term: int, state: str = "held", role: str = "scheduler") -> LeaseRecord:
@@ -41,7 +42,7 @@ def test_first_claim_of_a_term_wins_and_stale_records_change_nothing():
 
 
 async def _keeper(
-    bootstrap: str, prefix: str, name: str, deposed: list[str], *, lease_s: float = LEASE_S, **settings
+    bootstrap: str, prefix: str, name: str, deposed: list[str], lease_s: float = LEASE_S, **settings
 ) -> tuple[KafkaClient, LeaseKeeper]:
     topics = Topics(prefix)
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap, topic_prefix=prefix, **settings), name)
@@ -91,18 +92,26 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         await a.stop()
         await ka.stop()
 
-        # a clean stop releases: a new standby takes over without waiting out the lease
+        await b.stop()
+        await kb.stop()
+
+        # A clean stop releases: a new standby takes over without waiting out the lease. With a
+        # lease far longer than any stall of a loaded machine (not LEASE_S: a 1.5 s lease let a
+        # starved active's renewal lapse, and a handover that took longer than 1.5 s read as
+        # "waited out"), so the standby cannot claim before the release, and a takeover before
+        # the lease could have run out is the release's doing.
         deposed.clear()
-        kc, c = await _keeper(kafka_bootstrap, "lease1", "c", deposed)
-        await asyncio.sleep(0.5)
+        kd, d = await _keeper(kafka_bootstrap, "lease2", "d", deposed, HANDOVER_LEASE_S)
+        assert await asyncio.wait_for(d.wait_active(), 10) == 1
+        kc, c = await _keeper(kafka_bootstrap, "lease2", "c", deposed, HANDOVER_LEASE_S)
         assert not c.is_active()
         t0 = time.monotonic()
-        await b.stop()
-        assert await asyncio.wait_for(c.wait_active(), 10) == 3
-        assert time.monotonic() - t0 < LEASE_S, "a released lease was waited out"
+        await d.stop()
+        assert await asyncio.wait_for(c.wait_active(), HANDOVER_LEASE_S) == 2, "a released lease was waited out"
+        assert time.monotonic() - t0 < HANDOVER_LEASE_S, "a released lease was waited out"
         assert deposed == []
         await c.stop()
-        await kb.stop()
+        await kd.stop()
         await kc.stop()
 
     asyncio.run(run())

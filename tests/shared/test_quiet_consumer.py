@@ -224,3 +224,33 @@ def test_a_reader_off_the_token_path_sleeps_once_it_has_read_what_it_was_rung_fo
         await kafka.stop()
 
     asyncio.run(run())
+
+
+def test_a_sleeping_consumer_rung_as_it_stops_still_stops(kafka_bootstrap):
+    """A ring that wakes a sleeping consumer in the same moment as its stop cancels its watch:
+    the stop ends. With `asyncio.wait_for` as the idle wait, Python 3.11 swallowed that
+    cancellation (shared/aio.py) and the stop waited forever: a scheduler hung at stop that way
+    when the other services' lease releases rang its lease consumer. Tried at each of the first
+    few loop turns after the ring, since which turn meets the cancellation decides it."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_idle_poll_ms=60_000)
+
+    async def run() -> None:
+        topic = "qc-stop-rung"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 1, "none")])
+        try:
+            for turns in range(4):
+                consumer = await kafka.consumer(group=None, hot=True)
+                await kafka.assign_all(consumer, topic, from_end=True)
+                await _until(lambda c=consumer: c.sleeping, "the idle consumer to sleep")
+                consumer.wake()  # what the doorbell calls on a ring
+                for _ in range(turns):
+                    await asyncio.sleep(0)
+                stop = asyncio.create_task(consumer.stop())
+                await asyncio.wait({stop}, timeout=60)  # a safety net: a clean stop takes milliseconds
+                assert stop.done(), f"the stop hung when the ring met it {turns} loop turns later"
+                stop.result()
+        finally:
+            await kafka.stop()
+
+    asyncio.run(run())
