@@ -153,20 +153,37 @@ async def _wait_capacity(stack, match) -> BECapacity:
         await kafka.stop()
 
 
-async def _record_results(stack, reading: threading.Event, done: threading.Event) -> list[tuple[int, ResultBatch]]:
+async def _record_results(
+    stack, reading: threading.Event, done: threading.Event, rt_expected: int, batch_ids: list[str]
+) -> list[tuple[int, ResultBatch]]:
     """Every result batch the workers publish (all partitions: the gateway's and the queue's)
-    from `reading` until `done`, with the broker record's timestamp. A worker stamps its records
-    when it hands them to the producer, one flush per engine step, so within one worker the
-    timestamps order its steps' events across partitions (the same clock, the same process)."""
+    from `reading` until `done` *and* the last token of `rt_expected` RT requests (ids not of a
+    batch in `batch_ids`, filled in before `done`) have been read: the test's HTTP responses can
+    return before this log has read their final deltas (it missed one that way under load). With
+    the broker record's timestamp: a worker stamps its records when it hands them to the
+    producer, one flush per engine step, so within one worker the timestamps order its steps'
+    events across partitions (the same clock, the same process)."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-results-log")
     consumer = await kafka.consumer(group=None, hot=True)
     out: list[tuple[int, ResultBatch]] = []
+    rt_finished: set[str] = set()
+
+    def all_read() -> bool:
+        return done.is_set() and len(rt_finished) >= rt_expected
+
     try:
         await kafka.assign_all(consumer, Topics(stack.prefix).results.name, from_end=True)
         reading.set()
-        while not done.is_set():
+        while not all_read():
             for msgs in (await consumer.getmany(timeout_ms=200)).values():
-                out += [(m.timestamp, ResultBatch.decode(m.value)) for m in msgs]
+                for m in msgs:
+                    batch = ResultBatch.decode(m.value)
+                    out.append((m.timestamp, batch))
+                    rt_finished.update(
+                        e.request_id
+                        for e in batch.events
+                        if isinstance(e, Delta) and e.finish_reason and not e.request_id.startswith(tuple(batch_ids))
+                    )
     finally:
         await kafka.stop()
     return out
@@ -208,11 +225,12 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
         r = httpx.post(f"{stack.url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == rt_tokens
 
-    reading, done = threading.Event(), threading.Event()
+    reading, done, batch_ids = threading.Event(), threading.Event(), ["batch_"]
     with ThreadPoolExecutor(1) as pool:
-        log = pool.submit(asyncio.run, _record_results(stack, reading, done))
+        log = pool.submit(asyncio.run, _record_results(stack, reading, done, 4, batch_ids))
         stack.wait_until("the results log reads the results topic", reading.is_set)
         batch = submit(client, chat_lines(30, max_tokens=150, prefix="rt"))
+        batch_ids[:] = [batch.id]
         # Items run on every worker before the first RT request is sent: the batch's items start
         # (and end) together, so the first completion, which this waited for before, was the
         # moment a worker had none running and an RT request there had nothing to compete with.
@@ -224,7 +242,7 @@ def test_rt_requests_complete_while_a_batch_runs(stack, client):
         # a slow loop serves the 4 RT requests one after another (it failed so under load); that
         # RT did not wait for the batch is shown in engine steps below.
         done.set()
-        results = log.result()
+        results = log.result(timeout=120)  # the 4 RT requests' last tokens were produced: they returned
     progress = _be_progress_while_rt_ran(results, batch.id)
     assert len(progress) == 4, progress
     # Each RT request took about one step per token (prefill, then 15 decodes): a BE item beside
