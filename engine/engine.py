@@ -86,6 +86,7 @@ class LLMEngine:
             decode_kernel,
             fallback=config.attention == "auto",
             compile_layers=config.layers_compiled,
+            prefill_in_kernel=config.prefill_attention == "auto",
         )
         # A given profile is loaded for every policy (the scheduler's SLO placement reads it from
         # the worker's telemetry); the policies that need one profile at start without it.
