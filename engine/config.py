@@ -105,6 +105,11 @@ class EngineConfig:
     # float32 or bfloat16 where they build, PyTorch op by op elsewhere; "cpp" requires them;
     # "off" is op by op (kernels/layer_ops.py; measurements in docs/engine.md)
     fused_ops: str = "auto"
+    # how prefill rows are attended: "auto" runs them through the C++ paged kernel with the
+    # decode rows, every row of a step in one call (a prompt's row i is a query over its first
+    # ctx + i + 1 tokens), wherever the decode kernel is "cpp"; "sdpa" keeps one SDPA call per
+    # prompt (the path every other kernel takes; the A/B switch; docs/engine.md)
+    prefill_attention: str = "auto"
     # repeat each KV head for its query heads after loading (models/kv_expand.py): the same
     # function with multi-head attention's KV memory shape (the hybrid cache's MHA test model)
     kv_heads_expand: bool = False
@@ -141,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"cache_form must be auto, kv or hidden, not {self.cache_form!r}")
         if self.fused_ops not in ("auto", "cpp", "off"):
             raise ValueError(f"fused_ops must be auto, cpp or off, not {self.fused_ops!r}")
+        if self.prefill_attention not in ("auto", "sdpa"):
+            raise ValueError(f"prefill_attention must be auto or sdpa, not {self.prefill_attention!r}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` decided for this machine (kernels/cpu_caps.py), logged.

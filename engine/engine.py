@@ -18,17 +18,23 @@ from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import CostModel
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, PartialResidency, num_blocks_for_budget
-from engine.kv.hidden import HiddenBlocks, HiddenLayout
-from engine.kv.partial import check_ratio, check_source
-from engine.kv.storage import bytes_per_block
+from engine.engine_setup import (
+    aptserve_needs_rho,
+    attach_hidden_cache,
+    check_partial_residency,
+    make_kv_cache,
+    max_model_len,
+    policy_options,
+    profiled_cost_model,
+)
+from engine.kv import PartialResidency
 from engine.loader.formats import load_architecture, load_weights
 from engine.models import build_model
 from engine.models.kv_expand import expand_kv_heads
 from engine.models.packed_linear import pack_linear_layers, packing_pays
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
-from engine.profiling import ProfileTarget, profile, profile_cached
+from engine.profiling import ProfileTarget
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
@@ -57,7 +63,7 @@ class LLMEngine:
         self.config = config
         decode_kernel = config.decode_kernel  # an unknown or unusable choice fails before loading
         if config.uncached_ratio or config.policy == "ellm":
-            self._check_partial_residency(config)
+            check_partial_residency(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.config.device == "cpu":
@@ -66,7 +72,7 @@ class LLMEngine:
         source = arch.source  # None for a built-in architecture (dummy weights, no files)
         self.model_config: ModelConfig = arch.config
         self.tokenizer = arch.tokenizer  # None: token ids in and out only
-        self.max_model_len = self._max_model_len(config, self.model_config)
+        self.max_model_len = max_model_len(config, self.model_config)
         self.device = torch.device(config.device)
         layer_ops = choose_layer_ops(config.fused_ops, self.device, config.torch_dtype)
         self.model = build_model(self.model_config, self.max_model_len, config.torch_dtype, self.device, layer_ops)
@@ -75,8 +81,8 @@ class LLMEngine:
             self.model_config = expand_kv_heads(self.model, self.model_config)
         if config.packed_weights and packing_pays(self.model, config.torch_dtype, self.device):
             pack_linear_layers(self.model)
-        self.kv, self.storage = self._make_kv_cache(config)
-        self.hidden_blocks = self._attach_hidden_cache(config)
+        self.kv, self.storage = make_kv_cache(config, self.model_config, self.device)
+        self.hidden_blocks = attach_hidden_cache(config, self.model_config, self.kv, self.storage)
         limits = BatchLimits(config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.runner = ModelRunner(
             self.model,
@@ -86,14 +92,17 @@ class LLMEngine:
             decode_kernel,
             fallback=config.attention == "auto",
             compile_layers=config.layers_compiled,
+            prefill_in_kernel=config.prefill_attention == "auto",
         )
         # A given profile is loaded for every policy (the scheduler's SLO placement reads it from
         # the worker's telemetry); the policies that need one profile at start without it.
         self.cost_model = CostModel.load(config.cost_model_path) if config.cost_model_path else None
-        needs_profile = config.policy in ("bros", "ellm") or self._aptserve_needs_rho(config)
+        needs_profile = config.policy in ("bros", "ellm") or aptserve_needs_rho(config, self.hidden_blocks)
         if needs_profile and self.cost_model is None:
-            self.cost_model = self._cost_model(config, source)
-        self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **self._policy_options(config)))
+            self.cost_model = profiled_cost_model(config, source, self.profile_target())
+        in_session = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built below)
+        options = policy_options(config, self.cost_model, self.model_config.num_layers, in_session)
+        self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **options))
         self.sessions = SessionStore(
             config,
             KVLayout.of(self.model_config, config.dtype, config.block_size),
@@ -132,25 +141,6 @@ class LLMEngine:
             self.storage.nbytes / 2**30,
             config.policy,
         )
-
-    @staticmethod
-    def _check_partial_residency(config: EngineConfig) -> None:
-        """The combinations partial residency refuses, before anything is loaded (docs/ellm.md)."""
-        check_ratio(config.uncached_ratio)
-        if config.policy != "ellm" or config.uncached_source != "auto":  # "auto": ellm picks per step
-            check_source(config.uncached_source)
-        if config.policy == "bros":
-            raise ValueError(
-                "uncached_ratio > 0 cannot be combined with policy 'bros': BROS shares one block between "
-                "two requests' ends, and a shared block cannot leave the pool for one of them (docs/ellm.md)"
-            )
-        if config.policy == "ellm" and config.uncached_ratio:
-            raise ValueError("policy 'ellm' chooses the uncached ratio itself each step: leave uncached_ratio at 0")
-        if config.cache_form == "hidden" or config.policy == "aptserve":
-            raise ValueError(
-                "partial residency (uncached_ratio > 0, policy 'ellm') does not combine with the hybrid cache's "
-                "HIDDEN form (cache_form='hidden', policy 'aptserve'): both rebuild K/V in the step's last rows"
-            )
 
     def _attach_partial_residency(self, config: EngineConfig) -> None:
         """eLLM's partial residency for every request but session turns (docs/ellm.md says why)."""
@@ -390,98 +380,6 @@ class LLMEngine:
                 f"the request needs up to {needed} KV slots but the KV cache holds {capacity}; "
                 f"lower max_tokens or raise --kv-cache-gib"
             )
-
-    @staticmethod
-    def _max_model_len(config: EngineConfig, model: ModelConfig) -> int:
-        limit = model.max_position_embeddings
-        if config.max_model_len is None:
-            return limit
-        if config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {limit} tokens")
-        return config.max_model_len
-
-    def _make_kv_cache(self, config: EngineConfig) -> tuple[KVCacheManager, KVCacheStorage]:
-        dtype = config.torch_dtype
-        num_blocks = config.num_blocks or num_blocks_for_budget(
-            self.model_config, config.block_size, dtype, config.kv_cache_gib
-        )
-        pool = BlockPool(num_blocks, config.enable_prefix_caching)
-        block_bytes = bytes_per_block(self.model_config, config.block_size, dtype)
-        host_blocks = config.num_host_blocks
-        if host_blocks is None:
-            host_blocks = int(config.swap_space_gib * 2**30) // block_bytes
-        storage = KVCacheStorage(self.model_config, num_blocks, config.block_size, dtype, self.device, host_blocks)
-        kv = KVCacheManager(
-            pool, config.block_size, bytes_per_token=block_bytes // config.block_size, host_blocks=host_blocks
-        )
-        return kv, storage
-
-    def _attach_hidden_cache(self, config: EngineConfig) -> HiddenBlocks | None:
-        """The hybrid cache's component (engine/kv/hidden.py), attached first so it owns the
-        HIDDEN requests whatever the policy attaches after it; None when no request can be
-        HIDDEN (cache_form "kv", or the bros policy, which swaps and shares blocks)."""
-        if config.policy == "bros":
-            if config.cache_form == "hidden":
-                raise ValueError("cache_form='hidden' does not combine with the bros policy (it swaps blocks)")
-            return None
-        if config.cache_form == "kv":
-            return None
-        layout = HiddenLayout.of(self.model_config, config.block_size, self.storage.num_blocks)
-        forced = config.cache_form == "hidden"
-        log.log(logging.WARNING if forced and not layout.saves_memory else logging.INFO, layout.describe())
-        return self.kv.attach(HiddenBlocks.factory(layout))
-
-    def _aptserve_needs_rho(self, config: EngineConfig) -> bool:
-        """aptserve profiles for ρ unless given one, and for the re-prefill price of a conversion
-        unless conversions are unpriced; only where it may pick HIDDEN: on a model where the
-        hidden form saves nothing neither is used."""
-        hidden = self.hidden_blocks
-        return (
-            config.policy == "aptserve"
-            and (config.aptserve_rho is None or config.aptserve_price_switches)
-            and hidden is not None
-            and hidden.layout.saves_memory
-        )
-
-    def _policy_options(self, config: EngineConfig) -> dict:
-        if config.policy == "aptserve":
-            if config.cache_form != "auto":
-                raise ValueError("the aptserve policy chooses each request's cache form: use cache_form='auto'")
-            return {
-                "rho": config.aptserve_rho,
-                "cost_model": self.cost_model,
-                "decay": config.aptserve_decay,
-                "price_switches": config.aptserve_price_switches,
-                "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
-            }
-        if config.policy == "ellm":  # session turns stay resident (docs/ellm.md)
-            excluded = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built later)
-            return {
-                "cost_model": self.cost_model,
-                "default_slo": SLO(None, config.rt_tpot_s),
-                "excluded": excluded,
-                "source": config.uncached_source,
-                "num_layers": self.model_config.num_layers,
-            }
-        if config.policy != "bros":
-            return {}
-        return {
-            "cost_model": self.cost_model,
-            "default_slo": SLO(config.rt_ttft_s, config.rt_tpot_s),
-            "base_cap": config.bros_base_cap,
-            "min_be_share": config.bros_min_be_share,
-            "token_group": config.bros_token_group,
-            "be_fills_rt_ends": config.bros_be_fills_rt_ends,
-            "be_order": config.bros_be_order,
-        }
-
-    def _cost_model(self, config: EngineConfig, source):
-        """The profiled step-time model: a given file, the on-disk cache, or a fresh profile."""
-        if config.cost_model_path:
-            return CostModel.load(config.cost_model_path)
-        if source is None:  # a built-in architecture has no files to key a cached profile on
-            return profile(self.profile_target())
-        return profile_cached(self.profile_target(), source)
 
     def profile_target(self) -> ProfileTarget:
         """What the profiler drives and reads. Needs only the model, runner and KV cache, so the

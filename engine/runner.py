@@ -54,12 +54,15 @@ class ModelRunner:
         decode_kernel: str = "reference",
         fallback: bool = False,
         compile_layers: bool = True,
+        prefill_in_kernel: bool = True,
     ) -> None:
         """`decode_kernel`: one of `kernels.DECODE_KERNELS`. `fallback`: if that kernel cannot be
         built or compiled here, warn and use the reference (`attention="auto"`); otherwise the
         error propagates. `compile_layers`: with a kernel that runs inside compiled layers
         (`kernels.GRAPH_DECODE_KERNELS`), run decode-only steps through compiled layers
-        (models/decode_graph.py) where the model supports it."""
+        (models/decode_graph.py) where the model supports it. `prefill_in_kernel`: with the C++
+        kernel, attend prefill rows with it too, every row of a step in one call
+        (`_step_bucket`); False keeps one SDPA call per prompt (`EngineConfig.prefill_attention`)."""
         self.model = model
         self.storage = storage
         self.kv = kv
@@ -67,6 +70,7 @@ class ModelRunner:
         self.block_size = storage.block_size
         self.scale = model.config.head_dim**-0.5
         self.decode_kernel = decode_kernel
+        self.prefill_in_kernel = prefill_in_kernel
         self.decode_graph: DecodeGraph | None = None
         self.hidden_layout = HiddenLayout.of(model.config, storage.block_size, storage.num_blocks)
         if decode_kernel in GRAPH_DECODE_KERNELS:  # build or compile now rather than in the first request's step
@@ -118,7 +122,12 @@ class ModelRunner:
             return self._execute_decode_graph(decodes)
         ordered = decodes + prefills + rebuilt
         input_ids, positions, slots, rows, sampled = self._flatten(ordered + hidden_items)
-        spans = self._prefill_spans(prefills, start=len(decodes))
+        if self._prefill_in_kernel():  # one kernel call for every decode and prefill row
+            buckets = [self._step_bucket(decodes, prefills)] if decodes or prefills else []
+            spans: list[PrefillSpan] = []  # what stays on SDPA: rebuilt prefixes (added below)
+        else:
+            buckets = self._decode_buckets([it.request for it in decodes])
+            spans = self._prefill_spans(prefills, start=len(decodes))
         transient, host_loader = [], None
         if rebuilt:  # their rebuilt prefixes go after every other row (host-kept ones are loaded per layer)
             first = len(input_ids) - sum(it.num_new_tokens for it in rebuilt)
@@ -129,7 +138,7 @@ class ModelRunner:
                 wait_layer = host_loader.before_layer(wait_layer)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            decode_buckets=self._decode_buckets([it.request for it in decodes]),
+            decode_buckets=buckets,
             prefills=spans,
             scale=self.scale,
             wait_layer=wait_layer,
@@ -143,6 +152,11 @@ class ModelRunner:
             return StepResult(None, [])
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return StepResult(logits, sampled)
+
+    def _prefill_in_kernel(self) -> bool:
+        """Whether prefill rows go through the decode kernel (the C++ one attends any row over
+        its own context, so a prompt's row i is a query over its first ctx + i + 1 tokens)."""
+        return self.prefill_in_kernel and self.decode_kernel == "cpp"
 
     def _hidden_batch(self, items: list[ScheduledItem], first_row: int):
         return build_hidden_batch(
@@ -218,6 +232,42 @@ class ModelRunner:
                 buckets.append([])
             buckets[-1].append(i)
         return [self._decode_bucket(rows, [requests[i] for i in rows], [lens[i] for i in rows]) for rows in buckets]
+
+    def _step_bucket(self, decodes: list[ScheduledItem], prefills: list[ScheduledItem]) -> DecodeBucket:
+        """Rows 0.. of the step, decodes then prefill chunks, as one bucket whose every row is a
+        query over its own sequence's cached tokens up to and including itself (causal by
+        length: a chunk's K/V are written to the cache before attention). A prompt's rows share
+        its block table row; SDPA per prompt (the other path) is what this replaces."""
+        bs = self.block_size
+        lens: list[int] = []
+        tables, repeats = [], []
+        for it in decodes + prefills:
+            req, n = it.request, it.num_new_tokens
+            ctx = req.num_computed_tokens
+            lens.extend(range(ctx + 1, ctx + n + 1))
+            tables.append(self.kv.table(req))
+            repeats.append(n)
+        ends = [it.request.num_computed_tokens + it.num_new_tokens for it in decodes + prefills]
+        width = -(-max(ends) // bs)
+        ids = [t.ids[: -(-e // bs)] for t, e in zip(tables, ends)]
+        table = torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.long)
+        reversed_bits = self._directions(tables, width)
+        if len(lens) != len(repeats):  # some prompt has several rows: they share its table row
+            counts = torch.tensor(repeats)
+            table = table.repeat_interleave(counts, 0)
+            if reversed_bits is not None:
+                reversed_bits = reversed_bits.repeat_interleave(counts.to(reversed_bits.device), 0)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        valid = torch.arange(width * bs).unsqueeze(0) < lens_t.unsqueeze(1)
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        return DecodeBucket(
+            rows=torch.arange(len(lens), device=self.device),
+            row_range=slice(0, len(lens)),
+            block_table=table.to(self.device),
+            bias=bias.unsqueeze(1).to(self.device),
+            reversed=reversed_bits,
+            lens=lens_t.to(self.device),
+        )
 
     def _whole_bucket(self, requests: list[Request], lens: list[int]) -> DecodeBucket:
         """Every request in one bucket, rows in order (for kernels that cut contexts into chunks)."""

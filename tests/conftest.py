@@ -108,7 +108,7 @@ def hf_default_model(smollm2_dir):
     """transformers' own import of the default model's GGUF in float32, in eval mode: the reference
     the loader's weights and the engine's greedy outputs are compared with. Loaded once per
     session (transformers dequantises the whole GGUF in Python: the slowest set-up in
-    tests/engine, paid twice when test_loader and test_hf_parity each loaded it). Tests only read
+    tests/engine, paid twice when test_loader_gguf and test_hf_parity each loaded it). Tests only read
     it (forward passes under inference_mode, its config, its state_dict)."""
     from transformers import AutoModelForCausalLM
 

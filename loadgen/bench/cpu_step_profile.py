@@ -56,6 +56,7 @@ def _engine(args, budget: int):
             model=args.model,
             dtype=args.dtype,
             fused_ops=args.fused_ops,
+            prefill_attention=args.prefill_attention,
             max_num_seqs=max(args.seqs, 1),
             max_num_batched_tokens=budget,
             kv_cache_gib=args.kv_cache_gib,
@@ -145,6 +146,7 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--fused-ops", default="auto", choices=["auto", "cpp", "off"])
+    p.add_argument("--prefill-attention", default="auto", choices=["auto", "sdpa"])
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument(
         "--prefill-shape", default="one", choices=["one", "workload"], help="one prompt, or prompts U(50, 300)"
@@ -158,6 +160,7 @@ def main() -> None:
     out = {
         "dtype": args.dtype,
         "fused_ops": args.fused_ops,
+        "prefill_attention": args.prefill_attention,
         "prefill_shape": args.prefill_shape,
         "prefill": prefill(args),
         "decode": decode(args),

@@ -75,6 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "cpp", "off"],
         help="the layers' fused C++ elementwise kernels (off: PyTorch op by op, for A/B runs); default: auto",
     )
+    p.add_argument(
+        "--prefill-attention",
+        default=None,
+        choices=["auto", "sdpa"],
+        help="prefill rows through the C++ paged kernel with the decode rows (auto) or one SDPA call per "
+        "prompt (sdpa, for A/B runs); default: auto",
+    )
     add_cache_form_options(p)
     p.add_argument(
         "--dump-prompts",
@@ -111,6 +118,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
         "attention",
         "compile_layers",
         "fused_ops",
+        "prefill_attention",
         "kv_heads_expand",
         "cache_form",
         "uncached_ratio",
