@@ -29,6 +29,7 @@ from engine.models.packed_linear import pack_linear_layers, packing_pays
 from engine.outputs import RequestOutput
 from engine.platform_tuning import tune_allocator
 from engine.profiling import ProfileTarget, profile, profile_cached
+from engine.rebuilt_prefix import reads_host_prefix_in_place
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
@@ -410,7 +411,10 @@ class LLMEngine:
         host_blocks = config.num_host_blocks
         if host_blocks is None:
             host_blocks = int(config.swap_space_gib * 2**30) // block_bytes
-        storage = KVCacheStorage(self.model_config, num_blocks, config.block_size, dtype, self.device, host_blocks)
+        in_place = reads_host_prefix_in_place(config)
+        storage = KVCacheStorage(
+            self.model_config, num_blocks, config.block_size, dtype, self.device, host_blocks, in_place
+        )
         kv = KVCacheManager(
             pool, config.block_size, bytes_per_token=block_bytes // config.block_size, host_blocks=host_blocks
         )
@@ -500,6 +504,7 @@ class LLMEngine:
             calibrate_hidden=self.hidden_blocks is not None and self.hidden_blocks.layout.saves_memory,
             # what a host-read prefix step costs, where ellm may read prefixes from host
             calibrate_prefix=self.config.policy == "ellm" and self.config.uncached_source != "rebuild",
+            prefix_read="copy" if self.storage.host_offset is None else "in_place",
         )
 
     def _tokenizer_eos(self) -> frozenset[int]:
