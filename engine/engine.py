@@ -291,6 +291,7 @@ class LLMEngine:
             pool.capacity,
             self.sessions.stats.as_dict(),
             self.stats.as_dict(),
+            self.scheduler.policy.published_stats(),
         )
 
     def _recompute_failed_loads(self, waiter) -> set[Request]:
