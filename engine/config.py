@@ -140,6 +140,11 @@ class EngineConfig:
     # (swap_space_gib) and reads them back layer by layer (falls back to rebuild when host is full);
     # "auto" (policy ellm only): the cheaper of the two per step, as the optimiser prices them
     uncached_source: str = "rebuild"
+    # with the host source on a CPU (host swap space and the pool are the same DRAM): keep the
+    # swap space in the pool's tensor and read a host-kept prefix in place through the block
+    # table, so its steps stay on the compiled decode path (docs/ellm.md). False: copy each
+    # layer's prefix into a scratch and attend it apart (what a GPU does; kept for checking)
+    host_prefix_in_place: bool = True
 
     def __post_init__(self) -> None:
         if self.cache_form not in ("auto", "kv", "hidden"):

@@ -49,11 +49,13 @@ what the profiler's linear fit measures).
 
 Partial residency (docs/ellm.md). `prefix_step` is what a step pays, on top of the same batch
 fully resident, when some rows read a non-resident prefix from host swap space
-(`engine/prefix_profiling.py` measures it): a fixed `overhead_s` (such a step leaves the
-compiled decode layers and runs op by op), `per_row_s` per row that carries a prefix (its
-partial attention and merge, one span at a time) and `per_token_s` per prefix token (the
-per-layer copy from host and the attention over it). Without it only the copy is priced
-(`swap_bytes_per_s`), which on this CPU missed 98% of the real extra (docs/ellm.md).
+(`engine/prefix_profiling.py` measures it, in the way the engine reads, `meta.prefix_read`):
+a fixed `overhead_s`, `per_row_s` per row that carries a prefix and `per_token_s` per prefix
+token. Read through a per-layer scratch (`copy`) such a step leaves the compiled decode layers
+and runs op by op, attends each prefix apart and copies it per layer; read in place (a CPU's
+`in_place`) it is the resident step with other block ids and the terms measure what is left.
+Without it only the copy is priced (`swap_bytes_per_s`), which on this CPU missed 98% of the
+scratch path's real extra (docs/ellm.md).
 """
 
 from __future__ import annotations

@@ -280,6 +280,7 @@ class LLMEngine:
             pool.capacity,
             self.sessions.stats.as_dict(),
             self.stats.as_dict(),
+            self.scheduler.policy.published_stats(),
         )
 
     def _recompute_failed_loads(self, waiter) -> set[Request]:
@@ -398,6 +399,7 @@ class LLMEngine:
             calibrate_hidden=self.hidden_blocks is not None and self.hidden_blocks.layout.saves_memory,
             # what a host-read prefix step costs, where ellm may read prefixes from host
             calibrate_prefix=self.config.policy == "ellm" and self.config.uncached_source != "rebuild",
+            prefix_read="copy" if self.storage.host_offset is None else "in_place",
         )
 
     def _tokenizer_eos(self) -> frozenset[int]:

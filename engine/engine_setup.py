@@ -20,6 +20,7 @@ from engine.kv.hidden import HiddenBlocks, HiddenLayout
 from engine.kv.partial import check_ratio, check_source
 from engine.kv.storage import bytes_per_block
 from engine.profiling import ProfileTarget, profile, profile_cached
+from engine.rebuilt_prefix import reads_host_prefix_in_place
 from engine.scheduling import SLO, Request
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ def make_kv_cache(
     host_blocks = config.num_host_blocks
     if host_blocks is None:
         host_blocks = int(config.swap_space_gib * 2**30) // block_bytes
-    storage = KVCacheStorage(model, num_blocks, config.block_size, dtype, device, host_blocks)
+    in_place = reads_host_prefix_in_place(config)
+    storage = KVCacheStorage(model, num_blocks, config.block_size, dtype, device, host_blocks, in_place)
     kv = KVCacheManager(
         pool, config.block_size, bytes_per_token=block_bytes // config.block_size, host_blocks=host_blocks
     )

@@ -44,11 +44,14 @@ def tune_allocator() -> bool:
 
 
 _MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
+_PAGE = 4096
 _HUGE_PAGE = 2 << 20
 
 
-def empty_hugepage_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory is advised to use 2 MiB transparent huge pages.
+def empty_hugepage_tensor(shape: tuple[int, ...], dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+    """A zeroed CPU tensor whose memory is advised to use 2 MiB transparent huge pages
+    (`zero=False`: left unwritten, for a caller that zeroes only the part it uses now).
 
     Decode attention gathers small rows from all over the KV pool; with 4 KiB pages nearly
     every row costs a TLB miss. Many kernels (this machine's included) only give huge pages
@@ -65,4 +68,18 @@ def empty_hugepage_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         madvise(raw.data_ptr() + offset, nbytes - nbytes % _HUGE_PAGE, _MADV_HUGEPAGE)
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    return tensor.zero_()  # first touch after the advice, so the pages come huge
+    return tensor.zero_() if zero else tensor  # first touch after the advice, so the pages come huge
+
+
+def no_hugepages(ptr: int, nbytes: int) -> None:
+    """Take back the huge-page advice for the whole 4 KiB pages inside `[ptr, ptr + nbytes)`
+    of an `empty_hugepage_tensor`, before anything touches them: a range used rarely (swap
+    space kept in the pool's tensor) is then committed page by page as it is written, instead
+    of 2 MiB at a time whenever a neighbouring pool block is. A no-op where madvise is missing."""
+    madvise = getattr(_libc(), "madvise", None)
+    start = -(-ptr // _PAGE) * _PAGE
+    end = (ptr + nbytes) // _PAGE * _PAGE
+    if madvise is None or end <= start:
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise(start, end - start, _MADV_NOHUGEPAGE)

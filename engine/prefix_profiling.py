@@ -1,11 +1,16 @@
 """Measure what a host-read prefix step really costs (eLLM's partial residency), for the cost model.
 
 A step in which some rows read their oldest tokens' K/V from host swap space
-(`engine/rebuilt_prefix.py`) pays more than the copy: it leaves the compiled decode layers
+(`engine/rebuilt_prefix.py`) may pay more than the copy. Read through a per-layer scratch
+(`prefix_read` "copy", a GPU's way) it leaves the compiled decode layers
 (`engine/models/decode_graph.py`) and the C++ decode kernel, and each such row's prefix goes
-through the reference partial attention and merge, one span at a time, op by op. On this CPU
+through the reference partial attention and merge, one span at a time, op by op: on this CPU
 that made a step 2.6-3x the plain one where the copy alone was priced at ~1% of it, so the
-`ellm` optimiser chose ratios that lost (docs/ellm.md). This module measures the whole extra.
+`ellm` optimiser chose ratios that lost (docs/ellm.md). Read in place (`prefix_read`
+"in_place", a CPU's default: the swap space is the pool tensor's tail) the step is the fully
+resident one with other block ids, and what is left to measure is where the prefix's bytes
+live. This module measures the whole extra, whichever way the engine reads; the fit records
+the way (`meta.prefix_read`), so a cached fit of the other way is measured again.
 
 Method, as the hybrid cache's ρ is measured (`engine/profiling.py`): the same decode batch is
 timed twice, fully resident and with a prefix of `u` tokens of every row kept on host, on a
@@ -91,6 +96,13 @@ def measure_prefix_step(target: ProfileTarget) -> tuple[PrefixStepFit, tuple[Pre
     return PrefixStepFit(overhead, per_row, per_token), points
 
 
+def prefix_step_current(target: ProfileTarget, model: CostModel) -> bool:
+    """Whether `model` has a prefix-step fit of the way `target` reads host-kept prefixes
+    (`meta.prefix_read`; a fit from before the in-place read has none and counts as "copy"):
+    the two cost very different amounts, so a cached fit of the other way is measured again."""
+    return model.prefix_step is not None and model.meta.get("prefix_read", "copy") == target.prefix_read
+
+
 def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
     """`model` with `prefix_step` measured, the points in its meta; `model` as it is, with a
     warning, where the pool or the host space is too small for the grid (the engine still
@@ -105,11 +117,13 @@ def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
     fit, points = measure_prefix_step(target)
     meta = dict(model.meta)
     meta.update(
+        prefix_read=target.prefix_read,
         prefix_points=[{"rows": p.rows, "tokens": p.tokens, "extra_s": p.extra_s} for p in points],
         prefix_profile_seconds=time.perf_counter() - start,
     )
     log.info(
-        "host-read prefix step: +%.3g s per step, +%.3g s per row, +%.3g s per prefix token",
+        "host-read prefix step (%s): +%.3g s per step, +%.3g s per row, +%.3g s per prefix token",
+        target.prefix_read,
         fit.overhead_s,
         fit.per_row_s,
         fit.per_token_s,

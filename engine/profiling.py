@@ -54,7 +54,7 @@ from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.hidden import CacheForm
 from engine.loader.cache import default_cache_dir, file_cache_key
-from engine.prefix_profiling import with_prefix_step
+from engine.prefix_profiling import prefix_step_current, with_prefix_step
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
 from engine.scheduling.request import Request
@@ -79,6 +79,9 @@ class ProfileTarget:
     compiled_layers: bool
     calibrate_hidden: bool = False  # measure the hybrid cache's rebuild (ρ): its hidden form saves memory
     calibrate_prefix: bool = False  # measure a host-read prefix step (eLLM's host source)
+    # how such a step reads the prefix: "in_place" (swap space in the pool's tensor, the
+    # compiled decode path) or "copy" (a per-layer scratch); a cached fit of the other is redone
+    prefix_read: str = "copy"
 
 
 def profile_path(target: ProfileTarget, source, cache_dir: Path | None = None) -> Path:
@@ -96,7 +99,7 @@ def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None)
             changed = False
             if target.calibrate_hidden and model.hidden_s_per_token is None:
                 model, changed = with_hidden(target, model), True
-            if target.calibrate_prefix and model.prefix_step is None:
+            if target.calibrate_prefix and not prefix_step_current(target, model):
                 model, changed = with_prefix_step(target, model), True
             if changed:
                 model.save(path)

@@ -21,13 +21,24 @@ memory partial residency frees, which the `ellm` policy weighs (and a fixed rati
 checking and debugging).
 
 A table whose prefix is kept on host (`BlockTable.host_prefix`, the `host` source) adds no
-rows: its span reads the prefix's K/V from a one-layer scratch (`HostPrefixKV`) that
-`HostPrefixLoader` fills just before each layer (through the models' `wait_layer` hook, the
-one they already call before every layer), by one `index_select` over that layer's host swap
-space for all such prefixes of the step. The K/V are the originals, so attention over them is
-the full-residency one up to the merge's rounding. On a GPU this load is a synchronous
-host-to-device copy per layer; overlapping it one layer ahead on a second stream (the
-design in docs/ellm.md) is not built.
+rows, and is read one of two ways:
+
+- *In place* (a CPU, `KVCacheStorage.host_offset` set: the swap space is the tail of the
+  pool's tensor, `reads_host_prefix_in_place`): the row is a plain decode or prefill row whose
+  block table names the prefix's host blocks (`attended_ids`). The step is the fully resident
+  one with other block ids, so a decode-only step stays on the compiled decode layers and the
+  C++/fused kernel, reads the same K/V bytes in the same order as full residency (bitwise the
+  same logits) and pays no copy per step; the only copies are the offloads when a block leaves
+  the pool. On a CPU the host tier is the same DRAM, so there is nothing to copy *to*.
+- *Through a scratch* (a GPU, where the swap space is pinned host memory; or
+  `host_prefix_in_place=False`): its span reads the prefix's K/V from a one-layer scratch
+  (`HostPrefixKV`) that `HostPrefixLoader` fills just before each layer (through the models'
+  `wait_layer` hook, the one they already call before every layer), by one `index_select`
+  over that layer's host swap space for all such prefixes of the step, attended apart and
+  merged (`kernels/reference/resident.py`); such a step runs op by op. The K/V are the
+  originals, so attention over them is the full-residency one up to the merge's rounding. On
+  a GPU this load is a synchronous host-to-device copy per layer; overlapping it one layer
+  ahead on a second stream (the design in docs/ellm.md) is not built.
 """
 
 from __future__ import annotations
@@ -41,10 +52,48 @@ from kernels import HostPrefixKV, PrefillSpan, TransientSpan
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from engine.config import EngineConfig
     from engine.kv import KVCacheManager, KVCacheStorage
+    from engine.kv.block_table import BlockTable
     from engine.scheduling import ScheduledItem
 
 _NULL_BLOCK = 0
+
+
+def reads_host_prefix_in_place(config: EngineConfig) -> bool:
+    """Whether the engine keeps its host swap space in the pool's tensor
+    (`KVCacheStorage(host_in_pool=True)`) so host-kept prefixes are read in place: partial
+    residency that may read from host (`uncached_source` host, or auto under `ellm`), on a CPU
+    (host and pool are the same DRAM there; on a GPU the swap space is pinned host memory),
+    with a kernel other than Triton (the GPU path, which keeps the GPU's layout so that its
+    interpreter tests run what a GPU runs), unless `host_prefix_in_place` turns it off."""
+    partial = config.uncached_ratio > 0 or config.policy == "ellm"
+    return (
+        partial
+        and config.uncached_source != "rebuild"
+        and config.host_prefix_in_place
+        and torch.device(config.device).type == "cpu"
+        and config.decode_kernel != "triton"
+    )
+
+
+def needs_prefix_rows(table: BlockTable, host_offset: int | None) -> bool:
+    """Whether the step attends `table` through the partial path (`TransientSpan`): a prefix it
+    rebuilds, or one kept on host that is not read in place (`host_offset` None: the swap space
+    is not the pool's tensor, so each layer copies it into the `HostPrefixKV` scratch)."""
+    return bool(table.transient) and not (table.host_prefix and host_offset is not None)
+
+
+def attended_ids(table: BlockTable, host_offset: int | None) -> list[int]:
+    """The block ids a kernel reads for `table`: its own, except that with the swap space in the
+    pool's tensor (`KVCacheStorage.host_offset`) each entry of a host-kept prefix names its host
+    block in place (`host_offset + h`), so a decode row reads its whole context, prefix
+    included, through one block table: the same kernel, the compiled decode layers included,
+    the same K/V and order as full residency (the entries' empty ids, 0, are never read)."""
+    if not table.host_prefix or host_offset is None:
+        return table.ids
+    n = len(table.host_prefix)
+    return [host_offset + h for h in table.host_prefix] + table.ids[n:]
 
 
 def rebuilt_rows(items: list[ScheduledItem], kv: KVCacheManager) -> list[tuple[int, int]]:

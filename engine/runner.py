@@ -19,7 +19,7 @@ from engine.hidden_batch import build_hidden_batch
 from engine.kv import KVCacheManager, KVCacheStorage
 from engine.kv.hidden import HiddenLayout
 from engine.models.decode_graph import DecodeGraph, supports_decode_graph
-from engine.rebuilt_prefix import HostPrefixLoader, add_rebuilt_prefixes
+from engine.rebuilt_prefix import HostPrefixLoader, add_rebuilt_prefixes, attended_ids, needs_prefix_rows
 from engine.scheduling import Request, ScheduledItem
 from engine.scheduling.request import CacheForm
 from kernels import (
@@ -111,9 +111,12 @@ class ModelRunner:
         hidden_items = [it for it in items if it.request.cache_form is CacheForm.HIDDEN]
         if hidden_items:  # the hybrid cache: HIDDEN rows go last, outside buckets and spans
             items = [it for it in items if it.request.cache_form is not CacheForm.HIDDEN]
-        rebuilt = [it for it in items if self.kv.table(it.request).transient]  # partial residency (eLLM)
+        # partial residency (eLLM): prefixes rebuilt, or read from host through a scratch; a prefix
+        # read from host in place (host_in_pool) is only other block ids, so its row stays a plain one
+        partial = [needs_prefix_rows(self.kv.table(it.request), self.storage.host_offset) for it in items]
+        rebuilt = [it for it, p in zip(items, partial) if p]
         if rebuilt:
-            items = [it for it in items if not self.kv.table(it.request).transient]
+            items = [it for it, p in zip(items, partial) if not p]
         # the engine refuses HIDDEN together with partial residency: both want the last rows
         assert not (hidden_items and rebuilt), "HIDDEN rows and rebuilt prefixes in one step"
         decodes = [it for it in items if it.num_new_tokens == 1]
@@ -278,7 +281,7 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = -(-max(lens) // bs)
         tables = [self.kv.table(r) for r in requests]
-        ids = [t.ids[: -(-n // bs)] for t, n in zip(tables, lens)]
+        ids = [attended_ids(t, self.storage.host_offset)[: -(-n // bs)] for t, n in zip(tables, lens)]
         table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)
         valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
@@ -309,7 +312,7 @@ class ModelRunner:
             if ctx:
                 table = self.kv.table(req)
                 width = -(-(ctx + n) // bs)
-                block_ids = self._tensor(table.ids[:width])
+                block_ids = self._tensor(attended_ids(table, self.storage.host_offset)[:width])
                 bits = self._directions([table], width)
                 reversed_bits = None if bits is None else bits[0]
             spans.append(PrefillSpan(q_start=row, q_len=n, ctx_len=ctx, block_ids=block_ids, reversed=reversed_bits))

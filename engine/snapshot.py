@@ -81,6 +81,8 @@ class EngineSnapshot:
     kv_blocks_capacity: int  # allocatable in all (the pool without its null block)
     session_stats: Mapping[str, int]  # the session store's counters, flat (`tokens_reused_gpu`, ...)
     engine_stats: Mapping[str, float]  # `EngineStats.as_dict()`: steps, tokens, preemptions, times
+    # the policy's own figures (`SchedulingPolicy.published_stats`; ellm's `DecisionStats`), None: none
+    policy_stats: Mapping[str, float] | None = None
 
     @property
     def kv_blocks_used(self) -> int:
@@ -107,6 +109,7 @@ def take_snapshot(
     kv_blocks_capacity: int,
     session_stats: dict,
     engine_stats: dict,
+    policy_stats: dict | None = None,
 ) -> EngineSnapshot:
     """Build a snapshot from the engine's live state. Engine thread only: it walks the queues."""
     rt_running = sum(1 for r in running if r.req_class is RequestClass.RT)
@@ -121,6 +124,7 @@ def take_snapshot(
         kv_blocks_capacity=kv_blocks_capacity,
         session_stats=FrozenCounters(flatten_stats(session_stats)),
         engine_stats=FrozenCounters(engine_stats),
+        policy_stats=None if policy_stats is None else FrozenCounters(policy_stats),
     )
 
 

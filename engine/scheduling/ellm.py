@@ -20,9 +20,10 @@ early once every candidate fits (a larger `r` only adds cost), and its time is p
 `b` bounds admission only: running requests are not preempted to reach it (memory pressure
 still preempts, as in FCFS).
 
-Where the profile measured what a prefix step really costs (`CostModel.prefix_step`: leaving
-the compiled decode layers and attending each prefix op by op, `engine/prefix_profiling.py`),
-every `r > 0` is priced with it, so a ratio whose step loses to its batch gain is not chosen.
+Where the profile measured what a prefix step really costs (`CostModel.prefix_step`, in the
+way the engine reads host-kept prefixes: through a scratch, op by op, or in place on the
+compiled path; `engine/prefix_profiling.py`), every `r > 0` is priced with it, so a ratio
+whose step loses to its batch gain is not chosen.
 
 Sources (`source`, `engine/scheduling/prefix_pricing.py`): each `r` is priced with the
 cheaper of the sources allowed, rebuilding the prefixes or reading them from host swap space
@@ -57,6 +58,7 @@ from engine.scheduling.request import SLO, Request
 RATIO_GRID = tuple(i / 20 for i in range(19))  # 0, 0.05, ..., 0.9
 _RATIOS = np.array(RATIO_GRID, dtype=np.float64)
 RECENT_DECISIONS = 4096  # decisions kept for DecisionStats' percentiles
+PUBLISH_EVERY_S = 1.0  # the snapshot's copy of the stats is refreshed at most this often (percentiles cost ~1 ms)
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,17 @@ class ELLMPolicy(SchedulingPolicy):
         self.fcfs = FCFSPolicy()
         self.last = Choice(0, 0.0, 0.0)
         self.stats = DecisionStats()
+        self._published: tuple[float, int, dict] | None = None  # (monotonic time, steps, as_dict)
+
+    def published_stats(self) -> dict[str, float]:
+        """`stats.as_dict()` for the engine's snapshot (the worker's telemetry), recomputed at
+        most every `PUBLISH_EVERY_S` while decisions come (its percentiles sort the recent
+        decisions: ~1 ms at 4,096, too much for every step); the same dict between refreshes."""
+        now = time.monotonic()
+        last = self._published
+        if last is None or (last[1] != self.stats.steps and now - last[0] >= PUBLISH_EVERY_S):
+            last = self._published = (now, self.stats.steps, self.stats.as_dict())
+        return last[2]
 
     def kv_components(self):
         first = "host" if self.source == "host" else "rebuild"

@@ -128,6 +128,12 @@ class SchedulingPolicy(ABC):
     def on_step_end(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         """Called after the batch ran, with its measured (or simulated) duration."""
 
+    def published_stats(self) -> dict[str, float] | None:
+        """The policy's own figures for the engine's snapshot (and from there the worker's
+        telemetry): a fresh flat dict the caller may keep, or None for a policy that keeps
+        none. Called by the engine thread after every step, so it must be cheap."""
+        return None
+
     @abstractmethod
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         """Return the requests to run this step with their new-token counts.

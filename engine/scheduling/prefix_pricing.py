@@ -22,14 +22,18 @@ layer-level split (docs/ellm.md, "Per-layer swap-in"):
   simulator prices the split so its worth can be judged first.
 
 The measured penalty (`CostModel.prefix_step`, where the profiler measured it: an engine whose
-`ellm` may read from host). A step with non-resident prefixes leaves the compiled decode
-layers and attends each prefix op by op; on this CPU that, not the copy, is most of what such
-a step costs (docs/ellm.md). Where it is measured, a host step costs `overhead + per_row·rows +
-per_token·U` on top of the step without prefixes (`per_token` replacing the bandwidth-only
-copy price, since it includes the copy), and a rebuild step pays `overhead + per_row·rows` on
-top of its rebuilt rows (it leaves the same compiled path; its own attention is in the
-prefill price). Unmeasured (a simulator profile, a GPU), the penalty is 0 and the copy is
-priced from the bandwidth, as before.
+`ellm` may read from host). Read through a per-layer scratch, a step with non-resident
+prefixes leaves the compiled decode layers and attends each prefix op by op; on this CPU
+that, not the copy, was most of what such a step cost (docs/ellm.md). Read in place (a CPU's
+default since the sixth session) the step stays on the compiled path and the fit measures
+what is left. Where it is measured, a host step costs `overhead + per_row·rows + per_token·U`
+on top of the step without prefixes (`per_token` replacing the bandwidth-only copy price,
+since it includes the copy), and a rebuild step pays `overhead + per_row·rows` on top of its
+rebuilt rows (its own attention is in the prefill price). With the in-place fit that
+rebuild penalty is an underestimate (rebuilt rows still leave the compiled path, which the
+in-place fit no longer measures); left so because the rebuild's own prefill, ~600x a host
+read per token here, already decides against it. Unmeasured (a simulator profile, a GPU),
+the penalty is 0 and the copy is priced from the bandwidth, as before.
 
 Host capacity: a host source needs `U` tokens of free host space (`host_capacity_tokens`);
 past it the engine's component falls back to rebuilding, and the optimiser prices that.

@@ -37,7 +37,7 @@ files; a profile measured with `tandem profile` on the real GPU replaces them.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.cost_model import CostModel, Sample, fit, mape
@@ -209,10 +209,35 @@ SHIPPED = {
 }
 
 
+def link_scaled(name: str, scale: float) -> CostModel:
+    """The shipped profile `name` with its host link `scale` times as fast (eLLM's host-link
+    sweep, docs/ellm.md), stamped with the code and host that made it (`meta.provenance`): an
+    input for the simulator, not a measurement."""
+    from loadgen.provenance import stamp
+
+    cm = build_profile(*SHIPPED[name])
+    meta = dict(cm.meta)
+    meta["source"] = (
+        f"{name} (loadgen/sim/profiles) with swap_bytes_per_s x{scale:g}: an input for docs/ellm.md's "
+        "host-link sweep, not a measurement"
+    )
+    meta["command"] = f"python -m loadgen.sim.roofline --link-scale {scale:g} --profile {name} --file FILE"
+    meta["provenance"] = stamp().as_dict()
+    return replace(cm, swap_bytes_per_s=cm.swap_bytes_per_s * scale, meta=meta)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="write the roofline-derived cost-model profiles")
     ap.add_argument("--out", default=str(Path(__file__).parent / "profiles"))
+    ap.add_argument("--link-scale", type=float, default=None, help="write one profile with its host link scaled")
+    ap.add_argument("--profile", default="llama-2-13b-a100-80gb", choices=sorted(SHIPPED), help="with --link-scale")
+    ap.add_argument("--file", default=None, help="with --link-scale: where to write it")
     args = ap.parse_args(argv)
+    if args.link_scale is not None:
+        if not args.file:
+            ap.error("--link-scale needs --file")
+        link_scaled(args.profile, args.link_scale).save(args.file)
+        return 0
     for name, (model, gpu) in SHIPPED.items():
         cm = build_profile(model, gpu)
         cm.save(Path(args.out) / f"{name}.json")

@@ -89,6 +89,7 @@ class TelemetryWindow:
             cost=step_cost(info.cost_model),
             block_size=info.block_size,
             max_num_batched_tokens=max_num_batched_tokens,
+            policy_stats=None if snapshot.policy_stats is None else dict(snapshot.policy_stats),
         )
         self._since_report, self._tokens, self._last_report = [], 0, now
         return msg

@@ -101,3 +101,7 @@ class Telemetry(WireModel):
     cost: StepCost | None = None
     block_size: int = 0
     max_num_batched_tokens: int = 0
+    # Added in schema 1 as optional: the engine policy's own figures as of its last snapshot
+    # (`SchedulingPolicy.published_stats`; for ellm its `DecisionStats`: mean ratio, host-step
+    # share, decision time p50/p99 wall and CPU, ...); None where the policy keeps none.
+    policy_stats: dict[str, float] | None = None

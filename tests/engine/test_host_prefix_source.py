@@ -8,10 +8,13 @@ rebuilding, in the same steps as host-read ones) and the vLLM-Swap baseline arou
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import SamplingParams
 from engine.kv import PartialResidency
+from tests.conftest import requires_cxx
 from tests.engine.test_partial_residency import _engine, _generate, _prompts
 
 HOST = dict(uncached_source="host", num_host_blocks=256)
@@ -106,6 +109,71 @@ def test_swap_policy_around_host_prefixes(tiny_model_dir):
     assert _generate(engine, prompts, max_tokens=20) == full
     assert engine.stats.swap_outs > swaps_before and max(h for h, _ in seen) > 0
     del engine.runner.execute
+
+
+def test_copy_path_without_in_place_reads(tiny_model_dir):
+    """`host_prefix_in_place=False` (what a GPU does): the swap space is its own tensor and each
+    layer copies the prefixes into the scratch, attended apart and merged; tokens still equal."""
+    path = tiny_model_dir("llama")
+    full = _generate(_engine(path, 0.0), _prompts())
+    for ratio in (0.5, 0.9):
+        engine = _engine(path, ratio, host_prefix_in_place=False, **HOST)
+        assert engine.storage.host_offset is None
+        seen = _sources(engine)
+        assert _generate(engine, _prompts()) == full, ratio
+        assert max(h for h, _ in seen) > 0, ratio
+        del engine.runner.execute
+
+
+def _logits_per_step(engine, prompts, max_tokens: int, graph_steps: list[int]) -> list[dict]:
+    """Each step's logits by request; `graph_steps` gets, per step run through the compiled
+    decode layers, the tokens its rows read from host."""
+    run = engine.runner._execute_decode_graph
+
+    def spy(items):
+        graph_steps.append(sum(len(engine.kv.table(it.request).host_prefix) for it in items))
+        return run(items)
+
+    engine.runner._execute_decode_graph = spy
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"g{id(engine)}-{i}", p, params)
+    steps = []
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_invariants()
+        if engine.last_logits is not None:
+            reqs, logits = engine.last_logits
+            steps.append({r.request_id.split("-")[-1]: row.clone() for r, row in zip(reqs, logits)})
+    del engine.runner._execute_decode_graph
+    return steps
+
+
+@requires_cxx
+@pytest.mark.parametrize("kernel", ["cpp", "fused"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_read_steps_stay_on_the_compiled_decode_path(tiny_model_dir, kernel, dtype):
+    """The serving kernels with compiled decoder layers: the host swap space is the pool
+    tensor's tail and a host-kept prefix is read in place through the block table, so a
+    decode-only step whose rows read prefixes from host runs through the compiled layers (as a
+    fully resident one does), and its logits are *bitwise* those of full residency, bf16
+    included: the same kernel reads the same K/V bytes in the same order, only from other
+    block ids (the pool does not bind here, so both runs schedule the same batches)."""
+    path = tiny_model_dir("llama")
+    options = dict(attention=kernel, compile_layers=True, dtype=dtype)
+    full_graph: list[int] = []
+    full = _logits_per_step(_engine(path, 0.0, **options), _prompts(), 16, full_graph)
+    engine = _engine(path, 0.5, **options, **HOST)
+    assert engine.runner.decode_kernel == kernel and engine.runner.decode_graph is not None
+    assert engine.storage.host_offset == engine.kv.pool.num_blocks
+    graph: list[int] = []
+    partial = _logits_per_step(engine, _prompts(), 16, graph)
+    assert len(partial) == len(full)
+    for step, (a, b) in enumerate(zip(partial, full, strict=True)):
+        assert a.keys() == b.keys(), step
+        for rid in a:
+            assert torch.equal(a[rid], b[rid]), (step, rid)
+    assert len(graph) == len(full_graph) and max(graph) > 0  # host-read steps took the compiled path
 
 
 def test_default_model_float32():

@@ -186,8 +186,16 @@ def test_host_prefix_step_is_measured_for_ellm_and_added_to_a_cached_profile(
     assert step.extra_s(largest["rows"], largest["tokens"]) > 0
     assert CostModel.load(file) == model and CostModel.load(file).prefix_step == step
     assert target.kv.host.num_free == 256  # every host block given back
-    engine = LLMEngine(_config(path, policy="ellm", uncached_source="auto", **cfg))  # the cached profile, as is
-    assert engine.profile_target().calibrate_prefix and engine.cost_model.prefix_step == step
+    assert model.meta["prefix_read"] == "copy"  # the fcfs engine's storage keeps swap space apart
+    # an engine that reads through the scratch too takes the cached profile as is
+    copying = LLMEngine(_config(path, policy="ellm", uncached_source="auto", host_prefix_in_place=False, **cfg))
+    assert copying.profile_target().calibrate_prefix and copying.cost_model.prefix_step == step
+    # one that reads in place (a CPU's default) measures its own way, once, into the same file
+    engine = LLMEngine(_config(path, policy="ellm", uncached_source="auto", **cfg))
+    assert engine.profile_target().prefix_read == "in_place" and engine.cost_model.meta["prefix_read"] == "in_place"
+    assert engine.cost_model.prefix_step is not None and CostModel.load(file) == engine.cost_model
+    again = LLMEngine(_config(path, policy="ellm", uncached_source="auto", **cfg))
+    assert again.cost_model == engine.cost_model  # cached: not measured a second time
     rebuild_only = LLMEngine(_config(path, policy="ellm", uncached_source="rebuild", **cfg))
     assert not rebuild_only.profile_target().calibrate_prefix
 

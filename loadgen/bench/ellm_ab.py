@@ -1,0 +1,109 @@
+"""`python -m loadgen.bench.ellm_ab`: `ellm` vs `fcfs` (vLLM-Recompute) vs `swap` (vLLM-Swap)
+on the in-process CPU engine, in alternating rounds within one process, for a busy machine.
+
+On a shared machine a policy's absolute throughput moves several-fold with the load, and in
+`tandem bench policies` the policy run last in a process did worst (docs/ellm.md). So this
+runs short rounds, each policy once per round on the same arrivals, the order rotated every
+round (round i starts at policy i mod n), and reports per round each policy's figures, the
+load average before and after its run (`os.getloadavg`), and its ratios to the baseline (the
+first policy) *of the same round*: what can be read on a busy machine is the ratio, never the
+absolute figure. Everything else is `tandem bench policies`'s arguments (`--target inproc`,
+the workload, the pool, `--prefix-source`), parsed by that command's own parser; each run
+builds its own engine, as there. The document keeps, per run, the RT summary, the engine's
+counters and, for `ellm`, its `DecisionStats` and the cost model's meta (the measured
+prefix-step fit and its points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+METRICS = ("output_tokens_per_s", "throughput_rps", "ttft_p50_s", "tpot_p50_s", "tpot_attainment", "completed")
+
+
+def _run_args(argv: list[str]) -> argparse.Namespace:
+    from services.cli import build_parser
+
+    return build_parser().parse_args(["bench", "policies", *argv])
+
+
+def run_one(args: argparse.Namespace, policy: str, scale) -> dict:
+    from loadgen.metrics import summarize
+    from loadgen.orchestrate import run_once
+
+    load_before = os.getloadavg()
+    result = run_once(args, policy, scale, args.rate, False)
+    load_after = os.getloadavg()
+    rt = summarize(result.records, result.elapsed_s)["rt"]
+    target = result.target or {}
+    return {
+        "policy": policy,
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in load_after],
+        "elapsed_s": result.elapsed_s,
+        "rt": {k: rt.get(k) for k in METRICS} | {"requests": len(result.records)},
+        "engine_stats": target.get("engine_stats"),
+        "policy_stats": target.get("policy_stats"),
+        "cost_model_meta": target.get("cost_model_meta") if policy == "ellm" else None,
+    }
+
+
+def ratios(rounds: list[list[dict]], baseline: str) -> dict[str, dict[str, list[float | None]]]:
+    """Per policy and metric, its value over the baseline's in the same round, round by round."""
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for runs in rounds:
+        base = next(r for r in runs if r["policy"] == baseline)["rt"]
+        for run in runs:
+            per = out.setdefault(run["policy"], {k: [] for k in METRICS})
+            for k in METRICS:
+                a, b = run["rt"].get(k), base.get(k)
+                per[k].append(a / b if a is not None and b else None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadgen.orchestrate import _SloScale
+    from loadgen.provenance import decided_dtype, stamp
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--policies", default="fcfs,swap,ellm", help="comma-separated; the first is the baseline")
+    ap.add_argument("--out", required=True)
+    ours, rest = ap.parse_known_args(argv)
+    args = _run_args(rest)
+    policies = [p for p in ours.policies.split(",") if p]
+    provenance = stamp(
+        dtype=decided_dtype(args.dtype), extra={"target": args.target}
+    ).as_dict()  # the code checked out now
+    scale = _SloScale(args)
+    rounds: list[list[dict]] = []
+    for i in range(ours.rounds):
+        order = policies[i % len(policies) :] + policies[: i % len(policies)]
+        rounds.append([])
+        for policy in order:
+            rounds[-1].append(run_one(args, policy, scale) | {"round": i})
+            print(json.dumps({k: rounds[-1][-1][k] for k in ("round", "policy", "load_before", "rt")}), flush=True)
+    table = ratios(rounds, policies[0])
+    doc = {
+        "command": "python -m loadgen.bench.ellm_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "config": {**vars(args), "func": None, "rounds": ours.rounds, "policies": policies},
+        "rounds": rounds,
+        "ratios_vs_first_per_round": table,
+        "ratio_medians": {
+            p: {k: statistics.median([v for v in vs if v is not None] or [float("nan")]) for k, vs in m.items()}
+            for p, m in table.items()
+        },
+        "provenance": provenance,
+    }
+    Path(ours.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ours.out).write_text(json.dumps(doc, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
