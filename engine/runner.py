@@ -252,7 +252,8 @@ class ModelRunner:
             repeats.append(n)
         ends = [it.request.num_computed_tokens + it.num_new_tokens for it in decodes + prefills]
         width = -(-max(ends) // bs)
-        ids = [t.ids[: -(-e // bs)] for t, e in zip(tables, ends)]
+        # a host-kept prefix read in place names its host blocks (attended_ids), as in decode buckets
+        ids = [attended_ids(t, self.storage.host_offset)[: -(-e // bs)] for t, e in zip(tables, ends)]
         table = torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.long)
         reversed_bits = self._directions(tables, width)
         if len(lens) != len(repeats):  # some prompt has several rows: they share its table row
