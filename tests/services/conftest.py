@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -28,9 +29,12 @@ from services import lifeline
 from services.broker import free_port
 from services.scheduler.registry import LOST_BUT_ALIVE
 from shared.kafka import KafkaClient
+from shared.schemas.base import WireModel
 from shared.schemas.telemetry import Heartbeat
 from shared.settings import ServiceSettings
 from shared.topics import Topics
+
+M = TypeVar("M", bound=WireModel)
 
 # Heartbeat timing of test stacks. Heartbeats come at twice the production rate, so that a new
 # worker is seen quickly. A worker is declared lost after WORKER_TIMEOUT_S of silence, which must
@@ -342,15 +346,23 @@ async def current_term(stack, role: str) -> int:
     return log.current.term if log.current is not None else 0
 
 
-async def worker_heartbeat(stack, worker_id: str, match: Callable[[Heartbeat], bool] = lambda hb: True) -> Heartbeat:
-    """The next heartbeat of a worker (that `match`es), read straight from the broker."""
+async def next_message(stack, topic: str, cls: type[M], match: Callable[[M], bool], *, from_end: bool) -> M:
+    """The first message of `topic` (decoded as `cls`) that `match`es, read straight from the
+    broker, from the topic's end (the next one) or its start (one sent before this reader began)."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
     consumer = await kafka.consumer(group=None)
     try:
-        await kafka.assign_all(consumer, Topics(stack.prefix).heartbeats.name, from_end=True)
+        await kafka.assign_all(consumer, topic, from_end=from_end)
         while True:
-            hb = Heartbeat.decode((await consumer.getone()).value)
-            if hb.worker_id == worker_id and match(hb):
-                return hb
+            msg = cls.decode((await consumer.getone()).value)
+            if match(msg):
+                return msg
     finally:
         await kafka.stop()
+
+
+async def worker_heartbeat(stack, worker_id: str, match: Callable[[Heartbeat], bool] = lambda hb: True) -> Heartbeat:
+    """The next heartbeat of a worker (that `match`es), read straight from the broker."""
+    topic = Topics(stack.prefix).heartbeats.name
+    wanted = lambda hb: hb.worker_id == worker_id and match(hb)  # noqa: E731
+    return await next_message(stack, topic, Heartbeat, wanted, from_end=True)

@@ -12,11 +12,9 @@ import httpx
 import pytest
 
 from engine.cost_model import CostModel, PhaseFit
-from shared.kafka import KafkaClient
 from shared.schemas.telemetry import Telemetry
-from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import chat_body
+from tests.services.conftest import chat_body, next_message
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +33,13 @@ def stack(make_stack, tmp_path_factory):
 async def _telemetry_with_decisions(stack, worker_id: str) -> Telemetry:
     """The first telemetry message of `worker_id` whose policy stats count a decision, read
     from the topic's start (the worker may have sent it before this reader began)."""
-    kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
-    consumer = await kafka.consumer(group=None)
-    try:
-        await kafka.assign_all(consumer, Topics(stack.prefix).telemetry.name, from_end=False)
-        while True:
-            msg = Telemetry.decode((await consumer.getone()).value)
-            if msg.worker_id == worker_id and msg.policy_stats and msg.policy_stats["steps"] > 0:
-                return msg
-    finally:
-        await kafka.stop()
+    return await next_message(
+        stack,
+        Topics(stack.prefix).telemetry.name,
+        Telemetry,
+        lambda m: m.worker_id == worker_id and bool(m.policy_stats) and m.policy_stats["steps"] > 0,
+        from_end=False,
+    )
 
 
 def test_ellm_decision_stats_are_in_the_worker_telemetry(stack):
