@@ -11,6 +11,7 @@ BROS today; hidden-state blocks and partial residency are designed there, not bu
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -40,8 +41,7 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         for b in self.blocks:
             b.free_rank = b.block_id
-        self._next_rank = num_blocks  # for the MRU end; `_first_rank` for the LRU end
-        self._first_rank = 0
+        self._next_rank = num_blocks  # the next rank at the MRU end
         self._cached: dict[bytes, Block] = {}
 
     @property
@@ -71,13 +71,24 @@ class BlockPool:
             out.append(block)
         return out
 
-    def unallocate(self, block: Block) -> None:
-        """Undo of `allocate` for one block: back to the LRU end of the free list, unreferenced."""
+    def next_allocated(self, n: int) -> list[Block]:
+        """The blocks `allocate(n)` would take, in order, changing nothing (an undo log reads
+        their LRU rank and cached hash before they are taken)."""
+        return list(itertools.islice(self._free.values(), n))
+
+    def unallocate(self, block: Block, free_rank: int, block_hash: bytes | None) -> None:
+        """Undo of `allocate` for one block, newest first: back to the LRU end of the free list
+        (where `allocate` took it) with the rank it had there, unreferenced, and findable again
+        by the hash `allocate` evicted. Both are state: a rank of its own would misplace it
+        once an undone `acquire` puts a revived block back by rank (the next allocations would
+        take other blocks), and a dropped hash would lose a prefix-cache hit to a rollback."""
         block.ref_count = 0
-        self._first_rank -= 1
-        block.free_rank = self._first_rank
+        block.free_rank = free_rank
         self._free[block.block_id] = block
         self._free.move_to_end(block.block_id, last=False)
+        if block_hash is not None and block.block_hash is None and block_hash not in self._cached:
+            self._cached[block_hash] = block
+            block.block_hash = block_hash
 
     def acquire(self, blocks: Iterable[Block]) -> None:
         """Take another reference on cached blocks (prefix hits), reviving free ones."""

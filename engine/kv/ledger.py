@@ -140,17 +140,16 @@ class KVLedger:
 
     def take_free(self, n: int) -> list[Block]:
         """n blocks from the pool's free list (the caller checked `pool.num_free`)."""
+        if not self.undo.active:
+            return self.pool.allocate(n)
+        taken = [(b, b.free_rank, b.block_hash) for b in self.pool.next_allocated(n)]
         blocks = self.pool.allocate(n)
-        if self.undo.active:
-            self.undo.push(lambda: [self.pool.unallocate(b) for b in reversed(blocks)])
+        self.undo.push(lambda: [self.pool.unallocate(*t) for t in reversed(taken)])
         return blocks
 
     def take_free_block(self) -> Block:
         """One block from the pool's free list (the caller checked `pool.num_free`)."""
-        block = self.pool.allocate(1)[0]
-        if self.undo.active:
-            self.undo.push(lambda: self.pool.unallocate(block))
-        return block
+        return self.take_free(1)[0]
 
     def acquire(self, blocks: Sequence[Block]) -> None:
         """Another reference on each block (prefix hits, stolen block ends)."""

@@ -12,7 +12,7 @@ from engine.kv.copies import CopyKind, KVCopy
 
 def fingerprint(kv: KVCacheManager) -> tuple:
     """Everything a rollback must restore: tables, reference counts, the pools' free lists in
-    order, recorded copies and the two-ended component's preemption table and steal index."""
+    order, the prefix-hash index, recorded copies and the two-ended component's preemption table and steal index."""
     tables = {
         rid: (
             tuple(t.ids),
@@ -29,6 +29,8 @@ def fingerprint(kv: KVCacheManager) -> tuple:
         tuple(b.ref_count for b in kv.pool.blocks),
         tuple(kv.pool._free),  # LRU order decides which block the next allocation gets
         tuple(kv.host._free),
+        # the prefix index: a rollback that drops a hash loses a prefix-cache hit
+        tuple(sorted((block_hash, block.block_id) for block_hash, block in kv.pool._cached.items())),
     )
     components = []
     for c in kv.components:

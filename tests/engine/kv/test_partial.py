@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.kv import BlockPool, KVCacheManager, PartialResidency
@@ -227,6 +227,20 @@ def _apply(kv, partial, memory, requests, ops) -> None:
     caching=st.booleans(),
     source=st.sampled_from(["rebuild", "host"]),
     host=st.integers(0, 12),
+)
+# A copy-back that fails part-way: one hit (block 3, revived) and one fresh block (8, taken
+# from the LRU end, evicting its hash), then no block for the last entry. The rollback used to
+# put block 8 back at the LRU end with a new rank and without its hash, so the undone hit landed
+# before it (free list (8, 3), was (3, 8)) and block 8's prefix entry was lost.
+@example(
+    before=[("step", 0, 1, 0.0)] * 14
+    + [("step", 0, 8, 0.0), ("step", 0, 2, 0.0), ("step", 0, 2, 0.5), ("step", 1, 4, 0.0), ("step", 1, 3, 0.0)]
+    + [("step", 1, 1, 0.0), ("step", 0, 1, 0.0), ("step", 1, 1, 0.0), ("step", 1, 1, 0.0)],
+    tentative=[("ratio", 0, 1, 0.0), ("step", 0, 1, 0.0)],
+    num_blocks=9,
+    caching=True,
+    source="host",
+    host=3,
 )
 def test_ratio_changes_lose_nothing_and_roll_back(
     kv_fingerprint, slot_memory, before, tentative, num_blocks, caching, source, host
