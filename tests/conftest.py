@@ -10,6 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Hypothesis in `make test` (CI) is derandomized: each property test draws the same examples on
+# every run and every host (seeded from the test itself), and reads or writes no example
+# database, so a clean clone cannot fail on an example nobody has seen, and a failure is
+# reproduced by running the test again. The price is that CI explores nothing new; exploring
+# is a local run with `--hypothesis-profile=explore` (fresh random draws, the local
+# `.hypothesis` database replaying past failures first). An example found that way is added
+# to its test as an explicit `@example`, which every profile runs (tests/engine/kv/test_partial.py
+# has one). pytest's `--hypothesis-profile` option overrides the default loaded here.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile("ci")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
