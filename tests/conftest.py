@@ -81,6 +81,46 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         reporter.write_line(f"C++ kernels built in {took:.1f}s" + (f"; failed: {failed}" if failed else ""))
 
 
+# Test directories whose tests compile graphs with Inductor in this process (compiled decoder
+# layers, the fused decode kernel); the service tests compile in their workers instead.
+INDUCTOR_TEST_DIRS = ("tests/engine", "tests/kernels")
+
+
+def _warm_inductor() -> None:
+    """One small graph through `compile_copy`, as the engine compiles its layers: what the first
+    compile of a process pays whatever the graph (importing Inductor, starting its compile
+    workers, its C++ toolchain checks): 54 s of a 55 s first compile with Inductor's disk cache
+    warm, 111 s cold, at load ~27 on 2 cores; a second graph took 0.7-13 s."""
+    from kernels.compiled.decode import compile_copy
+
+    def silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x @ w) * x
+
+    graph = compile_copy(silu_mul, "test_warmup", ())
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(4, 64, dtype=dtype)
+        graph(x, torch.ones(64, 64, dtype=dtype))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Inductor's fixed first-compile cost, paid once after collection when a selected test
+    compiles in this process, outside every test's timeout (a session fixture would count
+    against the first test's, as for the C++ kernels above): it used to land in whichever test
+    compiled first (258 s of a 300 s timeout once). The time it took is printed."""
+    import time
+
+    if not HAS_CXX or session.config.option.collectonly:
+        return
+    dirs = [session.config.rootpath / d for d in INDUCTOR_TEST_DIRS]
+    if not any(item.path.is_relative_to(d) for item in session.items for d in dirs):
+        return
+    t0 = time.monotonic()
+    _warm_inductor()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"Inductor warmed up in {time.monotonic() - t0:.1f}s")
+
+
 @pytest.fixture(scope="session")
 def triton_kernels():
     """`kernels.triton`, usable on `kernel_device`: CUDA where there is one, else CPU tensors
