@@ -33,7 +33,10 @@ from tests.services.conftest import make_stack, worker_heartbeat  # noqa: F401  
 pytestmark = pytest.mark.timeout(180)
 SESSIONS, TURNS = 3, 3
 PROMPT_WORDS, OUTPUT_TOKENS = 20, 6
-DURATION_S = 60.0  # the window: far longer than the sessions take, which end the run
+# The window: never what ends the run, the sessions do (a run ends when nothing is open or due;
+# turns due after the window would never be sent). Far past the test's timeout, so a slow
+# machine cannot cut the last turns off: it was 60 s, a hidden bound on the sessions' time.
+DURATION_S = 3600.0
 # 20 words typed in 0.6 s, 6 tokens read in 0.2 s: the hint leads its request by ~0.6 s
 SPEEDS = HumanSpeeds(reading_wpm=1350.0, typing_wpm=1500.0)
 TYPING_S = SPEEDS.typing_s(PROMPT_WORDS)
@@ -134,7 +137,6 @@ def _check_records(res, tag: str) -> None:
     assert {(r.session_id, r.turn) for r in recs} == expected and len(recs) == len(expected)
     assert all(r.request_id == f"{r.session_id}-t{r.turn}" for r in recs)
     assert res.target["typing_hints_unsupported"] == 0
-    assert res.elapsed_s < DURATION_S  # the run ended with its last session, not at the window's end
     prompts = defaultdict(list)  # the server counted the whole conversation as the prompt: it grows
     for r in sorted(recs, key=lambda r: r.turn):
         prompts[r.session_id].append(r.usage_prompt_tokens)

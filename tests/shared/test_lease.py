@@ -74,7 +74,6 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         # then b claims term 2
         for t in a._tasks:  # noqa: SLF001 (simulating a process that stopped running)
             t.cancel()
-        stopped = time.monotonic()
         a_window_end = a._renewed_at + LEASE_S  # noqa: SLF001 (a's own view of its window)
         assert await asyncio.wait_for(b.wait_active(), 10) == 2
         # nobody acts while a's window may still be open: b became active only after it ended.
@@ -82,8 +81,6 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         # wake the poller after both changes, which proves nothing either way.)
         assert b.active_since is not None and b.active_since > a_window_end, (b.active_since, a_window_end)
         assert not a.is_active()
-        takeover = time.monotonic() - stopped
-        assert takeover < 3 * LEASE_S + 2, takeover  # bounded: the lease plus a claim read back
         # a wakes: whatever it renews is read back after b's claim, so it is deposed, never active
         a._tasks = []  # noqa: SLF001
         a._tasks = [asyncio.create_task(a._read_loop()), asyncio.create_task(a._tick_loop())]  # noqa: SLF001
