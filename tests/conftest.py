@@ -83,8 +83,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 # Test directories whose tests compile graphs with Inductor in this process (compiled decoder
-# layers, the fused decode kernel); the service tests compile in their workers instead.
+# layers, the fused decode kernel); the service tests compile in their workers instead. The KV
+# and scheduling tests build no model: a run of only those skips the warm-up.
 INDUCTOR_TEST_DIRS = ("tests/engine", "tests/kernels")
+NO_MODEL_TEST_DIRS = ("tests/engine/kv", "tests/engine/scheduling")
 
 
 def _warm_inductor() -> None:
@@ -112,8 +114,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     if not HAS_CXX or session.config.option.collectonly:
         return
-    dirs = [session.config.rootpath / d for d in INDUCTOR_TEST_DIRS]
-    if not any(item.path.is_relative_to(d) for item in session.items for d in dirs):
+    root = session.config.rootpath
+    dirs = [root / d for d in INDUCTOR_TEST_DIRS]
+    skip = [root / d for d in NO_MODEL_TEST_DIRS]
+
+    def compiles(path) -> bool:
+        return any(path.is_relative_to(d) for d in dirs) and not any(path.is_relative_to(d) for d in skip)
+
+    if not any(compiles(item.path) for item in session.items):
         return
     t0 = time.monotonic()
     _warm_inductor()
