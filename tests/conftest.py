@@ -84,7 +84,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 # Test directories whose tests compile graphs with Inductor in this process (compiled decoder
 # layers, the fused decode kernel); the service tests compile in their workers instead. The KV
-# and scheduling tests build no model: a run of only those skips the warm-up.
+# and scheduling tests compile nothing (float32 engines at most): a run of only those skips it.
 INDUCTOR_TEST_DIRS = ("tests/engine", "tests/kernels")
 NO_MODEL_TEST_DIRS = ("tests/engine/kv", "tests/engine/scheduling")
 
