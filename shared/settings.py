@@ -31,12 +31,6 @@ class ServiceSettings(BaseSettings):
     # docs/services.md, "Fetch waits".
     kafka_fetch_wait_ms: int = 2
     kafka_awake_ms: int = 50
-    # Off the token path, sleep as soon as the rung record is read ("one fetch after the ring",
-    # issue 21, sixth session). Off by default: with it on, the merged services suite stalled
-    # (a batch item never finished after a re-run, an RT request missing from the results log, the
-    # fuzzer's requests answered 503 "no worker accepted"): a reader slept with a record unread,
-    # until its 5 s safety look or longer. Not diagnosed; the mechanism stays tested on its own.
-    kafka_settle_early: bool = False
     # The safety look of a sleeping consumer, for a lost ring (only producers outside this package
     # lose one): up to this much latency for such a record, never a loss. Each look is 1-2 fetches
     # per consumer, ~20 consumers in a stack: at 1 s that was most of the idle fetches.

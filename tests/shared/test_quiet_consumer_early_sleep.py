@@ -63,9 +63,7 @@ class _Reader:
 
 
 def test_an_early_sleeper_reads_every_record_published_while_it_sleeps(kafka_bootstrap):
-    settings = ServiceSettings(
-        kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=HOUR_MS, kafka_idle_poll_ms=HOUR_MS, kafka_settle_early=True
-    )
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=HOUR_MS, kafka_idle_poll_ms=HOUR_MS)
     rng = random.Random(21)
 
     async def run() -> None:
