@@ -121,7 +121,10 @@ class QuietConsumer(AIOKafkaConsumer):
 
         async def answered(assignment, node_id, request):
             brought = await apply_answer(assignment, node_id, request)
-            self._after_answer(assignment, request)
+            try:
+                self._after_answer(assignment, request)
+            except Exception:  # noqa: BLE001 (an error here would end aiokafka's fetch routine)
+                log.exception("fetch wait not adjusted")
             return brought
 
         fetcher._proc_fetch_request = answered  # noqa: SLF001
