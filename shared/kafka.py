@@ -268,11 +268,10 @@ class KafkaClient:
             poll_s = (
                 s.kafka_idle_poll_ms / 1000 if idle_poll_s is None else min(idle_poll_s, s.kafka_idle_poll_ms / 1000)
             )
-            # Off the token path a reader may sleep as soon as it has read what it was rung for
-            # (`kafka_settle_early`, off by default: see settings); on it, it stays awake for the
-            # window: the next token comes within it, and a sleeping reader takes a ring's round
-            # trip longer to see it.
-            settle = s.kafka_settle_early and not hot
+            # Off the token path a reader sleeps as soon as it has read what it was rung for
+            # (shared/quiet_consumer.py); on it, it stays awake for the window: the next token
+            # comes within it, and a sleeping reader takes a ring's round trip longer to see it.
+            settle = not hot
             extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s, "settle_early": settle}
             cls = QuietConsumer
         c = cls(

@@ -23,6 +23,20 @@ a ring from older code) keeps the awake-window rule, which is also the upper bou
 (a rung offset above a restarted broker's end is never reached). A record produced without a
 ring while the reader sleeps waits for the next ring or look, as before.
 
+**Catching up on a broker that answers with what it read in time** (issue 21, seventh session).
+tansu reads a fetch's records only until its `fetch_max_wait_ms` deadline and answers with what it
+has by then: with one-record batches (the token path's) a 1 ms fetch read 129 records of 1,000 on a
+fresh broker, a 2 ms one 532, and on the busy broker of a stack test a 1 ms fetch read *nothing*
+from a backlog of ~600 records, over and over (215 empty answers in 300 ms, each with the
+high-water mark far above the position), while a 2 ms fetch read 50-200 of them. That was the
+1 ms token-path wait's failure: the gateway's results reader fell behind on a burst, every
+answer came back empty, and after the awake window it slept with 359 records unread; each
+ring and safety look fetched once more, empty, and it slept again: requests answered 503 after
+the gateway's 60 s first-event timeout. Two rules make any wait safe: a reader never sleeps
+while the last answer shows records beyond its position (`_drained`), and an answer that came
+back empty while records wait doubles the next fetch's wait (`_CATCH_UP_MAX_MS` at most) until
+an answer brings records, which restores the configured wait (`_after_answer`).
+
 It subclasses `AIOKafkaConsumer` (rather than wrapping it) because it must see the service's own
 `pause`/`resume` (the scheduler pauses its BE partitions for flow control): a partition the
 service paused is never resumed by a wake-up, and `getmany`/`getone` mark activity.
@@ -47,6 +61,10 @@ log = logging.getLogger(__name__)
 # busy loop that cost ~40 wake-ups a second per consumer on an idle stack. Within this much of
 # the deadline the window counts as over.
 _TIMER_SLACK_S = 0.002
+
+# The longest fetch wait a starved reader grows to (see "Catching up" above): long enough for a
+# busy tansu to read at least one batch, short enough that catching up never waits long.
+_CATCH_UP_MAX_MS = 64
 
 
 def _wall_ms() -> int:
@@ -86,10 +104,30 @@ class QuietConsumer(AIOKafkaConsumer):
         self._activity_ms = _wall_ms()  # the same moment on the clock aiokafka stamps fetches with
         self._rung = asyncio.Event()
         self._watch_task: asyncio.Task | None = None
+        self._base_wait_ms = kwargs.get("fetch_max_wait_ms", 500)
+        self.starved_answers = 0  # answers that came back empty while records waited (a count)
 
     async def start(self) -> None:
         await super().start()
+        self._hook_answers()
         self._watch_task = asyncio.create_task(self._watch(), name="quiet-consumer")
+
+    def _hook_answers(self) -> None:
+        """Call `_after_answer` once each fetch's answer is applied. aiokafka has no hook for it:
+        this wraps the fetcher's per-request coroutine, which its fetch routine looks up on the
+        instance for every request, and changes nothing of what it does or returns."""
+        fetcher = self._fetcher
+        apply_answer = fetcher._proc_fetch_request  # noqa: SLF001
+
+        async def answered(assignment, node_id, request):
+            brought = await apply_answer(assignment, node_id, request)
+            try:
+                self._after_answer(assignment, request)
+            except Exception:  # noqa: BLE001 (an error here would end aiokafka's fetch routine)
+                log.exception("fetch wait not adjusted")
+            return brought
+
+        fetcher._proc_fetch_request = answered  # noqa: SLF001
 
     async def stop(self) -> None:
         if self._watch_task is not None:
@@ -184,16 +222,45 @@ class QuietConsumer(AIOKafkaConsumer):
 
     def _drained(self) -> bool:
         """Whether sleeping now loses nothing: every partition it would pause has had a fetch
-        answered since the last activity (a ring, a record), and no fetched records wait to be
-        read. aiokafka drops what a fetch brings for a partition that is paused by the time it
-        is read (it fetches it again on resume); under load a fetch can outlast `awake_s`, and
-        sleeping then would leave a rung record unread until the next ring."""
+        answered since the last activity (a ring, a record), no fetched records wait to be read,
+        and the last answer showed nothing beyond the position (a broker that ran out of time
+        answers short: module doc, "Catching up"). aiokafka drops what a fetch brings for a
+        partition that is paused by the time it is read (it fetches it again on resume); under
+        load a fetch can outlast `awake_s`, and sleeping then would leave a rung record unread
+        until the next ring."""
         buffered = self._fetcher._records  # noqa: SLF001 (aiokafka has no public "pending records")
         for tp in self.assignment() - self._held:
             polled = self.last_poll_timestamp(tp)
             if tp in buffered or polled is None or polled <= self._activity_ms:
                 return False
+            state = self._subscription.subscription.assignment.state_value(tp)  # noqa: SLF001
+            if state.has_valid_position and state.highwater is not None and state.highwater > state.position:
+                return False  # the broker has more than it answered with (module doc, "Catching up")
         return True
+
+    def _after_answer(self, assignment, request) -> None:
+        """Grow the fetch wait while answers come back empty with records waiting; restore it
+        once one brings records (module doc, "Catching up")."""
+        if not assignment.active:
+            return
+        buffered = self._fetcher._records  # noqa: SLF001
+        starved = brought = False
+        for topic, partitions in request.topics:
+            for partition, offset, _max_bytes in partitions:
+                tp = TopicPartition(topic, partition)
+                if tp in buffered:
+                    brought = True
+                    continue
+                state = assignment.state_value(tp)
+                if state is not None and state.highwater is not None and state.highwater > offset:
+                    starved = True
+        fetcher = self._fetcher
+        if starved and not brought:
+            self.starved_answers += 1
+            wait = fetcher._fetch_max_wait_ms  # noqa: SLF001
+            fetcher._fetch_max_wait_ms = min(max(2 * wait, 1), max(_CATCH_UP_MAX_MS, self._base_wait_ms))  # noqa: SLF001
+        elif brought:
+            fetcher._fetch_max_wait_ms = self._base_wait_ms  # noqa: SLF001
 
     def _settle_if_read(self) -> None:
         """Off the token path: sleep now if everything rung since the last sleep has been read."""

@@ -198,9 +198,7 @@ def test_a_reader_off_the_token_path_sleeps_once_it_has_read_what_it_was_rung_fo
     read: a fetch that answered before one of them existed leaves the position short of its
     offset, so the reader fetches again rather than sleeping (its own looks are an hour apart:
     an unread record would hang the test)."""
-    settings = ServiceSettings(
-        kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=3_600_000, kafka_idle_poll_ms=3_600_000, kafka_settle_early=True
-    )
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=3_600_000, kafka_idle_poll_ms=3_600_000)
 
     async def run() -> None:
         topic = "qc-settle"
