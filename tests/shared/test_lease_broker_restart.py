@@ -26,25 +26,27 @@ from shared.schemas.lease import LeaseRecord
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(300)
 PREFIX = "leaserestart"
-# The successor must be up and claiming, and the standby must have noticed the restart, before the
-# dead active's lease runs out in the standby's eyes; otherwise the standby's claim is a true
-# takeover. 10 s was not enough at load 28 (the successor's start took longer and the standby,
-# rightly, claimed first), so a lease far longer than any start of this busy host. The test waits
-# for the standby's first announcement after that lease, so it lasts one to two leases.
-LEASE_S = 30.0
+LEASE_S = 10.0  # the active's and its successor's
+# The standby's: longer than the test, so it never claims here. Whether it claims before the
+# successor does is a race the test must not depend on (at load 30 the successor's start, or its
+# claim refused by the restarted tansu and tried again a period later, took longer than a 10 s
+# and once a 30 s lease; a standby claiming first is a true takeover, not the bug). What is
+# tested is what the standby makes of the successor's claim: under the old rules it ignored term 1
+# for good (and claimed term 7 at its deadline, deposing the successor); now it takes it.
+STANDBY_LEASE_S = 3600.0
 
 
 class _Instance:
     """One service instance: its client, its broker watch (which tells its keeper of a restart,
     as the services' restart callbacks do) and its lease keeper."""
 
-    def __init__(self, bootstrap: str, name: str, deposed: list[str]) -> None:
+    def __init__(self, bootstrap: str, name: str, deposed: list[str], lease_s: float = LEASE_S) -> None:
         self.topics = Topics(PREFIX)
         self.kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap, topic_prefix=PREFIX), name)
         self.keeper = LeaseKeeper(
-            self.kafka, self.topics.leases.name, "scheduler", name, LEASE_S, on_deposed=lambda: deposed.append(name)
+            self.kafka, self.topics.leases.name, "scheduler", name, lease_s, on_deposed=lambda: deposed.append(name)
         )
         self.watch = BrokerWatch(self.kafka, PREFIX, self._on_restart, retry_s=0.2)
 
@@ -57,11 +59,15 @@ class _Instance:
         await self.keeper.start()
 
     async def die(self) -> None:
-        """Stop running without a word (SIGKILL): nothing released, nothing sent."""
+        """Stop running without a word (SIGKILL): nothing released, nothing sent later. The client
+        is stopped too, while the old broker still runs: a renewal already handed to its producer
+        would otherwise be delivered (retried) to the restarted broker, which a killed process's
+        buffer never is, and the new topic's first term would then be the dead active's."""
         await self.watch.stop()
         for t in self.keeper._tasks:  # noqa: SLF001 (simulating a process that is gone)
             t.cancel()
         await asyncio.gather(*self.keeper._tasks, return_exceptions=True)  # noqa: SLF001
+        await self.kafka.stop()
 
     async def stop(self) -> None:
         await self.watch.stop()
@@ -83,7 +89,7 @@ async def _records(bootstrap: str) -> list[LeaseRecord]:
     return out
 
 
-async def _until(what: str, done, timeout_s: float = 4 * LEASE_S) -> None:
+async def _until(what: str, done, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not await done():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
@@ -104,7 +110,7 @@ def test_a_standby_takes_the_new_brokers_first_claim_and_never_deposes_the_succe
             rec = LeaseRecord(role="scheduler", holder="ghost", term=5, state=state, sent_at=time.time(), seq=1)
             await seed.send(Topics(PREFIX).leases.name, rec, key="scheduler")
         await seed.stop()
-        a, b = _Instance(bootstrap, "a", deposed), _Instance(bootstrap, "b", deposed)
+        a, b = _Instance(bootstrap, "a", deposed), _Instance(bootstrap, "b", deposed, STANDBY_LEASE_S)
         await a.start()
         assert await asyncio.wait_for(a.keeper.wait_active(), 30) == 6
         await b.start()
@@ -114,27 +120,24 @@ def test_a_standby_takes_the_new_brokers_first_claim_and_never_deposes_the_succe
         await a.die()
         proc.kill()
         proc.wait()
-        died_at = time.time()  # after a's last renewal was sent: b's lease deadline is before died_at + LEASE_S
         proc, _ = start_broker(host, int(port), tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         a2 = _Instance(bootstrap, "a2", deposed)
         try:
             await a2.start()
-            assert await asyncio.wait_for(a2.keeper.wait_active(), 2 * LEASE_S) == 1  # the new topic's first term
+            # the new topic's first term (a claim tansu refuses right after its restart is made
+            # again a period later: the wait allows several)
+            assert await asyncio.wait_for(a2.keeper.wait_active(), 120) == 1
 
-            # The event: `b` sends its first lease record dated past the dead active's lease (the
-            # moment the old rules made it claim). It must be a standby announcement of term 1.
-            async def b_spoke_after_the_old_deadline() -> bool:
-                return any(r.holder == "b" and r.sent_at > died_at + LEASE_S for r in await _records(bootstrap))
+            # The event: `b` reads the successor's term-1 claim as the current lease.
+            async def b_follows_a2() -> bool:
+                cur = b.keeper.log.current
+                return cur is not None and (cur.term, cur.holder) == (1, "a2")
 
-            await _until("b sends a lease record past the old lease's deadline", b_spoke_after_the_old_deadline)
-            records = await _records(bootstrap)
-            first_late = next(r for r in records if r.holder == "b" and r.sent_at > died_at + LEASE_S)
-            assert (first_late.state, first_late.term) == ("standby", 1), first_late
-            held = [(r.holder, r.term) for r in records if r.state == "held"]
-            assert {h for h, _ in held} == {"a2"}, held  # on the new broker only the successor claimed
-            assert b.keeper.log.current.term == 1 and b.keeper.log.current.holder == "a2"
-            assert b.keeper.active_term is None and deposed == [], (b.keeper.active_term, deposed)
-            assert a2.keeper.log.current.holder == "a2" and not a2.keeper.deposed
+            await _until("b takes a2's term 1 as the lease", b_follows_a2)
+            held = [(r.holder, r.term) for r in await _records(bootstrap) if r.state == "held"]
+            assert set(held) == {("a2", 1)}, held  # on the new broker only the successor claimed
+            assert b.keeper.active_term is None and not b.keeper.deposed and not a2.keeper.deposed
+            assert deposed == [], deposed
         finally:
             for inst in (a2, b, a):
                 await inst.stop()
