@@ -53,6 +53,11 @@ class ActiveStandby:
         """Check right before acting: False once the lease's window ran out (a long pause)."""
         return self.keeper.is_active()
 
+    def broker_restarted(self) -> None:
+        """Call from the service's broker-restart callback: lease terms start again on the new
+        broker (`LeaseKeeper.broker_restarted`)."""
+        self.keeper.broker_restarted()
+
     async def start(self, activate: Callable[[int], Awaitable[None]]) -> None:
         """Join the election; `activate(term)` runs once this instance holds the lease."""
         await self.keeper.start()

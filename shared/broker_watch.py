@@ -93,10 +93,6 @@ class BrokerRestart:
 OnRestart = Callable[[BrokerRestart], Awaitable[None]]
 
 
-async def log_restart(restart: BrokerRestart) -> None:
-    """The reaction of a service that needs nothing beyond the repair (the watch already logs)."""
-
-
 class BrokerWatch:
     """Checks the broker for a restart when its connection drops (and every `interval_s`), and
     repairs it (module docstring).

@@ -27,7 +27,14 @@ from aiokafka.structs import RecordMetadata
 
 from shared.aio import within
 from shared.doorbell import Doorbell, doorbell_directory
-from shared.kafka_reading import OffsetTracker, apply_safely, fetch_decoded, read_to_end, tail
+from shared.kafka_reading import (
+    OffsetTracker,
+    apply_safely,
+    fetch_decoded,
+    read_to_end,
+    skip_commits_past_the_end,
+    tail,
+)
 from shared.produce_resend import NO_RESEND, RESEND, ResendPolicy, with_resend
 from shared.quiet_consumer import QuietConsumer, ring_payload
 from shared.schemas.base import WireModel
@@ -315,9 +322,10 @@ class KafkaClient:
         delays the first assignment) before its first fetch, all of which is start-up time for a
         worker whose model is already loaded. Assigned directly it fetches at once, from the
         group's committed offsets (what it had accepted before a restart), or from the start
-        of the topic. What membership would add, fencing off a second process with the same
-        worker id, it does not give anyway within its session timeout; a worker id must be
-        unique (the scheduler treats two as one worker).
+        of the topic; a committed offset past a partition's end (left by a broker that lost its
+        data) is ignored (`skip_commits_past_the_end`). What membership would add, fencing off a
+        second process with the same worker id, it does not give anyway within its session
+        timeout; a worker id must be unique (the scheduler treats two as one worker).
         """
         c = await self.consumer(group=group, subscribe=False, hot=hot)
         tps = []
@@ -325,6 +333,7 @@ class KafkaClient:
             parts = await with_backoff(f"metadata {topic}", lambda t=topic: _partitions(c, t))
             tps += [TopicPartition(topic, p) for p in parts]
         c.assign(tps)  # positions: committed, else earliest
+        await with_backoff(f"committed offsets {group}", lambda: skip_commits_past_the_end(c, tps, group))
         for topic in topics:
             self._listen(c, topic)
         return c

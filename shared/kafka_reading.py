@@ -108,3 +108,36 @@ class OffsetTracker:
             pending = self._pending.get(tp)
             out[tp] = min(pending) if pending else nxt
         return out
+
+
+async def skip_commits_past_the_end(consumer: AIOKafkaConsumer, tps: list[TopicPartition], group: str) -> int:
+    """Read from the start every partition whose committed offset lies past its end; returns how
+    many. Such an offset was committed from a broker that has since lost its data.
+
+    How it gets there: a commit in flight when the broker dies is retried by aiokafka (unknown
+    topic is a retriable error) until the restarted broker has the topic again, and then it lands
+    there, with the old broker's offsets (seen in `tandem chaos --ha --faults broker`: a standby
+    scheduler that took over after the restart started its request consumer at the deposed
+    active's offsets 4-11 on topics of 0-1 records, and placed nothing for minutes). Apache Kafka
+    answers a fetch past the end with OffsetOutOfRange and the consumer resets (to the earliest
+    offset here); tansu answers with nothing, so the consumer would wait until the partition grows
+    past the stale offset. All records of the new topic are newer than the restart, so reading
+    them all is what the reset would do. A stale offset *below* the new end cannot be told from a
+    true one; docs/reliability.md names that gap."""
+    ends = await consumer.end_offsets(tps)
+    stale = 0
+    for tp in tps:
+        committed = await consumer.committed(tp)
+        if committed is not None and committed > ends[tp]:
+            log.warning(
+                "%s[%d]: group %s committed offset %d, past the partition's end %d (committed from a broker "
+                "that lost its data); reading it from the start",
+                tp.topic,
+                tp.partition,
+                group,
+                committed,
+                ends[tp],
+            )
+            consumer.seek(tp, 0)
+            stale += 1
+    return stale

@@ -81,6 +81,17 @@ class LeaseLog:
         self.role = role
         self.current: Lease | None = None
         self.members: dict[str, StandbySeen] = {}  # every instance heard, active or standby
+        self.fresh_topic = False  # the broker lost its data: the next `held` record starts a term
+
+    def forget_terms(self) -> None:
+        """The broker restarted with its data gone, so `leases` is a new, empty topic and terms
+        start again (a successor that starts now claims term 1). The next `held` record read
+        starts a term whatever its number, as on a topic read for the first time; until then the
+        current lease stands, with its holder and when it was last heard, so a standby still waits
+        out the lease before claiming and a surviving active's renewal (of its old term) simply
+        continues it. Without this, a standby that saw term N on the old broker ignored the
+        successor's term 1 as stale, claimed N + 1 and deposed it (a needless handover)."""
+        self.fresh_topic = True
 
     def apply(self, r: LeaseRecord, now: float) -> bool:
         """Apply one record; True when it renewed or started the current term."""
@@ -90,10 +101,11 @@ class LeaseLog:
         cur = self.current
         if r.state == "standby":
             return False
-        if cur is None or r.term > cur.term:
-            if r.state == "held":
-                self.current = Lease(r.term, r.holder, now)
-                return True
+        if r.state == "held" and (cur is None or r.term > cur.term or self.fresh_topic):
+            self.current = Lease(r.term, r.holder, now)
+            self.fresh_topic = False
+            return True
+        if cur is None:
             return False
         if r.term == cur.term and r.holder == cur.holder:
             if r.state == "released":
@@ -202,6 +214,19 @@ class LeaseKeeper:
             with contextlib.suppress(Exception):
                 await within(self._send("released", self.active_term), RELEASE_WAIT_S)
                 log.info("%s lease term %d released", self.role, self.active_term)
+
+    def broker_restarted(self) -> None:
+        """The broker lost its data (its watch repaired the restart): terms start again on the new
+        `leases` topic (`LeaseLog.forget_terms`), and that topic is read again from its start
+        under that rule, since records of it read before this call were judged by the old terms."""
+        self.log.forget_terms()
+        c = self._consumer
+        if c is not None:
+            for tp in c.assignment():
+                c.seek(tp, 0)
+            if isinstance(c, QuietConsumer):
+                c.wake()
+        log.warning("%s lease: the broker lost its data; the next claim read starts a term", self.role)
 
     # -- the loops -------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from loadgen.bench.common import write_json
@@ -35,7 +36,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run the scheduler, advisory and queue as active/standby pairs; a fault kills the active one",
     )
-    p.add_argument("--log-dir", default=None, help="children's logs (default: a temporary directory)")
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="children's logs (default: beside the JSON, <json>.logs/, else ./chaos-logs/<UTC time>/); kept",
+    )
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=run)
 
@@ -57,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model
-        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
+        log_dir = _log_dir(args)
         log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"tandem chaos: children's logs in {log_dir}", file=sys.stderr)
         try:
             result = uvloop.run(run_chaos(cfg, model, log_dir))
         except ValueError as exc:
@@ -67,5 +73,16 @@ def run(args: argparse.Namespace) -> int:
     result["model"] = args.model
     result["provenance"] = stamp(dtype="float32").as_dict()
     print(json.dumps({k: result[k] for k in ("baseline_probe_s", "faults", "rt", "batch", "crashed")}, indent=1))
+    result["log_dir"] = str(log_dir)
     write_json(result, args.json)
     return 0
+
+
+def _log_dir(args: argparse.Namespace) -> Path:
+    """Where the children's logs go: kept with the results, never in a temporary directory (the
+    `--ha` stall of session 6 could not be diagnosed because its logs were in /tmp and gone)."""
+    if args.log_dir:
+        return Path(args.log_dir)
+    if args.json:
+        return Path(args.json).with_suffix(".logs")
+    return Path("chaos-logs") / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -28,7 +28,7 @@ from services.advisory.advisor import Advice, Advisor, AdvisorLimits
 from services.advisory.settings import AdvisorySettings
 from services.advisory.targets import make_target_policy
 from services.standby import ActiveStandby
-from shared.broker_watch import BrokerWatch, log_restart
+from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.fence_feed import follow_fences
 from shared.kafka import KafkaClient, fetch_decoded, read_to_end, tail
 from shared.live_workers import LiveWorkers
@@ -53,14 +53,18 @@ class AdvisoryService:
         self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self._tasks: list[asyncio.Task] = []
-        # The advisory keeps its placements in memory; a broker restart needs only the repair.
         self.broker_watch = BrokerWatch(
-            self.kafka, settings.topic_prefix, log_restart, interval_s=settings.broker_watch_interval_s
+            self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
         self.lease = ActiveStandby(
             self.kafka, self.topics.leases.name, "advisory", settings.advisory_id, settings.lease_s
         )
         self._init_metrics()
+
+    async def _on_broker_restart(self, restart: BrokerRestart) -> None:
+        """The advisory keeps its placements in memory: beyond the repair, only the lease's terms
+        start again on the new broker (services/standby.py)."""
+        self.lease.broker_restarted()
 
     def _init_metrics(self) -> None:
         m = self.metrics = ServiceMetrics("advisory")

@@ -140,6 +140,7 @@ class QueueService:
         attempts still running on workers run out unread (their work is wasted, not doubled).
         A standby has nothing in flight, and must not re-queue the active's items: the repair
         (its lease reader rewound) is all it needs."""
+        self.lease.broker_restarted()  # terms start again on the new `leases` topic, standby too
         if not self.lease.term:
             log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
             return

@@ -264,6 +264,7 @@ class SchedulerService:
         dropped (the new state topic does not hold them); later ones are kept, since they may be
         placements of new requests, and dropping those would place them twice. A standby holds
         none of this: the repair (its lease reader rewound) is all it needs."""
+        self.lease.broker_restarted()  # terms start again on the new `leases` topic, standby too
         if not self.lease.term:
             log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
             return

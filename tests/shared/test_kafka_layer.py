@@ -149,6 +149,42 @@ def test_owned_consumer_resumes_from_its_groups_commits_without_joining(kafka_bo
     assert first == ["r0", "r1", "r2"] and rest == ["r2"]
 
 
+def test_owned_consumer_reads_from_the_start_past_a_commit_beyond_the_end(kafka_bootstrap):
+    """A commit from a broker that lost its data (aiokafka retries a commit in flight until the
+    restarted broker has the topic again; `tandem chaos --ha --faults broker`): the group's offset
+    9 on a topic of 2 records. tansu answers a fetch at 9 with nothing, so a consumer started there
+    never read the records below it (a standby scheduler taking over placed nothing). It now reads
+    them from the start; a partition whose commit is within its end still resumes there."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, topic_prefix="kp")
+    topic = "kp.requests"
+    stale, kept = TopicPartition(topic, 0), TopicPartition(topic, 1)
+
+    async def read(c, n: int) -> list[str]:
+        got: list[str] = []
+        while len(got) < n:
+            for msgs in (await c.getmany(timeout_ms=500)).values():
+                got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
+        return got
+
+    async def run():
+        kafka = KafkaClient(settings, "test")
+        await kafka.start([TopicSpec(topic, 2, "request id")])
+        for i in range(2):
+            await kafka.send(topic, ControlEnvelope(message=Cancel(request_id=f"p0-{i}")), partition=0)
+            await kafka.send(topic, ControlEnvelope(message=Cancel(request_id=f"p1-{i}")), partition=1)
+        committer = await kafka.consumer(group="kp-s", subscribe=False)
+        committer.assign([stale, kept])
+        await committer.commit({stale: 9, kept: 1})  # 9: past partition 0's end (2)
+        await committer.stop()
+        c = await kafka.owned_consumer(topic, group="kp-s", hot=True)
+        got = await asyncio.wait_for(read(c, 3), 60)
+        await kafka.stop()
+        return got
+
+    got = asyncio.run(run())
+    assert sorted(got) == ["p0-0", "p0-1", "p1-1"], got
+
+
 def test_a_consumer_whose_start_is_cancelled_is_closed(monkeypatch):
     """A service stopped while its broker is down cancels a consumer's start mid-retry: that
     consumer is closed, not left for the garbage collector to report as an "Unclosed

@@ -182,3 +182,17 @@ def test_a_standby_that_missed_renewals_reads_to_the_end_before_claiming(kafka_b
         await kb.stop()
 
     asyncio.run(run())
+
+
+def test_after_forget_terms_the_next_claim_starts_a_term_whatever_its_number():
+    """A broker that lost its data starts `leases` empty: the first claim read there is the term
+    (a successor's term 1), the lease until then stands as it was (a standby still waits it out),
+    and from that claim on the ordinary rules apply again."""
+    log = LeaseLog("scheduler")
+    log.apply(_rec("a", 6), now=1.0)
+    log.forget_terms()
+    assert log.current.term == 6 and not log.expired(1.5, 1.0)  # nothing to claim yet
+    assert not log.apply(_rec("b", 6, "standby"), now=1.6) and log.current.holder == "a"
+    assert log.apply(_rec("a2", 1), now=1.7) and (log.current.term, log.current.holder) == (1, "a2")
+    assert not log.apply(_rec("b", 1), now=1.8) and log.current.holder == "a2"  # lost the race for 1
+    assert log.apply(_rec("b", 2), now=1.9) and log.current.holder == "b"  # a higher term wins as ever

@@ -1,11 +1,10 @@
 """The re-send rules of shared/produce_resend.py, alone.
 
-What they are for, a record a restarted tansu refused, is exercised on real brokers by
-tests/services/test_broker_restart.py (the stack survives a restart) and test_up.py (HA pairs
-survive one). tansu's refusal could not be made on demand here: the same recipe (records written
-to a topic the new broker does not have yet, then the topic created) refused the next produce in
-some runs and stored it in others, so a test of `KafkaClient.send` on it would pass without the
-re-send. The send here is a plain coroutine that fails as aiokafka does.
+The rules are driven with a plain coroutine that fails as aiokafka does; the last test makes a
+real tansu refuse a produce (a record written to a topic the restarted broker does not have yet,
+then the topic created: the next produce is given the orphan's offset) and checks that
+`KafkaClient.send` re-sends it and it is stored. The stacks survive refusals too:
+tests/services/test_broker_restart.py and test_up.py (HA pairs).
 """
 
 from __future__ import annotations
@@ -76,3 +75,72 @@ def test_a_pipelined_send_refused_is_sent_again():
 def test_a_policy_waits_longer_after_each_refusal_up_to_its_cap():
     assert ResendPolicy(attempts=5, first_delay_s=0.1, max_delay_s=0.5).delays() == [0.1, 0.2, 0.4, 0.5, 0.5]
     assert NO_RESEND.delays() == []
+
+
+def test_kafka_client_re_sends_what_a_restarted_tansu_refuses(caplog):
+    """On a real tansu, made to refuse on demand by the recipe of shared/hole_guard.py: a producer
+    with cached metadata writes a record to a topic the restarted broker does not have yet
+    (acknowledged at offset 0, the topic not created), then the topic is created (its watermark
+    back to 0). `KafkaClient.send` is then given offset 0 again, refused (`UnknownError`: that
+    slot's batch exists), sends it again, and it is stored at offset 1 and read back there.
+    (A second topic made the same way in the same run was refused in only 3 of 5 runs, so only
+    the first is used; `NO_RESEND` is checked by the rules above.)"""
+    import subprocess
+
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from services.broker import start_broker
+    from shared.kafka import KafkaClient
+    from shared.schemas.control import Cancel, ControlEnvelope
+    from shared.settings import ServiceSettings
+
+    topic = "resend.t"
+    proc, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host, port = bootstrap.rsplit(":", 1)
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            await admin.create_topics([NewTopic(topic, 1, 1)])
+        finally:
+            await admin.close()
+
+    async def run() -> tuple[int, str]:
+        nonlocal proc
+        await create()
+        stale = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await stale.start()
+        await stale.send_and_wait(topic, b"before", partition=0)  # the topic's metadata, cached
+        proc.kill()
+        proc.wait()
+        proc = start_broker(host, int(port), tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)[0]
+        await stale.send_and_wait(topic, b"orphan", partition=0)  # no topic yet: stored anyway, at 0
+        await stale.stop()
+        await create()  # the watermark back to 0
+        kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap), "resend-test")
+        await kafka.start()
+        try:
+            landed = await kafka.send(topic, ControlEnvelope(message=Cancel(request_id="kept")), partition=0)
+        finally:
+            await kafka.stop()
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+        await consumer.start()
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        consumer.seek(tp, landed.offset)
+        try:
+            m = await asyncio.wait_for(consumer.getone(), 60)
+        finally:
+            await consumer.stop()
+        return landed.offset, ControlEnvelope.decode(m.value).message.request_id
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="shared.produce_resend"):
+            offset, read = asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert offset == 1 and read == "kept"  # refused at 0 (the orphan's slot), stored at 1
+    assert [r.getMessage() for r in caplog.records if "refused by the broker" in r.getMessage()], caplog.text
