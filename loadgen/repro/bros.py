@@ -1,12 +1,19 @@
 """BROS (hybrid RT + BE serving): Figs. 10-11's comparison, at our scale.
 
 Simulator at paper scale: OPT-13B on the A100-40GB roofline profile, RT Poisson with ShareGPT
-or LMSYS lengths at 1-3 req/s (one GPU; the paper's TP=2 pair reached 15 req/s, our knee is
-correspondingly lower), a standing BE backlog (prompts U(512, 1024), outputs U(32, 128),
+or LMSYS lengths at 2, 2.5 and 3 req/s, a standing BE backlog (prompts U(512, 1024), outputs U(32, 128),
 batches of 32), 10 minutes of arrivals, several seeds. Baselines: `fcfs-prefill-first` (the
 papers' vLLM: unchunked, prefill-first), `fcfs` (today's vLLM, chunked), `swap` (vLLM with
 swap preemption) and `rr` (the paper's round robin). The CPU engine at small scale (`--engine`):
 the default model, float32, RT + BE at 0.5 and 1 req/s for 120 s.
+
+Which rates are "the paper's loads" (docs/bros.md, "Is the baseline in the paper's regime?"):
+the paper's figure gives no rate axis in its text (one GPU pair here vs its TP=2 pair, so its
+rates do not carry over), but it states where its vLLM was: TTFT attainment 1.28% averaged over
+15 cells, 0 in 8 of them, so no cell above 19.2%. Our `fcfs-prefill-first` is at 19.9% at
+1 req/s (lighter than every paper cell), 3.2% at 2 and 0.3% at 3: the grid is the rates where
+the baseline queues as the paper's did, and `figure` prints the baseline's attainments beside
+the paper's so every run shows which regime it measured.
 """
 
 from __future__ import annotations
@@ -15,6 +22,13 @@ from loadgen.repro.base import Cell, PaperRow, Repro
 
 POLICIES = ("fcfs-prefill-first", "fcfs", "swap", "rr", "bros")
 _VLLM = "fcfs-prefill-first"
+# RT req/s where our vLLM baseline's TTFT attainment is in the paper's range (module docstring)
+PAPER_REGIME_RATES = ("2", "2.5", "3")
+# [paper] §7.2.2: vLLM's mean TTFT attainment over its 15 cells; its TPOT attainment is not
+# stated, only BROS's (65.49% ShareGPT, 75.38% LMSYS) and BROS/vLLM (1.73x, 2.62x), so the
+# implied vLLM figure is their quotient (an estimate: the factors may be means of per-cell ratios)
+PAPER_VLLM_TTFT_ATTAINMENT = 0.0128
+PAPER_VLLM_TPOT_ATTAINMENT = {"sharegpt": 0.6549 / 1.73, "lmsys": 0.7538 / 2.62}
 
 
 class BROSRepro(Repro):
@@ -23,7 +37,7 @@ class BROSRepro(Repro):
 
     def cells(self, *, quick: bool, engine: bool) -> list[Cell]:
         duration, seeds = ("60", "1") if quick else ("600", "3")
-        rates = ("2",) if quick else ("1", "2", "3")
+        rates = ("2",) if quick else PAPER_REGIME_RATES
         out = [
             Cell(
                 f"sim-{profile}-r{rate}",
@@ -131,6 +145,37 @@ class BROSRepro(Repro):
                 ]
         return rows
 
+    def figure(self, docs: dict[str, dict]) -> list[str]:
+        """The baseline's own regime per simulator cell beside the paper's vLLM: a ratio is only
+        comparable to the paper's where the baseline queues as the paper's did."""
+        rows = []
+        for name, doc in docs.items():
+            profile = next((p for p in PAPER_VLLM_TPOT_ATTAINMENT if name.startswith(f"sim-{p}-")), None)
+            if profile is None or _VLLM not in doc.get("summary", {}):
+                continue
+            ttft, tpot, lat = (
+                baseline_metric(doc, m) for m in ("ttft_attainment", "tpot_attainment", "normalized_latency_s")
+            )
+            rows.append(
+                f"| {name} | {_pct(ttft)} | {_pct(tpot)} | "
+                f"{'n/a' if lat is None else f'{lat[0] * 1e3:.0f}'} | "
+                f"{PAPER_VLLM_TTFT_ATTAINMENT:.2%} | {PAPER_VLLM_TPOT_ATTAINMENT[profile]:.0%} |"
+            )
+        if not rows:
+            return []
+        return [
+            "## The baseline's regime beside the paper's vLLM",
+            "",
+            f"| cell | {_VLLM} TTFT attainment | TPOT attainment | RT normalised latency ms/token "
+            "| paper's vLLM TTFT attainment (mean of 15 cells) | paper's vLLM TPOT attainment (implied) |",
+            "|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "Ours: mean over seeds [min, max]. The paper's vLLM missed every TTFT SLO in 8 of its 15 "
+            "cells, so no cell of its was above 19.2%.",
+            "",
+        ]
+
     def not_implemented(self) -> list[str]:
         return [
             "the 70B model and 15 req/s cells (Fig. 10c/f): no roofline profile for them",
@@ -139,8 +184,24 @@ class BROSRepro(Repro):
 
     def setup_notes(self) -> list[str]:
         return [
-            "One A100-40GB per worker (the paper: OPT-13B with TP=2 on two), so rates are 1-3 req/s.",
+            "One A100-40GB per worker (the paper: OPT-13B with TP=2 on two); rates are where our vLLM "
+            "baseline's TTFT attainment is in the paper's range (table below), not the paper's req/s.",
             "Policies plan with a cost model fitted to a noisy simulated profile; steps carry 5% "
             "log-normal noise; every policy has 4 GiB of host swap (docs/simulator.md, Fairness).",
             "The paper's vLLM baseline is `fcfs-prefill-first`; chunked `fcfs` and `swap` are shown too.",
         ]
+
+
+def baseline_metric(doc: dict, metric: str) -> tuple[float, float, float] | None:
+    """(mean, min, max) over seeds of the vLLM baseline's RT `metric` (one value without seeds)."""
+    seeds = doc.get("seeds")
+    if seeds:
+        vals = [v for v in seeds["metrics"][_VLLM]["rt"][metric]["values"] if v is not None]
+    else:
+        v = doc["summary"][_VLLM]["rt"].get(metric)
+        vals = [] if v is None else [v]
+    return (sum(vals) / len(vals), min(vals), max(vals)) if vals else None
+
+
+def _pct(v: tuple[float, float, float] | None) -> str:
+    return "n/a" if v is None else f"{v[0]:.1%} [{v[1]:.1%}, {v[2]:.1%}]"

@@ -154,3 +154,21 @@ def test_sim_bros_with_explicit_slos(tmp_path):
     bros, fcfs = doc["summary"]["bros"]["rt"], doc["summary"]["fcfs"]["rt"]
     assert bros["completed"] == bros["requests"] == fcfs["requests"]
     assert bros["ttft_attainment"] > fcfs["ttft_attainment"]  # slack scheduling puts RT first
+
+
+@pytest.mark.timeout(300)
+def test_bench_policies_counts_what_the_capped_drain_left_unfinished(tmp_path):
+    """Past its collapse a policy still yields numbers: the drain is capped, what is left is
+    aborted, and the document and report count it per class (RT 30 req/s for 5 s with a 1 s
+    drain leaves RT requests open on the simulated A100)."""
+    path = tmp_path / "p.json"
+    res = tandem(
+        "bench", "policies", "--target", "sim", "--policies", "fcfs-prefill-first", "--duration", "5",
+        "--slo-scale", "1", "--rate", "30", "--drain-timeout", "1", "--json", str(path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    rt = doc["summary"]["fcfs-prefill-first"]["rt"]
+    left = doc["unfinished"]["fcfs-prefill-first"]
+    assert left["rt"] == rt["requests"] - rt["completed"] > 0
+    assert left["be"] >= 0 and f"- fcfs-prefill-first: RT {left['rt']}, BE {left['be']} -- RT latency" in res.stdout

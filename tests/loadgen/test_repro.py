@@ -114,3 +114,33 @@ def test_with_seeds_replaces_or_adds_the_seed_count():
     assert with_seeds(with_seeds(cell, 2), 5).argv == ("--rate", "2", "--seeds", "5")
     with pytest.raises(ValueError, match="seeds"):
         with_seeds(cell, 0)
+
+
+def test_bros_repro_shows_the_baselines_regime_beside_the_papers_vllm():
+    """The BROS README puts our vLLM baseline's attainments beside the paper's (1.28% TTFT), per
+    cell and over seeds, so a reader sees whether a ratio was measured in the paper's regime."""
+    from loadgen.repro.bros import PAPER_REGIME_RATES, baseline_metric
+
+    golden = json.loads(PATH.read_text())  # one run: summary, no seeds
+    ttft = golden["summary"]["fcfs-prefill-first"]["rt"]["ttft_attainment"]
+    assert baseline_metric(golden, "ttft_attainment") == (ttft, ttft, ttft)
+    seeded = {
+        "summary": golden["summary"],
+        "seeds": {
+            "metrics": {
+                "fcfs-prefill-first": {
+                    "rt": {
+                        "ttft_attainment": {"values": [0.02, 0.04, None]},
+                        "tpot_attainment": {"values": [0.9, 1.0]},
+                        "normalized_latency_s": {"values": [0.1, 0.2]},
+                    }
+                }
+            }
+        },
+    }
+    lines = REPROS["bros"].figure({"sim-sharegpt-r2": seeded, "sim-lmsys-r3": golden, "engine-cpu-r1": golden})
+    rows = [ln for ln in lines if ln.startswith("| sim-")]
+    assert rows[0] == "| sim-sharegpt-r2 | 3.0% [2.0%, 4.0%] | 95.0% [90.0%, 100.0%] | 150 | 1.28% | 38% |"
+    assert rows[1].startswith(f"| sim-lmsys-r3 | {ttft:.1%} ") and rows[1].endswith("| 1.28% | 29% |")
+    assert len(rows) == 2  # engine cells are not the paper's setup
+    assert REPROS["bros"].cells(quick=False, engine=False)[0].argv[5] == PAPER_REGIME_RATES[0]
