@@ -133,7 +133,11 @@ def _rt_metric(doc: dict, key: str) -> tuple[float, float, float] | None:
     """(mean, min, max) over seeds of an RT summary metric (one seed: the value three times)."""
     seeds = doc.get("seeds")
     if seeds:
-        st = next(iter(seeds["metrics"].values()))["rt"][key]
+        # cells written before `tpot_mean_s` joined `loadgen.spread.METRICS` lack its spread:
+        # a clear error, not the first seed's value passed off as the mean of three
+        st = next(iter(seeds["metrics"].values()))["rt"].get(key)
+        if st is None:
+            raise KeyError(f"the cell's seed spread has no {key!r}: re-run it (loadgen.spread.METRICS)")
         if st["mean"] is not None:
             return st["mean"], st["min"], st["max"]
     value = doc.get("summary", {}).get("rt", {}).get(key)

@@ -318,3 +318,22 @@ def test_headline_states_where_hints_break_and_the_ratio_at_the_papers_bound():
     assert "hints carry 1024 (1176), recompute 512 (699)" in lines[1]
     assert "hints / anchor = 4.6x (the paper's reading), hints / recompute at the same bound = 1.7x." in lines[1]
     assert "not found; they hold at every tested count, the largest 4096 users" in headline(rec | hints)[0]
+
+
+def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
+    """`repro symphony` reads mean TPOT (the paper's axis) over seeds: the seed spread must carry
+    it (it did not, and the first 3-seed README crashed on the missing key)."""
+    from loadgen.repro.symphony import _rt_metric
+    from loadgen.spread import seed_spread
+
+    def summary(tpot):
+        return {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": tpot}, "be": {}, "all": {}}
+
+    doc = {
+        "summary": summary(0.010),
+        "seeds": seed_spread([0, 1, 2], {"p": [summary(t) for t in (0.01, 0.012, 0.014)]}),
+    }
+    assert _rt_metric(doc, "tpot_mean_s") == pytest.approx((0.012, 0.010, 0.014))
+    del doc["seeds"]["metrics"]["p"]["rt"]["tpot_mean_s"]  # a cell from before the fix
+    with pytest.raises(KeyError, match="re-run it"):
+        _rt_metric(doc, "tpot_mean_s")
