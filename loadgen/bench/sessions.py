@@ -237,11 +237,26 @@ def session_figures(records) -> dict:
         "first_turn_ttft_p50_s": percentile([ttft(r) for r in done if r.turn == 0], 50),
         "next_turn_same_worker": {"count": len(stayed), "ttft_p50_s": percentile([ttft(r) for r in stayed], 50)},
         "next_turn_moved_worker": {"count": len(moved), "ttft_p50_s": percentile([ttft(r) for r in moved], 50)},
+        "failed": failures(records),
         "prompt_tokens": prompt,
         "prompt_tokens_reused": cached,
         "prompt_tokens_recomputed": prompt - cached,
         "per_worker": per_worker(done),
     }
+
+
+def failures(records) -> dict[str, int]:
+    """Turns that ended without completing, by cause: an overloaded stack answers 503
+    `no_capacity` when no worker accepts a turn within the gateway's `first_event_timeout_s`
+    (60 s), and a cell where every turn did has no latency to report, only this."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            cause = r.error.split(":", 1)[0] if r.error.startswith("HTTP ") else "error"
+            if "no_capacity" in r.error:
+                cause += " no_capacity"
+            out[cause] = out.get(cause, 0) + 1
+    return out
 
 
 def _previous_turn_workers(records) -> dict[str, str | None]:

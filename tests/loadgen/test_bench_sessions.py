@@ -140,3 +140,18 @@ def test_every_finished_cell_is_on_disk_before_the_grid_ends(tmp_path, monkeypat
     out = asyncio.run(sessions._bench(args, [sessions.MODES["hints"]], [2, 4, 8], {"commit": "abc"}))
     assert seen_on_disk == [[2], [2, 4]]
     assert out["complete"] is True and out["provenance"] == {"commit": "abc"}
+
+
+def test_turns_that_failed_are_counted_by_cause():
+    """An overloaded stack 503s turns no worker accepted in time; a cell with no completed
+    turn must say so rather than show empty latencies."""
+    from loadgen.bench.sessions import failures
+
+    ok = _rec("a", 0, "w0", 0.5, 100, 0)
+    busy = [_rec(f"b{i}", 0, "w0", 0.5, 100, 0) for i in range(2)]
+    for r in busy:
+        r.error = 'HTTP 503: {"error": {"code": "no_capacity", "message": "no worker accepted the request in time"}}'
+    odd = _rec("c", 0, "w0", 0.5, 100, 0)
+    odd.error = "ReadTimeout"
+    assert failures([ok, *busy, odd]) == {"HTTP 503 no_capacity": 2, "error": 1}
+    assert session_figures([ok, *busy, odd])["failed"] == {"HTTP 503 no_capacity": 2, "error": 1}
