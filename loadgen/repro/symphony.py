@@ -212,13 +212,20 @@ def headline(docs: dict[str, dict]) -> list[str]:
             r = r_at if r_at not in (None, float("inf")) else r_grid
             plus = "+" if h_at == float("inf") else ""
             same = f"{h / r:.1f}x{plus}" if h and r else "—"
-            lines.append(
+            head = (
                 f"- **At the paper's bound** (mean TPOT <= {bound * 1e3:.1f} ms: +14% over recompute's "
                 f"{tpot[0] * 1e3:.1f} ms at its lightest cell, {anchor} users, as the paper's 18 -> 20.5 ms): "
-                f"hints carry {_carried(h_grid, h_at)}, recompute {_carried(r_grid, r_at)}; "
-                f"hints / anchor = {h / anchor:.1f}x{plus} (the paper's reading), "
-                f"hints / recompute at the same bound = {same}."
             )
+            if not h_grid:  # no hints cell under the bound: the crossing is not bracketed
+                lines.append(
+                    head + f"not measured: hints' lightest tested cell ({min(hints)} users) is already over it."
+                )
+            else:
+                lines.append(
+                    head + f"hints carry {_carried(h_grid, h_at)}, recompute {_carried(r_grid, r_at)}; "
+                    f"hints / anchor = {h / anchor:.1f}x{plus} (the paper's reading), "
+                    f"hints / recompute at the same bound = {same}."
+                )
     return [*lines, ""] if lines else []
 
 

@@ -318,6 +318,9 @@ def test_headline_states_where_hints_break_and_the_ratio_at_the_papers_bound():
     assert "hints carry 1024 (1176), recompute 512 (699)" in lines[1]
     assert "hints / anchor = 4.6x (the paper's reading), hints / recompute at the same bound = 1.7x." in lines[1]
     assert "not found; they hold at every tested count, the largest 4096 users" in headline(rec | hints)[0]
+    # a grid whose only hints cell is over the bound: no ratio, and it says why (not "0 users")
+    only_heavy = headline(rec | {"hints-u4096": doc(0.08, 0.02)})[1]
+    assert only_heavy.endswith("not measured: hints' lightest tested cell (4096 users) is already over it.")
 
 
 def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
