@@ -15,7 +15,7 @@ Two choices follow from issue 20's analysis (docs/sessions.md, "Why not 8x"):
 - cells measure the steady state: a closed loop starts every user on a fresh conversation, so
   the first `WARMUP_S` seconds (about ten turn cycles) are dropped (`--warmup-s`); a 300 s run
   without it is 39% first turns and halves the history recompute pays for.
-Two cell groups: the paper's 8 workers at 256 to 8192 users, and 2 workers at 64 to 4096 users,
+Two cell groups: the paper's 8 workers at 256 to 16384 users, and 2 workers at 64 to 4096 users,
 where each worker carries 4x the load; both reach the count where hints break as well. The full
 grid (4 modes x 13 counts x 3 seeds) takes hours on one core: `tandem repro symphony --only GLOB
 --seeds N --keep` runs it in parts into the same folder.
@@ -36,7 +36,9 @@ MEASURE_S = 200
 # a "carries at least N" figure needs the count where it stops holding): 2 workers carry 4x the
 # per-worker load of the same user count on 8, so the w2 group reaches hints' limit cheaply.
 GROUPS = {
-    "w8": (8, ("256", "512", "1024", "2048", "4096", "8192")),
+    # 16384: hints held at 8192-equivalent load (2 workers at 2048) and broke at the
+    # 16384-equivalent (2 workers at 4096, session 7), so the 8-worker break lies in between
+    "w8": (8, ("256", "512", "1024", "2048", "4096", "8192", "16384")),
     "w2": (2, ("64", "128", "256", "512", "1024", "2048", "4096")),
 }
 
