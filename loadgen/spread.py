@@ -18,6 +18,7 @@ METRICS = (
     "ttft_p50_s",
     "ttft_p99_s",
     "tpot_p50_s",
+    "tpot_mean_s",  # the Symphony paper's latency axis (`repro symphony`)
     "tbt_p99_s",
     "normalized_latency_s",
     "ttft_attainment",

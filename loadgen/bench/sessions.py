@@ -38,6 +38,10 @@ from dataclasses import dataclass, field
 from loadgen.bench.common import percentile, write_json
 from loadgen.provenance import decided_dtype, stamp
 
+# a p99 from fewer turns than this is the maximum of a handful, not a tail (issue 20: the
+# earlier runs' p99s came from 7-25 samples); such cells are flagged, not dropped
+MIN_P99_SAMPLES = 100
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     levels = sorted({int(u) for u in args.users.split(",") if u})
     if not modes or not levels or min(levels) < 1:
         raise ValueError("need at least one mode and user counts >= 1")
-    result = uvloop.run(_bench(args, modes, levels))
-    result["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
+    provenance = stamp(dtype=decided_dtype(args.dtype)).as_dict()
+    result = uvloop.run(_bench(args, modes, levels, provenance))
     print(format_result(result))
     write_json(result, args.json)
     return 0
@@ -122,16 +126,28 @@ def _mode(name: str) -> Mode:
     return MODES[name]
 
 
-async def _bench(args: argparse.Namespace, modes: list[Mode], levels: list[int]) -> dict:
-    # the host is in the provenance stamp `run` adds (it replaced `common.host_info`)
-    out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "modes": {}}
+async def _bench(
+    args: argparse.Namespace, modes: list[Mode], levels: list[int], provenance: dict | None = None
+) -> dict:
+    """Runs every (mode, users) cell. The JSON is rewritten after each cell with `complete`
+    false: a 5-minute-per-cell grid takes hours on a shared host, and a run stopped part-way
+    (SIGTERM, a deadline) must still leave every finished cell on disk."""
+    out: dict = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "complete": False, "modes": {}}
+    if provenance is not None:
+        out["provenance"] = provenance
+
+    def save_partial(name: str, runs: list[dict]) -> None:
+        out["modes"][name] = {"levels": runs, "max_users_at_target": max_users_at(runs, args.ttft_p99_target)}
+        write_json(out, getattr(args, "json", None))
+
     for mode in modes:
-        out["modes"][mode.name] = await _run_mode(args, mode, levels)
+        out["modes"][mode.name] = await _run_mode(args, mode, levels, save_partial)
     out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
+    out["complete"] = True
     return out
 
 
-async def _run_mode(args: argparse.Namespace, mode: Mode, levels: list[int]) -> dict:
+async def _run_mode(args: argparse.Namespace, mode: Mode, levels: list[int], on_cell=None) -> dict:
     from loadgen.bench.stack import running_stack
 
     with tempfile.TemporaryDirectory(prefix=f"tandem-sessions-{mode.name}-") as data_dir:
@@ -141,6 +157,8 @@ async def _run_mode(args: argparse.Namespace, mode: Mode, levels: list[int]) -> 
             runs = []
             for users in levels:
                 runs.append(await _run_level(args, mode, url, name, users))
+                if on_cell is not None:
+                    on_cell(mode.name, runs)
                 print(f"  {mode.name:9s} users={users:3d}  {_one_line(runs[-1])}", flush=True)
     return {"levels": runs, "max_users_at_target": max_users_at(runs, args.ttft_p99_target)}
 
@@ -211,18 +229,34 @@ def session_figures(records) -> dict:
     prompt = sum(r.usage_prompt_tokens or 0 for r in done)
     cached = sum(r.cached_tokens or 0 for r in done)
     return {
-        "next_turn_requests": len(later),
+        "next_turn_requests": len(later),  # the turns behind the p99 below
+        "p99_samples_ok": len(later) >= MIN_P99_SAMPLES,
         "next_turn_ttft_p50_s": percentile([ttft(r) for r in later], 50),
         "next_turn_ttft_p99_s": percentile([ttft(r) for r in later], 99),
         "next_turn_tpot_p50_s": percentile([v for v in (tpot(r) for r in later) if v is not None], 50),
         "first_turn_ttft_p50_s": percentile([ttft(r) for r in done if r.turn == 0], 50),
         "next_turn_same_worker": {"count": len(stayed), "ttft_p50_s": percentile([ttft(r) for r in stayed], 50)},
         "next_turn_moved_worker": {"count": len(moved), "ttft_p50_s": percentile([ttft(r) for r in moved], 50)},
+        "failed": failures(records),
         "prompt_tokens": prompt,
         "prompt_tokens_reused": cached,
         "prompt_tokens_recomputed": prompt - cached,
         "per_worker": per_worker(done),
     }
+
+
+def failures(records) -> dict[str, int]:
+    """Turns that ended without completing, by cause: an overloaded stack answers 503
+    `no_capacity` when no worker accepts a turn within the gateway's `first_event_timeout_s`
+    (60 s), and a cell where every turn did has no latency to report, only this."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            cause = r.error.split(":", 1)[0] if r.error.startswith("HTTP ") else "error"
+            if "no_capacity" in r.error:
+                cause += " no_capacity"
+            out[cause] = out.get(cause, 0) + 1
+    return out
 
 
 def _previous_turn_workers(records) -> dict[str, str | None]:
@@ -282,13 +316,15 @@ def format_result(res: dict) -> str:
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
     for name, mode in res["modes"].items():
         for lv in mode["levels"]:
+            thin = "" if lv.get("p99_samples_ok", True) else " (<100)"
             lines.append(
-                f"| {name} | {lv['users']} | {lv['next_turn_requests']} | {ms(lv['next_turn_ttft_p50_s'])} | "
+                f"| {name} | {lv['users']} | {lv['next_turn_requests']}{thin} | {ms(lv['next_turn_ttft_p50_s'])} | "
                 f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
                 f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {mib(lv, 'bytes_pulled')} | "
                 f"{mib(lv, 'bytes_host_to_gpu', 'bytes_disk_to_gpu')} | {mib(lv, 'bytes_written_disk')} | "
                 f"{lv['per_worker']['imbalance'] or 0:.2f} |"
             )
     lines.append("")
-    lines.append(" ".join(f"{k}={v}" for k, v in res["comparison"].items()))
+    lines.append(f"(<100): p99 from fewer than {MIN_P99_SAMPLES} next turns, the maximum of a handful, not a tail")
+    lines.append(" ".join(f"{k}={v}" for k, v in res.get("comparison", {}).items()))
     return "\n".join(lines)

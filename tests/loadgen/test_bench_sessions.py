@@ -93,6 +93,65 @@ def test_the_bench_document_builds_without_a_stack():
     out = asyncio.run(_bench(args, [], [2]))
     assert out == {
         "config": {"users": "2", "duration": 1.0, "ttft_p99_target": 2.0},
+        "complete": True,
         "modes": {},
         "comparison": {"ttft_p99_target_s": 2.0},
     }
+
+
+def test_a_p99_from_fewer_than_100_next_turns_is_flagged(tmp_path):
+    """Issue 20: every p99 says how many turns are behind it, and a thin one is marked."""
+    from loadgen.bench.sessions import MIN_P99_SAMPLES, format_result
+
+    few = session_figures([_rec("a", 0, "w0", 0.5, 100, 0), _rec("a", 1, "w0", 0.2, 300, 240)])
+    many = session_figures([_rec(f"s{i}", t, "w0", 0.3, 100, 0) for i in range(MIN_P99_SAMPLES) for t in (0, 1)])
+    assert (few["next_turn_requests"], few["p99_samples_ok"]) == (1, False)
+    assert (many["next_turn_requests"], many["p99_samples_ok"]) == (MIN_P99_SAMPLES, True)
+    cell = lambda users, f: {"users": users, "kv_moved": {}, **f}  # noqa: E731
+    table = format_result({"modes": {"hints": {"levels": [cell(2, few), cell(8, many)]}}, "comparison": {}})
+    assert "| hints | 2 | 1 (<100) |" in table and f"| hints | 8 | {MIN_P99_SAMPLES} |" in table
+
+
+def test_every_finished_cell_is_on_disk_before_the_grid_ends(tmp_path, monkeypatch):
+    """A grid stopped part-way keeps its finished cells: `_bench` rewrites the JSON after each
+    (`complete` false until the last). The stack and the load are replaced here by a recorder
+    that reads the file back when the next cell starts."""
+    import argparse
+    import asyncio
+    import json
+
+    from loadgen.bench import sessions
+
+    path = tmp_path / "grid.json"
+    seen_on_disk: list[list[int]] = []
+
+    async def fake_run_mode(args, mode, levels, on_cell=None):
+        runs = []
+        for users in levels:
+            if path.exists():
+                seen_on_disk.append([lv["users"] for lv in json.loads(path.read_text())["modes"][mode.name]["levels"]])
+            runs.append({"users": users, "next_turn_ttft_p99_s": 0.1})
+            on_cell(mode.name, runs)
+        assert json.loads(path.read_text())["complete"] is False
+        return {"levels": runs, "max_users_at_target": sessions.max_users_at(runs, args.ttft_p99_target)}
+
+    monkeypatch.setattr(sessions, "_run_mode", fake_run_mode)
+    args = argparse.Namespace(users="2,4,8", duration=1.0, ttft_p99_target=2.0, func=None, json=str(path))
+    out = asyncio.run(sessions._bench(args, [sessions.MODES["hints"]], [2, 4, 8], {"commit": "abc"}))
+    assert seen_on_disk == [[2], [2, 4]]
+    assert out["complete"] is True and out["provenance"] == {"commit": "abc"}
+
+
+def test_turns_that_failed_are_counted_by_cause():
+    """An overloaded stack 503s turns no worker accepted in time; a cell with no completed
+    turn must say so rather than show empty latencies."""
+    from loadgen.bench.sessions import failures
+
+    ok = _rec("a", 0, "w0", 0.5, 100, 0)
+    busy = [_rec(f"b{i}", 0, "w0", 0.5, 100, 0) for i in range(2)]
+    for r in busy:
+        r.error = 'HTTP 503: {"error": {"code": "no_capacity", "message": "no worker accepted the request in time"}}'
+    odd = _rec("c", 0, "w0", 0.5, 100, 0)
+    odd.error = "ReadTimeout"
+    assert failures([ok, *busy, odd]) == {"HTTP 503 no_capacity": 2, "error": 1}
+    assert session_figures([ok, *busy, odd])["failed"] == {"HTTP 503 no_capacity": 2, "error": 1}

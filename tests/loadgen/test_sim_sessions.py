@@ -288,3 +288,55 @@ def test_ttft_bound_table_gives_each_ratio_with_its_bound():
     assert "| 200 ms | 64 (91) | 512 (776) | 8.6x |" in lines
     # 400 ms: hints held at every tested count: a lower bound
     assert "| 400 ms | 128 (194) | 1024 (> 1024) | 5.3x+ |" in lines
+
+
+def test_headline_states_where_hints_break_and_the_ratio_at_the_papers_bound():
+    """Issue 20: the break point is read from measured cells (the last holding and the first
+    breaking the 400 ms SLO, with their seed counts), and the paper's bound (+14% over
+    recompute's mean TPOT at its lightest cell) gives both readings of the ratio."""
+    from loadgen.repro.symphony import headline
+
+    def doc(ttft, tpot, seeds=1):
+        out = {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": tpot}}}
+        if seeds > 1:
+            st = {k: {"mean": v, "min": v, "max": v} for k, v in (("ttft_p99_s", ttft), ("tpot_mean_s", tpot))}
+            out["seeds"] = {"seeds": list(range(seeds)), "metrics": {"p": {"rt": st}}}
+        return out
+
+    rec = {"recompute-u256": doc(0.2, 0.0100, 3), "recompute-u512": doc(0.25, 0.0105, 3)}
+    rec["recompute-u1024"] = doc(0.3, 0.0125, 3)
+    hints = {"hints-u1024": doc(0.06, 0.0110, 3), "hints-u2048": doc(0.07, 0.0130, 3)}
+    hints["hints-u4096"] = doc(0.08, 0.02)
+    lines = headline(rec | hints | {"hints-u8192": doc(4.0, 0.05)})
+    assert lines[0] == (
+        "- **Where hints break** (TTFT p99 > 400 ms, measured): they hold at 4096 users (p99 80 ms, 1 seed(s)) "
+        "and break at 8192 users (p99 4000 ms, 1 seed(s)). The bracket is the measurement: a collapsed p99 "
+        "is not linear in users, so no crossing is interpolated."
+    )
+    # bound 11.4 ms: recompute crosses at 512 * 2 ** ((11.4 - 10.5) / 2) = 699, hints at
+    # 1024 * 2 ** ((11.4 - 11) / 2) = 1176: 1176 / 256 = 4.6x, 1176 / 699 = 1.7x
+    assert "hints carry 1024 (1176), recompute 512 (699)" in lines[1]
+    assert "hints / anchor = 4.6x (the paper's reading), hints / recompute at the same bound = 1.7x." in lines[1]
+    assert "not found; they hold at every tested count, the largest 4096 users" in headline(rec | hints)[0]
+    # a grid whose only hints cell is over the bound: no ratio, and it says why (not "0 users")
+    only_heavy = headline(rec | {"hints-u4096": doc(0.08, 0.02)})[1]
+    assert only_heavy.endswith("not measured: hints' lightest tested cell (4096 users) is already over it.")
+
+
+def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
+    """`repro symphony` reads mean TPOT (the paper's axis) over seeds: the seed spread must carry
+    it (it did not, and the first 3-seed README crashed on the missing key)."""
+    from loadgen.repro.symphony import _rt_metric
+    from loadgen.spread import seed_spread
+
+    def summary(tpot):
+        return {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": tpot}, "be": {}, "all": {}}
+
+    doc = {
+        "summary": summary(0.010),
+        "seeds": seed_spread([0, 1, 2], {"p": [summary(t) for t in (0.01, 0.012, 0.014)]}),
+    }
+    assert _rt_metric(doc, "tpot_mean_s") == pytest.approx((0.012, 0.010, 0.014))
+    del doc["seeds"]["metrics"]["p"]["rt"]["tpot_mean_s"]  # a cell from before the fix
+    with pytest.raises(KeyError, match="re-run it"):
+        _rt_metric(doc, "tpot_mean_s")
