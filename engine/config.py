@@ -110,6 +110,10 @@ class EngineConfig:
     # ctx + i + 1 tokens), wherever the decode kernel is "cpp"; "sdpa" keeps one SDPA call per
     # prompt (the path every other kernel takes; the A/B switch; docs/engine.md)
     prefill_attention: str = "auto"
+    # greedy token selection: "auto" runs the C++ argmax (kernels/cpu/argmax.cpp) on a CPU where
+    # it builds, torch.argmax elsewhere; "cpp" requires it; "torch" is the A/B switch
+    # (kernels/greedy.py; torch.argmax is not vectorised on CPU: docs/engine.md)
+    greedy_kernel: str = "auto"
     # repeat each KV head for its query heads after loading (models/kv_expand.py): the same
     # function with multi-head attention's KV memory shape (the hybrid cache's MHA test model)
     kv_heads_expand: bool = False
@@ -151,6 +155,8 @@ class EngineConfig:
             raise ValueError(f"cache_form must be auto, kv or hidden, not {self.cache_form!r}")
         if self.fused_ops not in ("auto", "cpp", "off"):
             raise ValueError(f"fused_ops must be auto, cpp or off, not {self.fused_ops!r}")
+        if self.greedy_kernel not in ("auto", "cpp", "torch"):
+            raise ValueError(f"greedy_kernel must be auto, cpp or torch, not {self.greedy_kernel!r}")
         if self.prefill_attention not in ("auto", "sdpa"):
             raise ValueError(f"prefill_attention must be auto or sdpa, not {self.prefill_attention!r}")
 

@@ -52,6 +52,7 @@ from engine.scheduling import (
 )
 from engine.sessions import KVLayout, SessionStore
 from engine.snapshot import EngineInfo, EngineSnapshot, take_snapshot
+from kernels.greedy import choose_argmax
 from kernels.layer_ops import choose_layer_ops
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ class LLMEngine:
         self.kv.reclaim = self.sessions.reclaim  # session pins yield to memory pressure
         if config.uncached_ratio:
             self._attach_partial_residency(config)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, argmax=choose_argmax(config.greedy_kernel, self.device))
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
         self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._keep_session_turn)

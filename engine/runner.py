@@ -241,22 +241,35 @@ class ModelRunner:
         query over its own sequence's cached tokens up to and including itself (causal by
         length: a chunk's K/V are written to the cache before attention). A prompt's rows share
         its block table row; SDPA per prompt (the other path) is what this replaces."""
+        items = decodes + prefills
+        requests = [it.request for it in items]
+        ends = [it.request.num_computed_tokens + it.num_new_tokens for it in items]
+        repeats = [it.num_new_tokens for it in items]
+        return self._bucket(requests, ends, repeats, list(range(sum(repeats))))
+
+    def _whole_bucket(self, requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """Every request in one bucket, rows in order (for kernels that cut contexts into chunks)."""
+        return self._decode_bucket(list(range(len(requests))), requests, lens)
+
+    def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
+        """One row per request, request i attending its first lens[i] tokens."""
+        return self._bucket(requests, lens, [1] * len(requests), rows)
+
+    def _bucket(self, requests: list[Request], ends: list[int], repeats: list[int], rows: list[int]) -> DecodeBucket:
+        """The bucket of `requests` where request i has repeats[i] consecutive query rows over
+        its own first ends[i] - repeats[i] + 1 .. ends[i] tokens (a decode row: one row; a
+        prefill chunk: one row per new token), at the step's rows `rows` (one per query row).
+        Rows of one request share its block table row: a padded [rows, max_blocks] table (a
+        host-kept prefix read in place names its host blocks: `attended_ids`), its direction
+        bits, and a 0/-inf mask over each row's context."""
         bs = self.block_size
-        lens: list[int] = []
-        tables, repeats = [], []
-        for it in decodes + prefills:
-            req, n = it.request, it.num_new_tokens
-            ctx = req.num_computed_tokens
-            lens.extend(range(ctx + 1, ctx + n + 1))
-            tables.append(self.kv.table(req))
-            repeats.append(n)
-        ends = [it.request.num_computed_tokens + it.num_new_tokens for it in decodes + prefills]
         width = -(-max(ends) // bs)
-        # a host-kept prefix read in place names its host blocks (attended_ids), as in decode buckets
+        tables = [self.kv.table(r) for r in requests]
         ids = [attended_ids(t, self.storage.host_offset)[: -(-e // bs)] for t, e in zip(tables, ends)]
         table = torch.tensor([row + [0] * (width - len(row)) for row in ids], dtype=torch.long)
         reversed_bits = self._directions(tables, width)
-        if len(lens) != len(repeats):  # some prompt has several rows: they share its table row
+        lens = [n for e, r in zip(ends, repeats) for n in range(e - r + 1, e + 1)]
+        if len(lens) != len(repeats):  # some request has several rows: they share its table row
             counts = torch.tensor(repeats)
             table = table.repeat_interleave(counts, 0)
             if reversed_bits is not None:
@@ -264,36 +277,14 @@ class ModelRunner:
         lens_t = torch.tensor(lens, dtype=torch.long)
         valid = torch.arange(width * bs).unsqueeze(0) < lens_t.unsqueeze(1)
         bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-        return DecodeBucket(
-            rows=torch.arange(len(lens), device=self.device),
-            row_range=slice(0, len(lens)),
-            block_table=table.to(self.device),
-            bias=bias.unsqueeze(1).to(self.device),
-            reversed=reversed_bits,
-            lens=lens_t.to(self.device),
-        )
-
-    def _whole_bucket(self, requests: list[Request], lens: list[int]) -> DecodeBucket:
-        """Every request in one bucket, rows in order (for kernels that cut contexts into chunks)."""
-        return self._decode_bucket(list(range(len(requests))), requests, lens)
-
-    def _decode_bucket(self, rows: list[int], requests: list[Request], lens: list[int]) -> DecodeBucket:
-        """Padded [B, max_blocks] block table and a 0/-inf mask over each sequence's context."""
-        bs = self.block_size
-        max_blocks = -(-max(lens) // bs)
-        tables = [self.kv.table(r) for r in requests]
-        ids = [attended_ids(t, self.storage.host_offset)[: -(-n // bs)] for t, n in zip(tables, lens)]
-        table = torch.tensor([row + [0] * (max_blocks - len(row)) for row in ids], dtype=torch.long)
-        valid = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
         consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
         return DecodeBucket(
             rows=self._tensor(rows),
             row_range=slice(rows[0], rows[0] + len(rows)) if consecutive else None,
             block_table=table.to(self.device),
             bias=bias.unsqueeze(1).to(self.device),
-            reversed=self._directions(tables, max_blocks),
-            lens=torch.tensor(lens, dtype=torch.long, device=self.device),
+            reversed=reversed_bits,
+            lens=lens_t.to(self.device),
         )
 
     def _directions(self, tables, width: int) -> torch.Tensor | None:

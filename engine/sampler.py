@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling import SamplingParams
+from kernels.greedy import Argmax, torch_argmax
 
 # Rounds of rejection top-p before falling back to an exact sort for the rows still open.
 _TOP_P_MAX_ROUNDS = 8
@@ -63,10 +64,13 @@ def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -
 
 
 class Sampler:
-    """Stateless apart from the shared generator used by unseeded rows."""
+    """Stateless apart from the shared generator used by unseeded rows. `argmax` picks the
+    first index of each row's maximum (`kernels.greedy`: the C++ op on a CPU, whose oracle is
+    the default `torch.argmax`); greedy rows and full-vocabulary races use it."""
 
-    def __init__(self, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: str | torch.device = "cpu", argmax: Argmax = torch_argmax) -> None:
         self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._argmax = argmax
 
     def sample(
         self,
@@ -96,7 +100,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if greedy:
-            tokens[_idx(greedy, logits)] = _greedy(logits, greedy, bans)
+            tokens[_idx(greedy, logits)] = self._argmax(_greedy_rows(logits, greedy, bans))
         if sampled:
             tokens[_idx(sampled, logits)] = self._sample_rows(logits, sampled, params, generators, bans)
 
@@ -140,7 +144,7 @@ class Sampler:
             yf = _rows(y, full)
             score = self._race_scores(yf, [gens[j] for j in full])
             _apply_min_p(yf, score, [ps[j] for j in full])
-            out[_idx(full, y)] = score.argmax(dim=1)
+            out[_idx(full, y)] = self._argmax(score)
         return out
 
     def _sample_top_k(
@@ -243,12 +247,13 @@ def _is_greedy(p: SamplingParams) -> bool:
     return p.is_greedy or p.temperature < _MIN_TEMPERATURE
 
 
-def _greedy(logits: torch.Tensor, rows: list[int], bans: Sequence[Sequence[int]] | None) -> torch.Tensor:
+def _greedy_rows(logits: torch.Tensor, rows: list[int], bans: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """The greedy rows of `logits` with their banned ids at -inf (a copy only when some are)."""
     need_ban = bans is not None and any(len(bans[i]) for i in rows)
     x = _rows(logits, rows, copy=need_ban)
     if need_ban:
         _apply_bans(x, rows, bans)
-    return x.argmax(dim=1)
+    return x
 
 
 # -- truncation -----------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from kernels.cpu_caps import CpuCaps, probe
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("decode.cpp", "elementwise.cpp")
+SOURCES = ("decode.cpp", "elementwise.cpp", "argmax.cpp")
 HEADERS = ("simd.h",)
 
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DTANDEM_TARGET_AVX512")

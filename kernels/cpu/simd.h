@@ -51,6 +51,9 @@ struct Simd {
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  // bit i set where lane i of a equals lane i of b (ordered: NaN equals nothing), or is NaN
+  static uint32_t eq_mask(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+  static uint32_t nan_mask(V a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 
   // r[i] = sum of the lanes of v[i], for 16 vectors: a transpose-and-add tree (45 shuffles
   // and adds instead of 16 horizontal reductions of ~8 dependent steps each).
@@ -115,6 +118,8 @@ struct Simd {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
   }
+  static uint32_t eq_mask(V a, V b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)); }
+  static uint32_t nan_mask(V a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
 
   // r[i] = sum of the lanes of v[i], for 8 vectors.
   static V reduce_lanes(V* v) {
