@@ -22,9 +22,10 @@ policy; each run records the load average before and after it. `summary` gives, 
 policy, the mean and range over seeds, the paired per-seed ratios to the first policy, and the
 coarse effective throughput: the highest *tested* rate at which each seed attains 90% (60%).
 
-Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default) and
+Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default),
 `aptserve-priced` (`aptserve_price_switches=True`; the JSON of commit 3c17aed names these two
-`aptserve-free` and `aptserve`). They rotate within each seed so that machine noise hits all.
+`aptserve-free` and `aptserve`) and `aptserve-paper-hidden` (HIDDEN admitted by the paper's
+rule alone, `withhold_dropped_hidden=False`: the ablation of "When HIDDEN pays").
 Each step's wall time, batch size and HIDDEN rows are logged,
 split into HIDDEN prefill rows with no stored context (a first chunk: nothing to rebuild) and
 rows that rebuild K/V from stored context; the rebuild cost of a step is its HIDDEN context
@@ -47,6 +48,9 @@ POLICIES = {
     "fcfs": ("fcfs", {}),
     "aptserve": ("aptserve", {"price_switches": False}),
     "aptserve-priced": ("aptserve", {"price_switches": True}),
+    # HIDDEN by the paper's rule alone: admitted where the next decode iteration drops it
+    # (docs/aptserve.md, "When HIDDEN pays"; the simulator's `aptserve-paper-hidden`)
+    "aptserve-paper-hidden": ("aptserve", {"price_switches": False, "withhold_dropped_hidden": False}),
 }
 
 
@@ -114,6 +118,9 @@ def run_one(
     load_before = _load_average()
     target = InprocTarget.from_config(_engine_config(args, policy, cost_model_path))
     engine = target.engine
+    withhold = POLICIES[policy][1].get("withhold_dropped_hidden")
+    if withhold is not None:  # an ablation switch of the policy object, not an engine setting
+        engine.scheduler.policy.withhold_dropped_hidden = withhold
     steps: list[dict] = []
     schedule = engine.scheduler.schedule
 
@@ -181,6 +188,8 @@ def run_one(
         "preemptions": engine.stats.preemptions,
         "conversions": getattr(policy_obj, "conversions", 0),
         "hidden_chosen": getattr(policy_obj, "hidden_chosen", 0),
+        "hidden_withheld": getattr(policy_obj, "hidden_withheld", None),
+        "withhold_dropped_hidden": getattr(policy_obj, "withhold_dropped_hidden", None),
         "kv_chosen": getattr(policy_obj, "kv_chosen", None),
         "row_count": sum(s["batch"] for s in timed),
         "hidden_rows": sum(s["hidden_rows"] for s in timed),

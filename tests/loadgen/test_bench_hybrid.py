@@ -23,13 +23,24 @@ def test_hybrid_bench_runs_every_policy_and_splits_hidden_rows(tiny_model_dir, t
     argv = [
         *("--model", str(tiny_model_dir("opt")), "--num-blocks", "12", "--max-model-len", "256"),
         *("--rates", "8", "--duration", "1", "--length-scale", "0.1", "--seeds", "1", "--threads", "1"),
-        *("--policies", "fcfs,aptserve,aptserve-priced", "--cost-model", _cost(tmp_path), "--out", str(out)),
+        *(
+            "--policies",
+            "fcfs,aptserve,aptserve-priced,aptserve-paper-hidden",
+            "--cost-model",
+            _cost(tmp_path),
+            "--out",
+            str(out),
+        ),
     ]
     assert hybrid.main(argv) == 0
     doc = json.loads(out.read_text())
     runs = {r["policy"]: r for r in doc["runs"]}
-    assert set(runs) == {"fcfs", "aptserve", "aptserve-priced"}
+    assert set(runs) == {"fcfs", "aptserve", "aptserve-priced", "aptserve-paper-hidden"}
     assert len({r["requests"] for r in runs.values()}) == 1  # the same arrivals
+    assert (
+        runs["aptserve"]["withhold_dropped_hidden"]
+        and runs["aptserve-paper-hidden"]["withhold_dropped_hidden"] is False
+    )
     assert runs["fcfs"]["hidden_rows"] == 0 and runs["fcfs"]["mean_rebuild_s_per_hidden_step"] is None
     for r in runs.values():
         assert r["hidden_rebuild_rows"] <= r["hidden_rows"] <= r["row_count"]
