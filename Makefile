@@ -66,15 +66,21 @@ test: $(VENV)/.installed-test postgres-bin chromium-bin
 # left out: without a GPU they run in Triton's interpreter, the same Python on every CPU), packed
 # linear and the compiled decode graph, the dtype `auto` decides (cpu_caps, `up`), and end to
 # end parity: every tiny architecture's logits against transformers with each kernel choice, the
-# bfloat16 serving kernel, and the default model's greedy answer. The rest of tests/engine
+# bfloat16 serving kernel, and the default model's greedy answer, and the hybrid cache's greedy
+# parity (HIDDEN rows rebuild K/V op by op through torch's GEMMs: forced HIDDEN, conversions, and
+# aptserve's own mid-request switches against KV only). The rest of tests/engine
 # (scheduling, caches, sessions) runs those same kernels and tests its own logic, which no ISA
 # changes: it ran the whole directory a second time (4 of the 18 minutes of `make test`) for that.
 AVX2_ENV := TANDEM_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 AVX2_TESTS := tests/kernels --ignore-glob='tests/kernels/test_triton_*' \
 	tests/engine/models/test_packed_linear.py tests/engine/models/test_decode_graph.py \
 	tests/engine/test_tiny_models.py \
+	tests/engine/test_aptserve_form_switches.py \
+	tests/engine/test_hybrid_cache.py::test_hidden_form_gives_the_kv_form_tokens \
+	tests/engine/test_hybrid_cache.py::test_mixed_batches_of_both_forms \
+	tests/engine/test_hybrid_cache.py::test_conversion_mid_generation_keeps_the_tokens \
 	tests/engine/test_partial_residency.py::test_bfloat16_serving_kernel_close_to_full_residency \
-	tests/test_cli.py::test_generate_json_chat \
+	tests/test_cli.py::test_generate_json_chat tests/test_cli.py::test_generate_with_the_hybrid_cache_forced_hidden \
 	tests/services/test_up.py::test_up_without_flags_decides_the_dtype_for_this_cpu
 test-avx2: $(VENV)/.installed-test
 	$(AVX2_ENV) $(VENV)/bin/python -m pytest -q $(AVX2_TESTS)

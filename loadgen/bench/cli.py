@@ -21,6 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ellm_sim,
         engine,
         gateway,
+        hybrid,
         idle,
         kafka_path,
         loop_contention,
@@ -40,5 +41,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sessions.add_parser(bsub)
     ellm_decision.add_parser(bsub)
     ellm_sim.add_parser(bsub)
+    hybrid.add_parser(bsub)
     placement.add_parser(bsub)
     hf_bench.add_parser(bsub)

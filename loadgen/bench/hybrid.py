@@ -1,6 +1,7 @@
-"""`python -m loadgen.bench.hybrid`: the hybrid cache on the CPU engine (issue 17), `aptserve`
-against `fcfs` on the same arrivals, with what the issue asks to see beside the attainment:
-how often HIDDEN is chosen, what the rebuild costs per step, and the batch sizes reached.
+"""`tandem bench hybrid` (or `python -m loadgen.bench.hybrid`): the hybrid cache on the CPU
+engine (issue 17), `aptserve` against `fcfs` on the same arrivals, with what the issue asks to
+see beside the attainment: how often HIDDEN is chosen, what the rebuild costs per step, the
+batch sizes reached and the preemptions.
 
 Setup: the default model with `--kv-heads-expand` (MHA's memory shape: a hidden row is half a
 token's K+V), a KV pool of `--num-blocks` small enough to bind, ShareGPT lengths scaled by
@@ -10,9 +11,21 @@ profile is given to every run (`cost_model_path`): `aptserve` takes ρ and the r
 of a conversion from it. `--cost-model` reuses a saved profile (one per machine state: the
 seeds and rates of one measurement share it); `--rho` overrides ρ alone.
 
-Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default) and
+`--model tiny-opt` runs a random-weight MHA OPT (`tiny_model.py`) instead: the comparison of
+schedules on a binding pool at a fraction of the default model's step time, for a host too
+busy for the default model (the SLO, lengths and pool are the same; what a step costs is not,
+so its numbers are about packing, not about this CPU's speed).
+
+Rounds: for every rate and seed each policy runs once, on the same arrivals, the order
+rotating from one (rate, seed) to the next, so that a busy machine's noise falls on every
+policy; each run records the load average before and after it. `summary` gives, per rate and
+policy, the mean and range over seeds, the paired per-seed ratios to the first policy, and the
+coarse effective throughput: the highest *tested* rate at which each seed attains 90% (60%).
+
+Policies: `fcfs`, `aptserve` (the paper's unpriced conversions, the default),
 `aptserve-priced` (`aptserve_price_switches=True`; the JSON of commit 3c17aed names these two
-`aptserve-free` and `aptserve`). They rotate within each seed so that machine noise hits all.
+`aptserve-free` and `aptserve`) and `aptserve-paper-hidden` (HIDDEN admitted by the paper's
+rule alone, `withhold_dropped_hidden=False`: the ablation of "When HIDDEN pays").
 Each step's wall time, batch size and HIDDEN rows are logged,
 split into HIDDEN prefill rows with no stored context (a first chunk: nothing to rebuild) and
 rows that rebuild K/V from stored context; the rebuild cost of a step is its HIDDEN context
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,6 +48,9 @@ POLICIES = {
     "fcfs": ("fcfs", {}),
     "aptserve": ("aptserve", {"price_switches": False}),
     "aptserve-priced": ("aptserve", {"price_switches": True}),
+    # HIDDEN by the paper's rule alone: admitted where the next decode iteration drops it
+    # (docs/aptserve.md, "When HIDDEN pays"; the simulator's `aptserve-paper-hidden`)
+    "aptserve-paper-hidden": ("aptserve", {"price_switches": False, "withhold_dropped_hidden": False}),
 }
 
 
@@ -55,6 +72,7 @@ def _engine_config(args: argparse.Namespace, policy: str, cost_model_path: str |
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,  # also bounds the ρ grid's contexts (128, 512 below 1024)
         seed=0,
+        num_threads=args.threads,
         **extra,
     )
 
@@ -85,7 +103,9 @@ def _profile_summary(cost, block_size: int, path: str) -> dict:
     }
 
 
-def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: str, per_token: float) -> dict:
+def run_one(
+    args: argparse.Namespace, policy: str, seed: int, rate: float, cost_model_path: str, per_token: float
+) -> dict:
     from engine.kv.hidden import CacheForm
     from loadgen.arrivals import ArrivalSpec
     from loadgen.driver import Driver
@@ -95,8 +115,12 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: s
     from loadgen.workloads.build import WorkloadConfig, build_workload
     from loadgen.workloads.random_tokens import special_token_ids
 
+    load_before = _load_average()
     target = InprocTarget.from_config(_engine_config(args, policy, cost_model_path))
     engine = target.engine
+    withhold = POLICIES[policy][1].get("withhold_dropped_hidden")
+    if withhold is not None:  # an ablation switch of the policy object, not an engine setting
+        engine.scheduler.policy.withhold_dropped_hidden = withhold
     steps: list[dict] = []
     schedule = engine.scheduler.schedule
 
@@ -132,12 +156,12 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: s
     exclude = special_token_ids(engine.tokenizer, extra=[mc.bos_token_id, *mc.eos_token_ids])
     cfg = WorkloadConfig(
         "sharegpt",
-        ArrivalSpec("poisson", args.rate),
+        ArrivalSpec("poisson", rate),
         args.duration,
         seed=seed,
         length_scale=args.length_scale,
-        slo_ttft_s=1.0,
-        slo_tpot_s=1.0,
+        slo_ttft_s=1.0 * args.slo_scale,
+        slo_tpot_s=1.0 * args.slo_scale,
         max_len=engine.max_model_len,
     )
     result = Driver(target, build_workload(cfg), PromptBuilder(mc.vocab_size, seed, exclude, engine.tokenizer)).run()
@@ -148,12 +172,15 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: s
     rebuilding = [s for s in timed if s["hidden_rebuild_rows"]]
     return {
         "policy": policy,
+        "rate": rate,
         "seed": seed,
         "slo_attainment": rt["slo_attainment"],
         "ttft_attainment": rt["ttft_attainment"],
         "tbt_p99_attainment": rt["tbt_p99_attainment"],
         "completed": rt["completed"],
         "requests": rt["requests"],
+        # requests that met the SLO per second of arrivals: what effective throughput counts
+        "goodput_rps": rt["slo_attainment"] * rt["requests"] / args.duration,
         "steps": len(timed),
         "mean_batch": statistics.mean(s["batch"] for s in timed) if timed else 0,
         "max_batch": max((s["batch"] for s in timed), default=0),
@@ -161,10 +188,13 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: s
         "preemptions": engine.stats.preemptions,
         "conversions": getattr(policy_obj, "conversions", 0),
         "hidden_chosen": getattr(policy_obj, "hidden_chosen", 0),
+        "hidden_withheld": getattr(policy_obj, "hidden_withheld", None),
+        "withhold_dropped_hidden": getattr(policy_obj, "withhold_dropped_hidden", None),
         "kv_chosen": getattr(policy_obj, "kv_chosen", None),
         "row_count": sum(s["batch"] for s in timed),
         "hidden_rows": sum(s["hidden_rows"] for s in timed),
         "hidden_rebuild_rows": sum(s["hidden_rebuild_rows"] for s in timed),
+        "hidden_row_share": sum(s["hidden_rows"] for s in timed) / max(1, sum(s["batch"] for s in timed)),
         "steps_with_hidden": sum(1 for s in timed if s["hidden_rows"]),
         "steps_rebuilding": len(rebuilding),
         "mean_step_s": statistics.mean(s["seconds"] for s in timed) if timed else 0,
@@ -175,7 +205,14 @@ def run_one(args: argparse.Namespace, policy: str, seed: int, cost_model_path: s
         "mean_rebuild_s_per_hidden_step": _mean(s["hidden_ctx_tokens"] * per_token for s in rebuilding),
         "schedule_time_s": engine.stats.schedule_time_s,
         "kv_blocks": engine.kv.pool.capacity,
+        # a busy host slows every step: the load average around each run says how busy
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
     }
+
+
+def _load_average() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def _mean(values) -> float | None:
@@ -183,53 +220,184 @@ def _mean(values) -> float | None:
     return statistics.mean(values) if values else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadgen.provenance import stamp
+def _rounds(policies: list[str], rates: list[float], seeds: list[int]) -> list[tuple[float, int, str]]:
+    """(rate, seed, policy) in run order: every policy once per (rate, seed), the order rotating
+    from one (rate, seed) to the next (alternating rounds for two policies)."""
+    out = []
+    for i, (rate, seed) in enumerate((r, s) for r in rates for s in seeds):
+        k = i % len(policies)
+        out += [(rate, seed, p) for p in policies[k:] + policies[:k]]
+    return out
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
+
+SUMMARY_KEYS = (
+    "slo_attainment",
+    "ttft_attainment",
+    "tbt_p99_attainment",
+    "goodput_rps",
+    "mean_decode_batch",
+    "max_batch",
+    "preemptions",
+    "conversions",
+    "hidden_row_share",
+    "mean_step_s",
+)
+
+
+def summarize_runs(runs: list[dict], policies: list[str], levels=(0.9, 0.6)) -> dict:
+    """Per rate and policy: mean [min, max] over seeds of `SUMMARY_KEYS`; paired per-seed ratios
+    to the first policy; and per policy and seed the highest tested rate meeting each level."""
+    base = policies[0]
+    by = {(r["rate"], r["seed"], r["policy"]): r for r in runs}
+    rates = sorted({r["rate"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs})
+    per_rate = {}
+    for rate in rates:
+        entry = {}
+        for p in policies:
+            rs = [by[(rate, s, p)] for s in seeds if (rate, s, p) in by]
+            entry[p] = {k: _spread([r[k] for r in rs if r.get(k) is not None]) for k in SUMMARY_KEYS}
+            if p != base:
+                pairs = [
+                    (by[(rate, s, p)], by[(rate, s, base)])
+                    for s in seeds
+                    if (rate, s, p) in by and (rate, s, base) in by
+                ]
+                entry[p]["ratio_to_" + base] = {
+                    k: _spread([a[k] / b[k] for a, b in pairs if b.get(k)])
+                    for k in ("slo_attainment", "goodput_rps", "mean_decode_batch")
+                }
+        per_rate[str(rate)] = entry
+    effective = {
+        str(level): {
+            p: {
+                str(s): max(
+                    (rate for rate in rates if by.get((rate, s, p), {}).get("slo_attainment", -1) >= level),
+                    default=None,
+                )
+                for s in seeds
+            }
+            for p in policies
+        }
+        for level in levels
+    }
+    return {"per_rate": per_rate, "effective_rate_tested": effective}
+
+
+def _spread(values: list[float]) -> dict | None:
+    return (
+        {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "n": len(values)} if values else None
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "hybrid",
+        help="aptserve vs fcfs on the CPU engine with the MHA-expanded model (the hybrid cache, issue 17)",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_args(p)
+    p.set_defaults(func=run)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="default", help="a model, or `tiny-opt` (random-weight MHA OPT, tiny_model.py)")
     ap.add_argument("--dtype", default="float32", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument(
+        "--slo-scale",
+        type=float,
+        default=1.0,
+        help="the paper's SLO (TTFT 1 s, P99 TBT 1 s) times this: >1 where a busy host slows every step",
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: as is)")
+    ap.add_argument("--rates", default="1.0", help="comma-separated request rates (req/s)")
     ap.add_argument("--duration", type=float, default=30.0)
     ap.add_argument("--length-scale", type=float, default=0.25)
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--policies", default="fcfs,aptserve,aptserve-priced", help=f"among {sorted(POLICIES)}")
+    ap.add_argument("--seed", type=int, default=0, help="the first workload seed")
+    ap.add_argument("--seeds", type=int, default=3, help="how many seeds (seed, seed+1, ...)")
+    ap.add_argument("--policies", default="fcfs,aptserve", help=f"among {sorted(POLICIES)}; the first is the baseline")
     ap.add_argument("--cost-model", default=None, help="a saved profile of this engine; default: profile first")
     ap.add_argument("--rho", type=float, default=None, help="s per block; default: the profile's")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", "--json", dest="out", default=None, help="write the results document here")
+
+
+def parser() -> argparse.ArgumentParser:
+    """This bench's options on a parser of its own (`tandem repro aptserve --engine` parses its
+    cells with it)."""
+    ap = argparse.ArgumentParser(prog="tandem bench hybrid", description=__doc__.split("\n\n")[0])
+    add_args(ap)
+    return ap
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = measure(args)
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Profile (unless given a profile), run every round, and return the stamped document (also
+    written to `args.out` when set; the profile goes beside it, or to a temporary file)."""
+    import tempfile
+
+    from engine.cost_model import CostModel
+    from loadgen.provenance import stamp
+
     policies = args.policies.split(",")
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown:
-        ap.error(f"unknown policies {unknown}; available: {sorted(POLICIES)}")
-    from engine.cost_model import CostModel
+        raise SystemExit(f"unknown policies {unknown}; available: {sorted(POLICIES)}")
+    if args.model == "tiny-opt":
+        from loadgen.bench.tiny_model import tiny_mha_opt
 
+        args.model = str(tiny_mha_opt())
+    prov = stamp(dtype=args.dtype).as_dict()  # at the start: the code that runs is the code checked out now
     block_size = _engine_config(args, "fcfs", None).block_size
     if args.cost_model is None:
-        profile = profile_engine(args, Path(args.out).with_suffix(".profile.json"))
+        where = Path(args.out).with_suffix(".profile.json") if args.out else Path(tempfile.mkdtemp()) / "profile.json"
+        profile = profile_engine(args, where)
     else:
         profile = _profile_summary(CostModel.load(args.cost_model), block_size, args.cost_model)
     per_token = args.rho / block_size if args.rho is not None else profile["per_token_s"]
-    print(json.dumps({"profile": profile}), flush=True)
+    print(json.dumps({"profile": {k: profile[k] for k in ("path", "per_token_s", "rho_s_per_block")}}), flush=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    seeds = list(range(args.seed, args.seed + args.seeds))
     runs = []
-    for i, seed in enumerate(int(s) for s in args.seeds.split(",")):
-        for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:  # rotate
-            runs.append(run_one(args, policy, seed, profile["path"], per_token))
-            print(json.dumps(runs[-1]), flush=True)
+    for rate, seed, policy in _rounds(policies, rates, seeds):
+        runs.append(run_one(args, policy, seed, rate, profile["path"], per_token))
+        print(
+            json.dumps({k: runs[-1][k] for k in ("rate", "seed", "policy", "slo_attainment", "load_average_after")}),
+            flush=True,
+        )
     doc = {
-        "command": "python -m loadgen.bench.hybrid " + " ".join(argv or []),
-        "config": vars(args),
+        "bench": "hybrid",
+        "command": "tandem bench hybrid " + " ".join(_argv(args)),
+        "config": {k: v for k, v in vars(args).items() if k != "func"},
         "profile": profile,
+        "summary": summarize_runs(runs, policies),
         "runs": runs,
-        "provenance": stamp(dtype=args.dtype).as_dict(),
+        "provenance": prov,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2))
-    return 0
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = []
+    for k, v in vars(args).items():
+        if k != "func" and v is not None:
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

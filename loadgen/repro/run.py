@@ -31,7 +31,14 @@ def _ellm_sim(cell: Cell) -> dict:
     return ellm_sim.measure(args, quiet=True)
 
 
-BENCHES = {"ellm-sim": _ellm_sim}  # `Cell.bench` -> how to run it
+def _hybrid(cell: Cell) -> dict:
+    """`tandem bench hybrid`: the CPU engine's document as it is (per-run rows, no records)."""
+    from loadgen.bench import hybrid
+
+    return hybrid.measure(hybrid.parser().parse_args([*cell.argv, "--policies", ",".join(cell.policies)]))
+
+
+BENCHES = {"ellm-sim": _ellm_sim, "hybrid": _hybrid}  # `Cell.bench` -> how to run it
 
 
 def with_seeds(cell: Cell, seeds: int | None) -> Cell:

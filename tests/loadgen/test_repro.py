@@ -10,7 +10,7 @@ import pytest
 from loadgen.repro.base import Cell
 from loadgen.repro.golden import PATH, golden_doc
 from loadgen.repro.registry import REPROS
-from loadgen.repro.run import run_repro
+from loadgen.repro.run import cell_args, run_repro
 
 
 def _same(a, b, path="") -> list[str]:
@@ -144,3 +144,16 @@ def test_bros_repro_shows_the_baselines_regime_beside_the_papers_vllm():
     assert rows[1].startswith(f"| sim-lmsys-r3 | {ttft:.1%} ") and rows[1].endswith("| 1.28% | 29% |")
     assert len(rows) == 2  # engine cells are not the paper's setup
     assert REPROS["bros"].cells(quick=False, engine=False)[0].argv[5] == PAPER_REGIME_RATES[0]
+
+
+def test_aptserve_full_cells_use_the_papers_trace_and_serve_every_request():
+    """The paper's measurement: 1,000 requests per probe, and its client waits for every one (a
+    request still open at our drain's end would count as a miss; the paper's counts it if it
+    meets the SLO when it finishes). The quick cells stay short."""
+    full = [c for c in REPROS["aptserve"].cells(quick=False, engine=False) if c.name.startswith("sim-")]
+    assert len(full) == 10
+    for cell in full:
+        args = cell_args(cell)
+        assert args.requests == 1000 and args.drain_timeout >= 1e5 and args.find_rate
+    quick = REPROS["aptserve"].cells(quick=True, engine=False)
+    assert all(cell_args(c).requests is None and cell_args(c).drain_timeout is None for c in quick)
