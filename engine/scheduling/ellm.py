@@ -154,6 +154,8 @@ def choose(
     final_contexts: Sequence[int] | None = None,
     running: int = 0,
     hold_running: bool = True,
+    pending: Sequence[int] | None = None,
+    token_budget: int = 0,
 ) -> Choice:
     """The (b, r) maximising b / T(b, r) subject to T <= tpot_s and the resident blocks of the
     first b candidates (`contexts`: their tokens after this step, FCFS order) fitting
@@ -181,7 +183,20 @@ def choose(
       at its projected end at that `r` (and, with the host source, its prefixes fit the host
       space at their end), so a request admitted at `r` is never preempted for its growth
       while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged.
-    Without `final_contexts` the search is the plain per-step one."""
+    Without `final_contexts` the search is the plain per-step one.
+
+    The step's prefill chunks (`pending`: each candidate's prompt tokens still to compute, 0
+    or 1 for a decode row; `token_budget`: the step's token budget). FCFS fills the budget
+    with the chunks of the first `b` candidates and that work is in the step, so the chosen
+    pair's published `step_s` includes it: a prefill phase of `min(Σ pending, budget)`
+    tokens sharing the step's fixed cost, priced as the simulator charges it. The choice
+    itself (the TPOT target and the `b/T` ranking) is made on the step without the chunks:
+    the token budget (vLLM's `max_num_batched_tokens`) is the knob that bounds what
+    admissions add to a step, and with a queue waiting every ratio carries about the same
+    chunk, so checking the target on it would send every step of a backlog to the
+    fallback (tried: ranking with it lowered the x1000-link run's throughput by 3%). Left
+    out (`pending` None), as before, the published price missed the chunks, which is how
+    the x10-link run's prefill-carrying steps cost 3x their published price (docs/ellm.md)."""
     s = np.asarray(contexts[:max_batch], dtype=np.int64)
     if s.size == 0:
         return Choice(1, 0.0, math.inf)
@@ -197,6 +212,7 @@ def choose(
     p_ln = _prefix_at(u, batch)
     p_work = _prefix_at(u * u, batch)
     carriers = _prefix_at((u > 0).astype(np.int64), batch)  # rows with a non-resident prefix
+    chunk_s = _chunk_seconds(cost, s, pending, token_budget, batch)
     # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
     full = np.flatnonzero(batch == s.size)
     last = max(int(full[0]) if full.size else len(RATIO_GRID) - 1, floor)
@@ -207,7 +223,10 @@ def choose(
         if b == 0:
             continue
         rows = int(carriers[i])
-        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i])) + sources.off_graph_s(rows)
+        # rebuilt rows at their measured price where profiled (`with_rebuilt_prefixes`, shared with
+        # the simulator); otherwise as prefill rows plus the host fit's off-graph penalty
+        rebuilt = cost.with_rebuilt_prefixes(0, 0, b, int(d_work[i]), rows, int(p_ln[i]), int(p_work[i]))
+        step = rebuilt + (0.0 if cost.rebuild_step is not None else sources.off_graph_s(rows))
         if i == floor:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
             fallback = Choice(max(1, min(b, running)) if floor else b, RATIO_GRID[i], step)
         if step <= tpot_s or sources.host:
@@ -215,7 +234,39 @@ def choose(
             step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
             if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
                 best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
-    return best or fallback or Choice(1, 0.0, math.inf)
+    chosen = best or fallback or Choice(1, 0.0, math.inf)
+    i = RATIO_GRID.index(chosen.ratio)
+    if chunk_s[i] and math.isfinite(chosen.step_s) and chosen.batch == batch[i]:
+        exec_s = cost.estimate_sums(0, 0, chosen.batch, int(d_work[i]))
+        rest = chosen.step_s - chosen.rebuild_s  # the step without its prefixes (layer split included)
+        with_chunk, _, _ = _cheaper_source(
+            exec_s + chunk_s[i], chosen.step_s - rest + exec_s + chunk_s[i], int(p_ln[i]), int(carriers[i]), sources
+        )
+        chosen = replace(chosen, step_s=max(with_chunk, chosen.step_s))
+    return chosen
+
+
+def _chunk_seconds(
+    cost: CostModel, s: np.ndarray, pending: Sequence[int] | None, budget: int, batch: np.ndarray
+) -> np.ndarray:
+    """Per ratio, what the prefill chunks of the first `batch[i]` candidates add to the step
+    (`choose`'s docstring): a prefill phase of `min(Σ pending, budget)` tokens, its work
+    `Σ pending·context` scaled to that share, less the fixed cost the step already pays."""
+    out = np.zeros(batch.shape, dtype=np.float64)
+    if pending is None or budget <= 0:
+        return out
+    p = np.asarray(pending[: s.size], dtype=np.int64)
+    p = np.where(p > 1, p, 0)
+    if not p.any():
+        return out
+    tokens = np.concatenate([[0], np.cumsum(p)])[batch]
+    work = np.concatenate([[0], np.cumsum(p * s)])[batch].astype(np.float64)
+    chunk = np.minimum(tokens, budget)
+    shared = min(cost.prefill.beta, cost.decode.beta)
+    for i in np.flatnonzero(chunk):
+        pair_work = work[i] * chunk[i] / tokens[i]
+        out[i] = cost.prefill.predict_work(float(chunk[i]), pair_work) - shared
+    return out
 
 
 def final_length(request: Request) -> int:
@@ -352,6 +403,8 @@ class ELLMPolicy(SchedulingPolicy):
             [final_length(r) for r in candidates] if self.admission_hysteresis else None,
             len(state.running),
             bool(self._committed),  # the floor guards only commitments
+            [r.num_tokens - r.num_computed_tokens for r in candidates],
+            state.limits.max_num_batched_tokens,
         )
         wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         self.last = replace(choice, decision_s=wall, decision_cpu_s=cpu)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -137,6 +138,20 @@ def test_vectorised_choice_with_host_sources_equals_the_scan(
     want = scan_choose(contexts, capacity, BS, COST, tpot_s, 64, sources)
     assert (got.batch, got.ratio) == (want.batch, want.ratio)
     assert got.step_s == want.step_s or (math.isinf(got.step_s) and math.isinf(want.step_s))
+
+
+def test_published_step_includes_the_prefill_chunks_the_step_carries():
+    """Two decoding and two waiting requests of 100 tokens and a 150-token budget: FCFS runs
+    a 150-token chunk with the decodes, and the choice's published step is that whole step
+    (the x10-link run's prefill-carrying steps cost 3x a price that left the chunks out);
+    the choice itself is the one made without them."""
+    contexts, capacity = [100] * 4, 4 * 112
+    plain = choose(contexts, capacity, BS, COST, 1.0, 128)
+    with_chunks = choose(contexts, capacity, BS, COST, 1.0, 128, pending=[1, 1, 100, 100], token_budget=150)
+    assert (with_chunks.batch, with_chunks.ratio) == (plain.batch, plain.ratio) == (4, 0.0)
+    assert plain.step_s == COST.estimate_sums(0, 0, 4, 400)
+    # the chunk: 150 of the 200 pending tokens, their query-key work scaled alike
+    assert with_chunks.step_s == pytest.approx(COST.estimate_sums(150, 200 * 100 * 150 / 200, 4, 400))
 
 
 def test_hysteresis_keeps_the_ratio_the_running_set_needs():
