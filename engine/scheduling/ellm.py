@@ -180,9 +180,10 @@ def choose(
       the pool now, is not chosen (it would preempt them); when no ratio from the floor up
       meets the SLO, the floor is kept and nothing new is admitted;
     - at `r > 0` a waiting candidate is admitted only while the admitted set fits the pool
-      at its projected end at that `r` (and, with the host source, its prefixes fit the host
-      space at their end), so a request admitted at `r` is never preempted for its growth
-      while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged.
+      at its projected end at that `r` (and, where the host may serve the prefixes, they fit
+      the host space at their end: past it the component rebuilds them, which no step could
+      afford on a CPU and which the floor would then hold), so a request admitted at `r` is
+      never preempted for its growth while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged.
     Without `final_contexts` the search is the plain per-step one.
 
     The step's prefill chunks (`pending`: each candidate's prompt tokens still to compute, 0
@@ -298,7 +299,7 @@ def _hysteresis(
     f = np.asarray(final_contexts, dtype=np.int64)
     u_end = _prefix_tokens(f, bs)
     fits = np.cumsum(-(-(f[None, :] - u_end) // bs) * bs, axis=1) <= capacity_tokens
-    if sources.host and not sources.rebuild:  # host-only: past the host space the prefix is rebuilt
+    if sources.host:  # past the host space a prefix is rebuilt: a commitment must not count on that
         fits &= np.cumsum(u_end, axis=1) <= sources.host_capacity_tokens
     end_bound = fits.sum(axis=1)
     committed = np.minimum(batch, np.maximum(end_bound, running))
