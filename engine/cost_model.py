@@ -27,6 +27,7 @@ File format (JSON, stable; `CostModel.save` / `CostModel.load`):
      "hidden_s_per_token": float,            (optional: absent where not measured)
      "hidden_free_rows": float, "hidden_free_s_per_token": float,   (optional: a roofline's knee)
      "prefix_step": {"overhead_s": s, "per_row_s": s, "per_token_s": s},  (optional: eLLM, below)
+     "rebuild_step": {... as prefix_step, "per_pair_s": s, "error_s": s},  (optional: eLLM, below)
      "meta": {"model": str, "device": str, "dtype": str, "swap_overlaps": bool,
               "prefill_mape": float, "decode_mape": float, "mixed_mape": float, ...}}
 
@@ -55,7 +56,12 @@ token. Read through a per-layer scratch (`copy`) such a step leaves the compiled
 and runs op by op, attends each prefix apart and copies it per layer; read in place (a CPU's
 `in_place`) it is the resident step with other block ids and the terms measure what is left.
 Without it only the copy is priced (`swap_bytes_per_s`), which on this CPU missed 98% of the
-scratch path's real extra (docs/ellm.md).
+scratch path's real extra (docs/ellm.md). `rebuild_step` is the same measurement for a step
+whose rows *rebuild* their prefixes (the rows `engine/rebuilt_prefix.py` appends), with a
+term for the prefixes' own causal attention (`Σu²`): such a step leaves the compiled decode
+path and runs its rows op by op, which pricing the rows as ordinary prefill rows missed.
+`with_rebuilt_prefixes` is the one price of rebuilt rows, for the optimiser and the simulator;
+a profile without the term (a roofline profile) prices them as prefill rows, as before.
 """
 
 from __future__ import annotations
@@ -146,20 +152,29 @@ def phase_sums(rows: Sequence[tuple[int, int]]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class PrefixStepFit:
-    """The measured extra of a step whose rows read non-resident prefixes (module docstring)."""
+    """The measured extra of a step whose rows read or rebuild non-resident prefixes (module
+    docstring). `per_pair_s` prices a rebuilt prefix's causal attention over itself (`Σu²`
+    query-key pairs; 0 for a host read, which attends nothing extra); `error_s` is the fit's
+    stated error, its largest absolute residual over the points it was fitted to."""
 
     overhead_s: float  # once per step with any such row
     per_row_s: float  # per row that carries a prefix
-    per_token_s: float  # per prefix token read
+    per_token_s: float  # per prefix token read or rebuilt
+    per_pair_s: float = 0.0  # per query-key pair of the rebuilt prefixes' own attention
+    error_s: float = 0.0  # largest |measured - fitted| over the fit's points
 
-    def extra_s(self, rows: float, tokens: float) -> float:
-        """Seconds added to a step by `rows` rows carrying `tokens` prefix tokens (0 when none)."""
+    def extra_s(self, rows: float, tokens: float, pairs: float = 0.0) -> float:
+        """Seconds added to a step by `rows` rows carrying `tokens` prefix tokens (`pairs` =
+        Σu² for rebuilt prefixes; 0 when none)."""
         if rows <= 0:
             return 0.0
-        return self.overhead_s + self.per_row_s * rows + self.per_token_s * tokens
+        return self.overhead_s + self.per_row_s * rows + self.per_token_s * tokens + self.per_pair_s * pairs
 
     def to_dict(self) -> dict:
-        return {"overhead_s": self.overhead_s, "per_row_s": self.per_row_s, "per_token_s": self.per_token_s}
+        out = {"overhead_s": self.overhead_s, "per_row_s": self.per_row_s, "per_token_s": self.per_token_s}
+        if self.per_pair_s or self.error_s:
+            out.update(per_pair_s=self.per_pair_s, error_s=self.error_s)
+        return out
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,7 @@ class CostModel:
     hidden_free_rows: float = 0.0  # K/V GEMM rows that ride under its weight streaming (module docstring)
     hidden_free_s_per_token: float = 0.0  # a rebuilt token's price below that knee (its memory traffic)
     prefix_step: PrefixStepFit | None = None  # eLLM: the measured extra of a host-read prefix step
+    rebuild_step: PrefixStepFit | None = None  # eLLM: the measured extra of a step rebuilding prefixes
 
     def hidden_rho(self, block_size: int) -> float | None:
         """Apt-Serve's ρ: seconds of rebuild per block of HIDDEN context per step."""
@@ -221,6 +237,18 @@ class CostModel:
             return max(exec_s, swap_s)
         return exec_s + swap_s
 
+    def with_rebuilt_prefixes(
+        self, p_ln: float, p_work: float, d_ln: float, d_work: float, rows: int, tokens: int, pairs: int
+    ) -> float:
+        """Execution seconds of a step whose `rows` rows rebuild `tokens` prefix tokens (`pairs`
+        = Σu²) on top of its own prefill and decode work: the measured `rebuild_step` where the
+        profile has one (the whole extra of such a step, including that it leaves the compiled
+        decode path), otherwise the rebuilt rows priced as prefill rows `(u, u)`. The `ellm`
+        optimiser and the simulator both price rebuilt rows through this one function."""
+        if self.rebuild_step is not None:
+            return self.exec_seconds(p_ln, p_work, d_ln, d_work) + self.rebuild_step.extra_s(rows, tokens, pairs)
+        return self.exec_seconds(p_ln + tokens, p_work + pairs, d_ln, d_work)
+
     def exec_seconds(self, p_ln: float, p_work: float, d_ln: float, d_work: float) -> float:
         both = p_ln > 0 and d_ln > 0
         shared = min(self.prefill.beta, self.decode.beta) if both else 0.0
@@ -243,6 +271,8 @@ class CostModel:
             out["hidden_free_s_per_token"] = self.hidden_free_s_per_token
         if self.prefix_step is not None:
             out["prefix_step"] = self.prefix_step.to_dict()
+        if self.rebuild_step is not None:
+            out["rebuild_step"] = self.rebuild_step.to_dict()
         return out
 
     @classmethod
@@ -259,6 +289,7 @@ class CostModel:
                 float(data.get("hidden_free_rows", 0.0)),
                 float(data.get("hidden_free_s_per_token", 0.0)),
                 None if data.get("prefix_step") is None else PrefixStepFit(**data["prefix_step"]),
+                None if data.get("rebuild_step") is None else PrefixStepFit(**data["rebuild_step"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed cost model: {exc}") from None

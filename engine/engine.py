@@ -400,6 +400,7 @@ class LLMEngine:
             calibrate_hidden=self.hidden_blocks is not None and self.hidden_blocks.layout.saves_memory,
             # what a host-read prefix step costs, where ellm may read prefixes from host
             calibrate_prefix=self.config.policy == "ellm" and self.config.uncached_source != "rebuild",
+            calibrate_rebuild=self.config.policy == "ellm" and self.config.uncached_source != "host",
             prefix_read="copy" if self.storage.host_offset is None else "in_place",
         )
 

@@ -21,6 +21,16 @@ forms share (weights, sampling, attention over the context) out of the term. Eac
 the fastest of a few runs spread over passes (the profiler's reason: on a shared machine other
 processes only ever add time).
 
+A *rebuilt* prefix step is measured the same way (`measure_rebuild_step`, `CostModel.
+rebuild_step`): the same decode batch fully resident and with each row's first `u` tokens
+out of the pool and rebuilt by the step (the table's entries emptied, `transient` set: what
+`PartialResidency` leaves with the rebuild source), fitted as `overhead + per_row · rows +
+per_token · Σu + per_pair · Σu²` (the last term the prefixes' own causal attention). Its
+grid is smaller than the host one: a rebuilt token costs a prefill token on this CPU, so the
+points stay at a few hundred rebuilt tokens. Both fits state their error (`error_s`, the
+largest absolute residual over their points). The clock is the bench's (`clock`), so a test
+can drive the measurement with timings it controls.
+
 The host-kept prefix is built with the KV ledger's own primitives (a host block per entry,
 the device block released, the entry emptied, `transient` set), exactly the state
 `PartialResidency` leaves with the host source; its host blocks hold whatever they hold
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -50,6 +61,9 @@ log = logging.getLogger(__name__)
 _PASSES = 3
 _BATCHES = (1, 4, 16)
 _SHAPES = ((64, 32), (128, 96), (512, 256))  # (context, host-kept prefix) tokens; whole blocks at bs <= 32
+# (batch, context, rebuilt prefix): at most 384 rebuilt tokens a point (a prefill's worth of work);
+# rows and prefix lengths vary apart so the four terms are identifiable
+_REBUILD_GRID = ((1, 64, 32), (1, 160, 128), (1, 320, 256), (2, 160, 64), (4, 64, 32), (4, 160, 96), (2, 320, 192))
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class PrefixPoint:
     rows: int  # rows carrying a prefix
     tokens: int  # prefix tokens read, all rows
     extra_s: float  # seconds over the same batch fully resident
+    pairs: int = 0  # Σu²: the rebuilt prefixes' own query-key pairs
 
 
 def prefix_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
@@ -76,24 +91,59 @@ def prefix_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
     return out
 
 
-def measure_prefix_step(target: ProfileTarget) -> tuple[PrefixStepFit, tuple[PrefixPoint, ...]]:
+def rebuild_grid(target: ProfileTarget) -> list[tuple[int, int, int]]:
+    """(batch, context, rebuilt prefix) points whose resident form fits the pool."""
+    bs = target.config.block_size
+    capacity = target.kv.capacity_tokens() - bs * 8
+    out = []
+    for b, c, u in _REBUILD_GRID:
+        u = u // bs * bs
+        if b <= target.config.max_num_seqs and c < target.max_model_len and u and b * (c + bs) <= capacity:
+            out.append((b, c, u))
+    return out
+
+
+def measure_prefix_step(
+    target: ProfileTarget, clock: Callable[[], float] = time.perf_counter
+) -> tuple[PrefixStepFit, tuple[PrefixPoint, ...]]:
     """Time the grid in both forms and fit the extra (module docstring)."""
     grid = prefix_grid(target)
     if len(grid) < 3:
         raise RuntimeError("the KV pool or host space is too small to measure a host-read prefix step")
-    bench = _PrefixBench(target)
-    runs = [(b, c, u if host else 0) for b, c, u in grid for host in (True, False)]
+    points = _time_pairs(_PrefixBench(target, clock), grid, host=True)
+    return _fit(points, with_pairs=False), points
+
+
+def measure_rebuild_step(
+    target: ProfileTarget, clock: Callable[[], float] = time.perf_counter
+) -> tuple[PrefixStepFit, tuple[PrefixPoint, ...]]:
+    """Time the rebuild grid fully resident and with rebuilt prefixes, and fit the extra."""
+    grid = rebuild_grid(target)
+    if len(grid) < 5:
+        raise RuntimeError("the KV pool is too small to measure a rebuilt prefix step")
+    points = _time_pairs(_PrefixBench(target, clock), grid, host=False)
+    return _fit(points, with_pairs=True), points
+
+
+def _time_pairs(bench: _PrefixBench, grid: list[tuple[int, int, int]], host: bool) -> tuple[PrefixPoint, ...]:
+    """Each point's fastest time with its prefix out of the pool minus fully resident."""
+    runs = [(b, c, u if out else 0) for b, c, u in grid for out in (True, False)]
     for run in runs:
-        bench.time_once(*run)  # warm-up
+        bench.time_once(*run, host=host)  # warm-up
     best = [float("inf")] * len(runs)
     for _ in range(_PASSES):
         for i, run in enumerate(runs):
-            best[i] = min(best[i], bench.time_once(*run))
-    points = tuple(PrefixPoint(b, b * u, best[2 * i] - best[2 * i + 1]) for i, (b, _, u) in enumerate(grid))
-    x = np.array([[1.0, p.rows, p.tokens] for p in points])
+            best[i] = min(best[i], bench.time_once(*run, host=host))
+    return tuple(PrefixPoint(b, b * u, best[2 * i] - best[2 * i + 1], b * u * u) for i, (b, _, u) in enumerate(grid))
+
+
+def _fit(points: tuple[PrefixPoint, ...], with_pairs: bool) -> PrefixStepFit:
+    """Non-negative least squares of the extra on (1, rows, tokens[, pairs]), with its error."""
+    x = np.array([[1.0, p.rows, p.tokens, p.pairs if with_pairs else 0.0] for p in points])
     y = np.array([p.extra_s for p in points])
-    overhead, per_row, per_token = nonneg_lstsq(x, y, np.ones_like(y))
-    return PrefixStepFit(overhead, per_row, per_token), points
+    coef = nonneg_lstsq(x if with_pairs else x[:, :3], y, np.ones_like(y)) + ([] if with_pairs else [0.0])
+    error = float(np.max(np.abs(x @ np.array(coef) - y)))
+    return PrefixStepFit(*coef, error_s=error)
 
 
 def prefix_step_current(target: ProfileTarget, model: CostModel) -> bool:
@@ -101,6 +151,12 @@ def prefix_step_current(target: ProfileTarget, model: CostModel) -> bool:
     (`meta.prefix_read`; a fit from before the in-place read has none and counts as "copy"):
     the two cost very different amounts, so a cached fit of the other way is measured again."""
     return model.prefix_step is not None and model.meta.get("prefix_read", "copy") == target.prefix_read
+
+
+def rebuild_step_missing(target: ProfileTarget, model: CostModel) -> bool:
+    """Whether `model` lacks a rebuild fit that `target`'s pool can measure (a profile cached
+    before the fit existed gets it added once)."""
+    return model.rebuild_step is None and len(rebuild_grid(target)) >= 5
 
 
 def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
@@ -122,23 +178,49 @@ def with_prefix_step(target: ProfileTarget, model: CostModel) -> CostModel:
         prefix_profile_seconds=time.perf_counter() - start,
     )
     log.info(
-        "host-read prefix step (%s): +%.3g s per step, +%.3g s per row, +%.3g s per prefix token",
+        "host-read prefix step (%s): +%.3g s per step, +%.3g s per row, +%.3g s per prefix token (error %.3g s)",
         target.prefix_read,
         fit.overhead_s,
         fit.per_row_s,
         fit.per_token_s,
+        fit.error_s,
     )
     return replace(model, meta=meta, prefix_step=fit)
+
+
+def with_rebuild_step(target: ProfileTarget, model: CostModel) -> CostModel:
+    """`model` with `rebuild_step` measured, the points in its meta; as it is, with a warning,
+    where the pool is too small for the grid (rebuilt rows are then priced as prefill rows)."""
+    if len(rebuild_grid(target)) < 5:
+        log.warning("KV pool too small to measure a rebuilt prefix step; ellm prices rebuilt rows as prefill rows")
+        return model
+    start = time.perf_counter()
+    fit, points = measure_rebuild_step(target)
+    meta = dict(model.meta)
+    meta.update(
+        rebuild_points=[{"rows": p.rows, "tokens": p.tokens, "pairs": p.pairs, "extra_s": p.extra_s} for p in points],
+        rebuild_profile_seconds=time.perf_counter() - start,
+    )
+    log.info(
+        "rebuilt prefix step: +%.3g s per step, +%.3g s per row, +%.3g s per token, +%.3g s per pair (error %.3g s)",
+        fit.overhead_s,
+        fit.per_row_s,
+        fit.per_token_s,
+        fit.per_pair_s,
+        fit.error_s,
+    )
+    return replace(model, meta=meta, rebuild_step=fit)
 
 
 class _PrefixBench:
     """Times one decode batch through the engine's runner, optionally with host-kept prefixes."""
 
-    def __init__(self, target: ProfileTarget) -> None:
+    def __init__(self, target: ProfileTarget, clock: Callable[[], float] = time.perf_counter) -> None:
         self.target = target
+        self.clock = clock
         self._ids = 0
 
-    def time_once(self, batch: int, context: int, prefix: int) -> float:
+    def time_once(self, batch: int, context: int, prefix: int, host: bool = True) -> float:
         kv = self.target.kv
         requests = [self._request(context + 1) for _ in range(batch)]
         try:
@@ -147,13 +229,13 @@ class _PrefixBench:
                     raise RuntimeError("the prefix profiling grid does not fit the KV pool")
                 r.num_computed_tokens = context
                 if prefix:
-                    self._keep_on_host(kv.table(r), prefix)
+                    (self._keep_on_host if host else self._rebuild)(kv.table(r), prefix)
             items = [ScheduledItem(r, 1) for r in requests]
-            t0 = time.perf_counter()
+            t0 = self.clock()
             self.target.execute(items)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            return time.perf_counter() - t0
+            return self.clock() - t0
         finally:
             for r in requests:
                 kv.free(r)
@@ -165,6 +247,14 @@ class _PrefixBench:
             host_block = ledger.take_host()
             assert host_block is not None, "prefix_grid checked the host space"
             ledger.push_host_prefix(table, host_block)
+            ledger.release(table.blocks[e])
+            ledger.set_entry(table, e, None)
+        ledger.set_transient(table, prefix)
+
+    def _rebuild(self, table, prefix: int) -> None:
+        """The table's first `prefix` tokens leave the pool; the step rebuilds them."""
+        ledger = self.target.kv.ledger
+        for e in range(prefix // ledger.block_size):
             ledger.release(table.blocks[e])
             ledger.set_entry(table, e, None)
         ledger.set_transient(table, prefix)

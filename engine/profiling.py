@@ -54,7 +54,7 @@ from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.hidden import CacheForm
 from engine.loader.cache import default_cache_dir, file_cache_key
-from engine.prefix_profiling import prefix_step_current, with_prefix_step
+from engine.prefix_profiling import prefix_step_current, rebuild_step_missing, with_prefix_step, with_rebuild_step
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
 from engine.scheduling.request import Request
@@ -79,6 +79,7 @@ class ProfileTarget:
     compiled_layers: bool
     calibrate_hidden: bool = False  # measure the hybrid cache's rebuild (ρ): its hidden form saves memory
     calibrate_prefix: bool = False  # measure a host-read prefix step (eLLM's host source)
+    calibrate_rebuild: bool = False  # measure a rebuilt prefix step (eLLM's rebuild source)
     # how such a step reads the prefix: "in_place" (swap space in the pool's tensor, the
     # compiled decode path) or "copy" (a per-layer scratch); a cached fit of the other is redone
     prefix_read: str = "copy"
@@ -101,6 +102,8 @@ def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None)
                 model, changed = with_hidden(target, model), True
             if target.calibrate_prefix and not prefix_step_current(target, model):
                 model, changed = with_prefix_step(target, model), True
+            if target.calibrate_rebuild and rebuild_step_missing(target, model):
+                model, changed = with_rebuild_step(target, model), True
             if changed:
                 model.save(path)
             return model
@@ -159,7 +162,8 @@ def profile(target: ProfileTarget) -> CostModel:
     }
     model = CostModel(model.prefill, model.decode, swap_bps, meta)
     model = with_hidden(target, model) if target.calibrate_hidden else model
-    return with_prefix_step(target, model) if target.calibrate_prefix else model
+    model = with_prefix_step(target, model) if target.calibrate_prefix else model
+    return with_rebuild_step(target, model) if target.calibrate_rebuild else model
 
 
 @dataclass(frozen=True)

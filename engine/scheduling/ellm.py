@@ -151,6 +151,11 @@ def choose(
     tpot_s: float,
     max_batch: int,
     sources: PrefixSources = REBUILD_ONLY,
+    final_contexts: Sequence[int] | None = None,
+    running: int = 0,
+    hold_running: bool = True,
+    pending: Sequence[int] | None = None,
+    token_budget: int = 0,
 ) -> Choice:
     """The (b, r) maximising b / T(b, r) subject to T <= tpot_s and the resident blocks of the
     first b candidates (`contexts`: their tokens after this step, FCFS order) fitting
@@ -162,37 +167,146 @@ def choose(
     0.08 ms at 512 candidates on this machine, where the scalar scan took 0.8 ms (1.6 ms at 1,024)
     (docs/ellm.md, "Decision time"). The largest feasible `b` per ratio is the first index
     where the cumulative resident need passes the capacity (needs are positive, so the
-    cumulative sums are increasing)."""
+    cumulative sums are increasing).
+
+    Admission hysteresis (`final_contexts`, the candidates' projected lengths when they end,
+    and `running`, how many of the candidates are already admitted; docs/ellm.md, "Seventh
+    session"). Admitting at `r > 0` is a commitment the per-step search does not see: when a
+    later step's `r`, the host space or the admitted contexts' growth no longer cover the
+    admitted set, FCFS's memory path preempts by recompute and the prefill is paid again.
+    So with `final_contexts` given:
+    - with `hold_running` (the policy sets it while a request it admitted at `r > 0` runs),
+      a ratio below the *floor*, the least ratio at which the running requests still fit
+      the pool now, is not chosen (it would preempt them); when no ratio from the floor up
+      meets the SLO, the floor is kept and nothing new is admitted;
+    - at `r > 0` a waiting candidate is admitted only while the admitted set fits the pool
+      at its projected end at that `r` (and, where the host may serve the prefixes, they fit
+      the host space at their end: past it the component rebuilds them, which no step could
+      afford on a CPU and which the floor would then hold), so a request admitted at `r` is
+      never preempted for its growth while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged.
+    Without `final_contexts` the search is the plain per-step one.
+
+    The step's prefill chunks (`pending`: each candidate's prompt tokens still to compute, 0
+    or 1 for a decode row; `token_budget`: the step's token budget). FCFS fills the budget
+    with the chunks of the first `b` candidates and that work is in the step, so the chosen
+    pair's published `step_s` includes it: a prefill phase of `min(Σ pending, budget)`
+    tokens sharing the step's fixed cost, priced as the simulator charges it. The choice
+    itself (the TPOT target and the `b/T` ranking) is made on the step without the chunks:
+    the token budget (vLLM's `max_num_batched_tokens`) is the knob that bounds what
+    admissions add to a step, and with a queue waiting every ratio carries about the same
+    chunk, so checking the target on it would send every step of a backlog to the
+    fallback (tried: ranking with it lowered the x1000-link run's throughput by 3%). Left
+    out (`pending` None), as before, the published price missed the chunks, which is how
+    the x10-link run's prefill-carrying steps cost 3x their published price (docs/ellm.md)."""
     s = np.asarray(contexts[:max_batch], dtype=np.int64)
     if s.size == 0:
         return Choice(1, 0.0, math.inf)
     bs = block_size
-    u = (np.floor(_RATIOS[:, None] * (s - 1)[None, :]).astype(np.int64) // bs) * bs  # whole computed blocks
+    u = _prefix_tokens(s, bs)
     need = -(-(s[None, :] - u) // bs) * bs
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
+    floor = 0
+    if final_contexts is not None:
+        batch, floor = _hysteresis(batch, final_contexts[:max_batch], capacity_tokens, bs, sources, running)
+        floor = floor if hold_running else 0
     d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
     p_ln = _prefix_at(u, batch)
     p_work = _prefix_at(u * u, batch)
     carriers = _prefix_at((u > 0).astype(np.int64), batch)  # rows with a non-resident prefix
+    chunk_s = _chunk_seconds(cost, s, pending, token_budget, batch)
     # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
     full = np.flatnonzero(batch == s.size)
-    last = int(full[0]) if full.size else len(RATIO_GRID) - 1
+    last = max(int(full[0]) if full.size else len(RATIO_GRID) - 1, floor)
     best: Choice | None = None
     fallback: Choice | None = None
-    for i in range(last + 1):
+    for i in range(floor, last + 1):
         b = int(batch[i])
         if b == 0:
             continue
         rows = int(carriers[i])
-        step = cost.estimate_sums(int(p_ln[i]), int(p_work[i]), b, int(d_work[i])) + sources.off_graph_s(rows)
-        if i == 0:
-            fallback = Choice(b, 0.0, step)
+        # rebuilt rows at their measured price where profiled (`with_rebuilt_prefixes`, shared with
+        # the simulator); otherwise as prefill rows plus the host fit's off-graph penalty
+        rebuilt = cost.with_rebuilt_prefixes(0, 0, b, int(d_work[i]), rows, int(p_ln[i]), int(p_work[i]))
+        step = rebuilt + (0.0 if cost.rebuild_step is not None else sources.off_graph_s(rows))
+        if i == floor:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
+            fallback = Choice(max(1, min(b, running)) if floor else b, RATIO_GRID[i], step)
         if step <= tpot_s or sources.host:
             exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
             step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
             if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
                 best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
-    return best or fallback or Choice(1, 0.0, math.inf)
+    chosen = best or fallback or Choice(1, 0.0, math.inf)
+    i = RATIO_GRID.index(chosen.ratio)
+    if chunk_s[i] and math.isfinite(chosen.step_s) and chosen.batch == batch[i]:
+        exec_s = cost.estimate_sums(0, 0, chosen.batch, int(d_work[i]))
+        rest = chosen.step_s - chosen.rebuild_s  # the step without its prefixes (layer split included)
+        with_chunk, _, _ = _cheaper_source(
+            exec_s + chunk_s[i], chosen.step_s - rest + exec_s + chunk_s[i], int(p_ln[i]), int(carriers[i]), sources
+        )
+        chosen = replace(chosen, step_s=max(with_chunk, chosen.step_s))
+    return chosen
+
+
+def _chunk_seconds(
+    cost: CostModel, s: np.ndarray, pending: Sequence[int] | None, budget: int, batch: np.ndarray
+) -> np.ndarray:
+    """Per ratio, what the prefill chunks of the first `batch[i]` candidates add to the step
+    (`choose`'s docstring): a prefill phase of `min(Σ pending, budget)` tokens, its work
+    `Σ pending·context` scaled to that share, less the fixed cost the step already pays."""
+    out = np.zeros(batch.shape, dtype=np.float64)
+    if pending is None or budget <= 0:
+        return out
+    p = np.asarray(pending[: s.size], dtype=np.int64)
+    p = np.where(p > 1, p, 0)
+    if not p.any():
+        return out
+    tokens = np.concatenate([[0], np.cumsum(p)])[batch]
+    work = np.concatenate([[0], np.cumsum(p * s)])[batch].astype(np.float64)
+    chunk = np.minimum(tokens, budget)
+    shared = min(cost.prefill.beta, cost.decode.beta)
+    for i in np.flatnonzero(chunk):
+        pair_work = work[i] * chunk[i] / tokens[i]
+        out[i] = cost.prefill.predict_work(float(chunk[i]), pair_work) - shared
+    return out
+
+
+def final_length(request: Request) -> int:
+    """A request's projected length when it ends: its prompt plus `max_tokens`, within its
+    context limit. The admission rule's projection; an upper bound (a stop or EOS ends it
+    sooner), so it errs toward admitting less at `r > 0`, never toward a preemption."""
+    end = request.num_prompt_tokens + request.params.max_tokens
+    limit = request.max_model_len
+    return max(request.num_tokens, min(end, limit) if limit else end)
+
+
+def _prefix_tokens(contexts: np.ndarray, bs: int) -> np.ndarray:
+    """Non-resident tokens per (ratio, candidate): whole computed blocks, as the component."""
+    return (np.floor(_RATIOS[:, None] * (contexts - 1)[None, :]).astype(np.int64) // bs) * bs
+
+
+def _hysteresis(
+    batch: np.ndarray,
+    final_contexts: Sequence[int],
+    capacity_tokens: int,
+    bs: int,
+    sources: PrefixSources,
+    running: int,
+) -> tuple[np.ndarray, int]:
+    """(admission bound per ratio, floor index) under the commitment rule of `choose`: from
+    `r > 0` on, admit only what fits at its projected end (pool, and host space when the
+    host may serve the prefixes), never fewer than the running requests; the floor is the
+    first ratio whose bound (at today's contexts) holds every running request."""
+    f = np.asarray(final_contexts, dtype=np.int64)
+    u_end = _prefix_tokens(f, bs)
+    fits = np.cumsum(-(-(f[None, :] - u_end) // bs) * bs, axis=1) <= capacity_tokens
+    if sources.host:  # past the host space a prefix is rebuilt: a commitment must not count on that
+        fits &= np.cumsum(u_end, axis=1) <= sources.host_capacity_tokens
+    end_bound = fits.sum(axis=1)
+    committed = np.minimum(batch, np.maximum(end_bound, running))
+    committed[0] = batch[0]  # r = 0: FCFS's own admission
+    holds = np.flatnonzero(batch >= running)
+    floor = int(holds[0]) if holds.size else len(RATIO_GRID) - 1
+    return committed, floor
 
 
 def _cheaper_source(
@@ -226,12 +340,16 @@ class ELLMPolicy(SchedulingPolicy):
         source: str = "rebuild",
         layer_split: bool = False,
         num_layers: int = 1,
+        admission_hysteresis: bool = True,
     ) -> None:
         """`default_slo.tpot_s` is the TPOT target; `excluded(request)`: requests kept fully
         resident (session turns; see `PartialResidency`); `source`: where non-resident
         prefixes come from, `rebuild`, `host` or `auto` (the cheaper per step);
         `layer_split`: price eLLM's split of `num_layers` layers between host and rebuild
-        (the simulator; the engine runs no split)."""
+        (the simulator; the engine runs no split); `admission_hysteresis`: admit at `r > 0`
+        only what the pool holds to its projected end and never drop `r` below what the
+        running set needs (`choose`; off: the per-step search of the sixth session, for the
+        ablation)."""
         if source not in SOURCES:
             raise ValueError(f"ellm's source must be one of {', '.join(SOURCES)}, got {source!r}")
         if default_slo.tpot_s is None:
@@ -242,6 +360,11 @@ class ELLMPolicy(SchedulingPolicy):
         self.source = source
         self.layer_split = layer_split
         self.num_layers = num_layers
+        self.admission_hysteresis = admission_hysteresis
+        # running requests admitted at r > 0: while any runs, r stays at or above what the
+        # running set needs (`choose`'s floor); requests FCFS admitted at r = 0 that outgrow
+        # the pool are preempted as FCFS would, not rescued at a ratio that costs more
+        self._committed: set[str] = set()
         self.fcfs = FCFSPolicy()
         self.last = Choice(0, 0.0, 0.0)
         self.stats = DecisionStats()
@@ -267,15 +390,22 @@ class ELLMPolicy(SchedulingPolicy):
         start, start_cpu = time.perf_counter(), time.thread_time()
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
-        contexts = [r.num_tokens for r in candidates]
+        candidates = list(candidates)
+        before = {r.request_id for r in state.running}
+        self._committed &= before  # finished or preempted requests hold nothing any more
         choice = choose(
-            contexts,
+            [r.num_tokens for r in candidates],
             state.kv.capacity_tokens(),
             state.kv.block_size,
             self.cost_model,
             self.tpot_s,
             state.limits.max_num_seqs,
             self._sources(state),
+            [final_length(r) for r in candidates] if self.admission_hysteresis else None,
+            len(state.running),
+            bool(self._committed),  # the floor guards only commitments
+            [r.num_tokens - r.num_computed_tokens for r in candidates],
+            state.limits.max_num_batched_tokens,
         )
         wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
         self.last = replace(choice, decision_s=wall, decision_cpu_s=cpu)
@@ -286,6 +416,8 @@ class ELLMPolicy(SchedulingPolicy):
             component.set_source(choice.source)
         bounded = replace(state.limits, max_num_seqs=max(1, min(choice.batch, state.limits.max_num_seqs)))
         batch = self.fcfs.schedule(replace(state, limits=bounded))
+        if choice.ratio > 0 and self.admission_hysteresis:
+            self._committed.update(r.request_id for r in state.running if r.request_id not in before)
         if choice.source == "host" and choice.host_layers < self.num_layers:
             batch.host_prefix_split = split_shares(choice.host_layers, self.num_layers)
         return batch

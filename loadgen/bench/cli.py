@@ -17,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from loadgen.bench import (
         batch,
         compare,
+        ellm_ab,
         ellm_decision,
         ellm_sim,
         engine,
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     loop_contention.add_parser(bsub)
     batch.add_parser(bsub)
     sessions.add_parser(bsub)
+    ellm_ab.add_parser(bsub)
     ellm_decision.add_parser(bsub)
     ellm_sim.add_parser(bsub)
     hybrid.add_parser(bsub)

@@ -1,4 +1,4 @@
-"""`python -m loadgen.bench.ellm_ab`: `ellm` vs `fcfs` (vLLM-Recompute) vs `swap` (vLLM-Swap)
+"""`tandem bench ellm` (or `python -m loadgen.bench.ellm_ab`): `ellm` vs `fcfs` (vLLM-Recompute) vs `swap` (vLLM-Swap)
 on the in-process CPU engine, in alternating rounds within one process, for a busy machine.
 
 On a shared machine a policy's absolute throughput moves several-fold with the load, and in
@@ -66,23 +66,52 @@ def ratios(rounds: list[list[dict]], baseline: str) -> dict[str, dict[str, list[
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from loadgen.orchestrate import _SloScale
-    from loadgen.provenance import decided_dtype, stamp
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`tandem bench ellm`: the same bench with `tandem bench policies`'s arguments and
+    defaults, `--rounds`, `--policies` and the document's path as `--json`."""
+    from loadgen.cli import add_run_args
 
+    p = sub.add_parser(
+        "ellm",
+        help="ellm vs fcfs vs swap on the in-process CPU engine in rotated rounds (busy-machine ratios)",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_run_args(p, workload_default="rt-be", duration_default=60.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--policies", default="fcfs,swap,ellm", help="comma-separated; the first is the baseline")
+    p.add_argument("--json", dest="json_path", required=True, metavar="FILE", help="write the results document here")
+    p.set_defaults(func=_run_cli, length_scale=0.25, slo_scale="auto", rate=1.0)
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    policies = [p for p in args.policies.split(",") if p]
+    return measure(args, args.rounds, policies, args.json_path, "tandem bench ellm " + " ".join(sys.argv[2:]))
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--policies", default="fcfs,swap,ellm", help="comma-separated; the first is the baseline")
     ap.add_argument("--out", required=True)
     ours, rest = ap.parse_known_args(argv)
-    args = _run_args(rest)
+    argv = argv if argv is not None else sys.argv[1:]
     policies = [p for p in ours.policies.split(",") if p]
+    return measure(
+        _run_args(rest), ours.rounds, policies, ours.out, "python -m loadgen.bench.ellm_ab " + " ".join(argv)
+    )
+
+
+def measure(args: argparse.Namespace, rounds_n: int, policies: list[str], out: str, command: str) -> int:
+    """Run the rounds and write the document (module docstring) to `out`."""
+    from loadgen.orchestrate import _SloScale
+    from loadgen.provenance import decided_dtype, stamp
+
     provenance = stamp(
         dtype=decided_dtype(args.dtype), extra={"target": args.target}
     ).as_dict()  # the code checked out now
     scale = _SloScale(args)
     rounds: list[list[dict]] = []
-    for i in range(ours.rounds):
+    for i in range(rounds_n):
         order = policies[i % len(policies) :] + policies[: i % len(policies)]
         rounds.append([])
         for policy in order:
@@ -90,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: rounds[-1][-1][k] for k in ("round", "policy", "load_before", "rt")}), flush=True)
     table = ratios(rounds, policies[0])
     doc = {
-        "command": "python -m loadgen.bench.ellm_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "config": {**vars(args), "func": None, "rounds": ours.rounds, "policies": policies},
+        "command": command,
+        "config": {**vars(args), "func": None, "rounds": rounds_n, "policies": policies},
         "rounds": rounds,
         "ratios_vs_first_per_round": table,
         "ratio_medians": {
@@ -100,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "provenance": provenance,
     }
-    Path(ours.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ours.out).write_text(json.dumps(doc, indent=2, default=str))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
 

@@ -6,6 +6,9 @@ prefill chunk; each row is `(num_new_tokens, context_tokens_after_the_step)`, th
 
 Partial residency (eLLM): given the KV manager, a request whose table rebuilds `u` tokens this
 step adds a prefill row `(u, u)`, the rows the runner appends (`engine/rebuilt_prefix.py`).
+`step_seconds` prices those rows with `CostModel.with_rebuilt_prefixes`, the function the
+`ellm` optimiser prices them with: the profile's measured rebuild step where it has one (the
+whole extra of such a step), prefill rows otherwise.
 
 The hybrid cache (Apt-Serve): a HIDDEN row is priced as the same row in KV form (its attention
 over the context is the same work) plus the rebuild of K/V from every stored context token,
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.cost_model import CostModel
+from engine.cost_model import CostModel, phase_sums
 from engine.kv import KVCacheManager
 from engine.kv.hidden import CacheForm
 from engine.rebuilt_prefix import host_prefix_rows, rebuilt_rows
@@ -55,17 +58,32 @@ def swap_bytes(batch: ScheduledBatch, bytes_per_token: int) -> int:
     return priced or int(getattr(batch, "swap_slots", 0) or 0) * bytes_per_token
 
 
+def _with_rebuilt(
+    cost: CostModel, prefill: list, decode: list, rebuilt: list, swap: float = 0, overlap: bool | None = None
+) -> float:
+    """`CostModel.estimate` of the rows plus the rebuilt prefix rows `(u, u)`, priced the
+    optimiser's way (`CostModel.with_rebuilt_prefixes`); swaps as `estimate` adds them."""
+    p_ln, p_work = phase_sums(prefill)
+    d_ln, d_work = phase_sums(decode)
+    u_sum, u_pairs = phase_sums(rebuilt)
+    exec_s = cost.with_rebuilt_prefixes(p_ln, p_work, d_ln, d_work, len(rebuilt), u_sum, u_pairs)
+    swap_s = swap / cost.swap_bytes_per_s if swap else 0.0
+    return max(exec_s, swap_s) if (cost.swap_overlaps if overlap is None else overlap) else exec_s + swap_s
+
+
 def step_seconds(
     cost: CostModel, batch: ScheduledBatch, bytes_per_token: int, kv: KVCacheManager | None = None
 ) -> float:
-    prefill, decode = batch_rows(batch.items, kv)
+    prefill, decode = batch_rows(batch.items)
+    rebuilt = rebuilt_rows(batch.items, kv) if kv is not None else []
     new_tokens = sum(it.num_new_tokens for it in batch.items)
     rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items), step_rows=new_tokens)
     host_rows = host_prefix_rows(batch.items, kv) if kv is not None else []
     if not host_rows:
-        return cost.estimate(prefill, decode, swap_bytes(batch, bytes_per_token)) + rebuild
+        return _with_rebuilt(cost, prefill, decode, rebuilt, swap_bytes(batch, bytes_per_token)) + rebuild
     read_share, rebuild_share = getattr(batch, "host_prefix_split", (1.0, 0.0))
-    exec_s = cost.estimate(prefill, decode, overlap=False) + rebuild
+    exec_s = _with_rebuilt(cost, prefill, decode, rebuilt, overlap=False) + rebuild
+    prefill = prefill + rebuilt
     if rebuild_share:
         exec_s += rebuild_share * (cost.estimate(prefill + host_rows, decode) - cost.estimate(prefill, decode))
     moved = swap_bytes(batch, bytes_per_token) + read_share * sum(u for u, _ in host_rows) * bytes_per_token

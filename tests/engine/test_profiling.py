@@ -198,6 +198,12 @@ def test_host_prefix_step_is_measured_for_ellm_and_added_to_a_cached_profile(
     assert again.cost_model == engine.cost_model  # cached: not measured a second time
     rebuild_only = LLMEngine(_config(path, policy="ellm", uncached_source="rebuild", **cfg))
     assert not rebuild_only.profile_target().calibrate_prefix
+    # ...but every ellm engine that may rebuild measures the rebuilt prefix step (seventh
+    # session), once, into the cached profile: the auto engine above already did
+    assert engine.profile_target().calibrate_rebuild and engine.cost_model.rebuild_step is not None
+    assert rebuild_only.profile_target().calibrate_rebuild
+    assert rebuild_only.cost_model.rebuild_step == engine.cost_model.rebuild_step
+    assert len(engine.cost_model.meta["rebuild_points"]) >= 5
 
 
 @pytest.mark.parametrize("host_blocks, points", [(0, 0), (2, 1), (256, 4)])

@@ -110,3 +110,18 @@ def test_inproc_target_publishes_ellm_decision_time(tiny_model_dir, tmp_path):
     assert 0 < stats["p50_decision_cpu_s"] <= stats["max_decision_cpu_s"]
     assert 0 < stats["p50_decision_s"] <= stats["max_decision_s"]
     assert InprocTarget.from_config(EngineConfig(policy="fcfs", **common)).describe()["policy_stats"] is None
+
+
+def test_tandem_bench_ellm_parses_like_the_module():
+    """`tandem bench ellm` takes `tandem bench policies`'s arguments and defaults (what
+    `python -m loadgen.bench.ellm_ab` passes through), plus rounds, policies and `--json`."""
+    from loadgen.bench import ellm_ab
+    from services.cli import build_parser
+
+    argv = ["--workload", "sharegpt", "--num-blocks", "32", "--prefix-source", "auto"]
+    ours = build_parser().parse_args(["bench", "ellm", "--json", "out.json", "--rounds", "2", *argv])
+    module = ellm_ab._run_args(argv)
+    assert ours.func is ellm_ab._run_cli and (ours.rounds, ours.json_path) == (2, "out.json")
+    assert ours.policies == "fcfs,swap,ellm"
+    shared = set(vars(module)) - {"func", "policies", "json_path", "bench_command"}
+    assert {k: getattr(ours, k) for k in shared} == {k: getattr(module, k) for k in shared}

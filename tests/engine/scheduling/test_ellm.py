@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit, PrefixStepFit
 from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
-from engine.scheduling.prefix_pricing import PrefixSources, host_step_seconds
+from engine.scheduling.prefix_pricing import REBUILD_ONLY, PrefixSources, host_step_seconds
 
 BS = 16
 # A step dominated by its constant (weights read once per step), as on this engine: more rows are cheap.
@@ -137,6 +138,91 @@ def test_vectorised_choice_with_host_sources_equals_the_scan(
     want = scan_choose(contexts, capacity, BS, COST, tpot_s, 64, sources)
     assert (got.batch, got.ratio) == (want.batch, want.ratio)
     assert got.step_s == want.step_s or (math.isinf(got.step_s) and math.isinf(want.step_s))
+
+
+def test_published_step_includes_the_prefill_chunks_the_step_carries():
+    """Two decoding and two waiting requests of 100 tokens and a 150-token budget: FCFS runs
+    a 150-token chunk with the decodes, and the choice's published step is that whole step
+    (the x10-link run's prefill-carrying steps cost 3x a price that left the chunks out);
+    the choice itself is the one made without them."""
+    contexts, capacity = [100] * 4, 4 * 112
+    plain = choose(contexts, capacity, BS, COST, 1.0, 128)
+    with_chunks = choose(contexts, capacity, BS, COST, 1.0, 128, pending=[1, 1, 100, 100], token_budget=150)
+    assert (with_chunks.batch, with_chunks.ratio) == (plain.batch, plain.ratio) == (4, 0.0)
+    assert plain.step_s == COST.estimate_sums(0, 0, 4, 400)
+    # the chunk: 150 of the 200 pending tokens, their query-key work scaled alike
+    assert with_chunks.step_s == pytest.approx(COST.estimate_sums(150, 200 * 100 * 150 / 200, 4, 400))
+
+
+def test_hysteresis_keeps_the_ratio_the_running_set_needs():
+    """Eight running requests fit the pool only with half their context out of it: without
+    the floor a TPOT target no rebuild meets sends r back to 0 (and FCFS then preempts half
+    of them by recompute); with it `r` stays at the least ratio that holds them all, and
+    nothing new is admitted."""
+    contexts, capacity = [200] * 8, 4 * 208
+    tight = COST.estimate_sums(0, 0, 4, 800) * 1.0001
+    plain = choose(contexts, capacity, BS, COST, tight, 128)
+    assert (plain.batch, plain.ratio) == (4, 0.0)
+    kept = choose(contexts, capacity, BS, COST, tight, 128, final_contexts=[300] * 8, running=8)
+    floor = min(r for r in RATIO_GRID if sum(208 - int(r * 199) // BS * BS for _ in range(8)) <= capacity)
+    assert (kept.batch, kept.ratio) == (8, floor) and floor > 0
+
+
+def test_hysteresis_admits_at_a_ratio_only_what_fits_to_the_end():
+    """Four running and four waiting requests of 200 tokens, a pool of six: r > 0 fits all
+    eight now. If they grow to 5,000 tokens the pool cannot hold them at any ratio, so the
+    committed search keeps FCFS's admission at r = 0; if they end at 220 it admits all."""
+    contexts, capacity = [200] * 8, 6 * 208
+    host = PrefixSources.of(  # a host read that costs nothing: r > 0 pays whenever it admits more
+        "host", kv_bytes_per_token=1000, swap_bytes_per_s=1e12, overlap=True, host_capacity_tokens=10**5
+    )
+    myopic = choose(contexts, capacity, BS, COST, 1.0, 128, host)
+    assert myopic.batch == 8 and myopic.ratio > 0
+    long_ends = choose(contexts, capacity, BS, COST, 1.0, 128, host, final_contexts=[5000] * 8, running=4)
+    assert (long_ends.batch, long_ends.ratio) == (6, 0.0)
+    short_ends = choose(contexts, capacity, BS, COST, 1.0, 128, host, final_contexts=[220] * 8, running=4)
+    assert short_ends.batch == 8 and short_ends.ratio > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(1, 2000), st.integers(0, 2000)), min_size=1, max_size=60),
+    running=st.integers(0, 60),
+    capacity_blocks=st.integers(0, 300),
+    tpot_s=st.floats(0.001, 2.0),
+    host_tokens=st.sampled_from([None, 0, 3000, 100000]),
+)
+def test_hysteresis_choice_never_commits_past_the_end(data, running, capacity_blocks, tpot_s, host_tokens):
+    """Whatever the candidates: the chosen ratio is never below the least one that holds the
+    running requests now, and at r > 0 the admitted set beyond them fits the pool (and a
+    host-only source's space) at its projected end; the search without projections is the
+    plain one (the scan test above)."""
+    contexts = [c for c, _ in data]
+    finals = [c + g for c, g in data]
+    running = min(running, len(data))
+    capacity = capacity_blocks * BS
+    sources = (
+        REBUILD_ONLY
+        if host_tokens is None
+        else PrefixSources.of(
+            "host", kv_bytes_per_token=1000, swap_bytes_per_s=1e12, overlap=True, host_capacity_tokens=host_tokens
+        )
+    )
+    got = choose(contexts, capacity, BS, COST, tpot_s, 64, sources, finals, running)
+
+    def resident(lengths, r):
+        return [-(-(s - int(r * (s - 1)) // BS * BS) // BS) * BS for s in lengths]
+
+    def fits_now(r):
+        return sum(resident(contexts[:running], r)) <= capacity
+
+    floor = next((r for r in RATIO_GRID if fits_now(r)), None)
+    assert floor is None or got.ratio >= floor  # None: no ratio holds them, FCFS preempts anyway
+    if got.ratio > 0 and got.batch > running:
+        b = got.batch
+        assert sum(resident(finals[:b], got.ratio)) <= capacity
+        if host_tokens is not None:
+            assert sum(int(got.ratio * (f - 1)) // BS * BS for f in finals[:b]) <= host_tokens
 
 
 def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):

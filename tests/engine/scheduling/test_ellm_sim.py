@@ -38,6 +38,36 @@ def test_rebuilt_prefix_is_a_prefill_row():
     assert rebuilt_rows([ScheduledItem(request, 1), ScheduledItem(other, 40)], kv) == [(32, 32)]
 
 
+def test_simulator_and_optimiser_price_rebuilt_rows_alike():
+    """With a measured rebuild step (`CostModel.rebuild_step`) the simulator charges a step
+    with rebuilt rows exactly what the `ellm` optimiser prices it at (one function,
+    `CostModel.with_rebuilt_prefixes`), which is more than the same rows as prefill rows when
+    the fit has an off-graph part; without the fit both price prefill rows, as before."""
+    from dataclasses import replace
+
+    from engine.cost_model import PrefixStepFit
+    from engine.scheduling import ScheduledBatch
+    from engine.scheduling.ellm import choose
+    from loadgen.sim.step_time import step_seconds
+
+    kv = KVCacheManager(BlockPool(32), 16)
+    kv.attach(functools.partial(PartialResidency, ratio=0.5))
+    request = Request("a", list(range(100, 164)), SamplingParams(max_tokens=4))
+    assert kv.allocate(request, 64)
+    request.num_computed_tokens = 64
+    assert kv.allocate(request, 1)
+    batch = ScheduledBatch([ScheduledItem(request, 1)])
+    as_prefill = COST.estimate([(32, 32)], [(1, 65)])
+    assert step_seconds(COST, batch, 1000, kv) == pytest.approx(as_prefill)
+    fitted = replace(COST, rebuild_step=PrefixStepFit(0.03, 0.01, 5e-4, 1e-6, error_s=1e-3))
+    want = COST.estimate([], [(1, 65)]) + 0.03 + 0.01 + 32 * 5e-4 + 32 * 32 * 1e-6
+    assert step_seconds(fitted, batch, 1000, kv) == pytest.approx(want) and want > as_prefill
+    # the optimiser at r = 0.5 over the same context prices the same step
+    choice = choose([65], 48, 16, fitted, tpot_s=10.0, max_batch=1)  # only r >= 0.5 fits 48 tokens
+    assert choice.ratio == 0.5
+    assert choice.step_s == pytest.approx(fitted.with_rebuilt_prefixes(0, 0, 1, 65, 1, 32, 32 * 32)) == want
+
+
 def test_host_kept_prefix_is_priced_as_a_copy():
     """A host-kept prefix adds no rows; the simulator charges reading its K/V of every layer
     at the profile's host-link bandwidth, added to a CPU step, and a priced layer split reads
