@@ -117,7 +117,10 @@ class QuietConsumer(AIOKafkaConsumer):
         this wraps the fetcher's per-request coroutine, which its fetch routine looks up on the
         instance for every request, and changes nothing of what it does or returns."""
         fetcher = self._fetcher
-        apply_answer = fetcher._proc_fetch_request  # noqa: SLF001
+        apply_answer = getattr(fetcher, "_proc_fetch_request", None)
+        if apply_answer is None:  # another aiokafka than constraints.txt pins: no catch-up, never a crash
+            log.warning("aiokafka's fetcher has no _proc_fetch_request: a starved fetch's wait is not grown")
+            return
 
         async def answered(assignment, node_id, request):
             brought = await apply_answer(assignment, node_id, request)
