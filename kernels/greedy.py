@@ -54,24 +54,8 @@ def choose_argmax(setting: str, device: torch.device | str) -> Argmax:
     if setting == "torch":
         log.info("greedy argmax: torch.argmax")
         return torch_argmax
-    from kernels.cpu import build
+    from kernels.cpu.choice import CppChoice, cpp_or_fallback
 
-    why = None
-    if torch.device(device).type != "cpu":
-        why = f"device {device} is not a CPU"
-    elif build.target_for() is None:
-        why = "no C++ kernel target for this CPU"
-    if why is None:
-        try:
-            op = CppArgmax()
-        except build.KernelBuildError as exc:
-            if setting == "cpp":
-                raise
-            log.warning("C++ greedy argmax unavailable (%s); using torch.argmax", str(exc).splitlines()[0])
-            return torch_argmax
-        log.info("greedy argmax: C++ op, target %s", build.target_for())
-        return op
-    if setting == "cpp":
-        raise ValueError(f"greedy_kernel='cpp' cannot run here: {why}")
-    log.info("greedy argmax: torch.argmax (%s)", why)
-    return torch_argmax
+    why = f"device {device} is not a CPU" if torch.device(device).type != "cpu" else None
+    choice = CppChoice("greedy_kernel", "greedy argmax", "C++ op", "torch.argmax")
+    return cpp_or_fallback(choice, setting, why, CppArgmax, torch_argmax, log)

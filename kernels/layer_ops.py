@@ -147,26 +147,12 @@ def choose_layer_ops(setting: str, device: torch.device | str, dtype: torch.dtyp
     if setting == "off":
         log.info("fused layer ops: off (PyTorch op by op)")
         return TORCH_LAYER_OPS
-    from kernels.cpu import build
+    from kernels.cpu.choice import CppChoice, cpp_or_fallback
 
     why = None
     if torch.device(device).type != "cpu":
         why = f"device {device} is not a CPU"
     elif dtype not in (torch.float32, torch.bfloat16):
         why = f"dtype {dtype} (the kernels do float32 and bfloat16)"
-    elif build.target_for() is None:
-        why = "no C++ kernel target for this CPU"
-    if why is None:
-        try:
-            ops = CppLayerOps()
-        except build.KernelBuildError as exc:
-            if setting == "cpp":
-                raise
-            log.warning("fused layer ops unavailable (%s); using PyTorch op by op", str(exc).splitlines()[0])
-            return TORCH_LAYER_OPS
-        log.info("fused layer ops: C++ kernels, target %s", build.target_for())
-        return ops
-    if setting == "cpp":
-        raise ValueError(f"fused_ops='cpp' cannot run here: {why}")
-    log.info("fused layer ops: PyTorch op by op (%s)", why)
-    return TORCH_LAYER_OPS
+    choice = CppChoice("fused_ops", "fused layer ops", "C++ kernels", "PyTorch op by op")
+    return cpp_or_fallback(choice, setting, why, CppLayerOps, TORCH_LAYER_OPS, log)
