@@ -13,6 +13,7 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Rerouted, ResultBatch
 from shared.settings import ServiceSettings
 from shared.topics import Topics, TopicSpec
+from tests.shared.waiting import read_ids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,15 +117,6 @@ def test_send_consume_commit_and_redelivery(kafka_bootstrap):
     assert got == ["r0", "r1", "r2"] and again == ["r1", "r2"]
 
 
-async def _read_ids(c, n: int) -> list[str]:
-    """The request ids of the next n control messages `c` reads."""
-    got: list[str] = []
-    while len(got) < n:
-        for msgs in (await c.getmany(timeout_ms=500)).values():
-            got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
-    return got
-
-
 def test_owned_consumer_resumes_from_its_groups_commits_without_joining(kafka_bootstrap):
     """A worker's dispatch consumer: assigned, not subscribed (no rebalance round), yet a restart
     reads on from the offsets it committed."""
@@ -137,13 +129,13 @@ def test_owned_consumer_resumes_from_its_groups_commits_without_joining(kafka_bo
         for i in range(3):
             await kafka.send(topic, ControlEnvelope(message=Cancel(request_id=f"r{i}")))
         c = await kafka.owned_consumer(topic, group="ko-w", hot=True)
-        first = await _read_ids(c, 3)
+        first = await read_ids(c, 3)
         await c.commit({TopicPartition(topic, 0): 2})
         await kafka.stop()
         again = KafkaClient(settings, "test")
         await again.start()
         c2 = await again.owned_consumer(topic, group="ko-w", hot=True)
-        rest = await _read_ids(c2, 1)
+        rest = await read_ids(c2, 1)
         await again.stop()
         return first, rest
 
@@ -172,7 +164,7 @@ def test_owned_consumer_reads_from_the_start_past_a_commit_beyond_the_end(kafka_
         await committer.commit({stale: 9, kept: 1})  # 9: past partition 0's end (2)
         await committer.stop()
         c = await kafka.owned_consumer(topic, group="kp-s", hot=True)
-        got = await asyncio.wait_for(_read_ids(c, 3), 60)
+        got = await asyncio.wait_for(read_ids(c, 3), 60)
         await kafka.stop()
         return got
 

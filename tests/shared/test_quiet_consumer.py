@@ -13,29 +13,13 @@ from shared.quiet_consumer import QuietConsumer
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
+from tests.shared.waiting import read_ids, until
 
 pytestmark = pytest.mark.timeout(120)
 
 
-async def _until(cond, what: str, timeout_s: float = 30.0) -> None:
-    """Wait for `cond()` (a state of the consumer under test); the bound is only a safety net."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
 def _envelope(i: int) -> ControlEnvelope:
     return ControlEnvelope(message=Cancel(request_id=f"r{i}"))
-
-
-async def _ids(consumer, n: int) -> list[str]:
-    got: list[str] = []
-    while len(got) < n:
-        for msgs in (await consumer.getmany(timeout_ms=1000)).values():
-            got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
-    return got
 
 
 def test_tansu_answers_a_fetch_at_its_deadline_not_when_data_arrives(kafka_bootstrap):
@@ -93,7 +77,7 @@ def test_quiet_consumer_sleeps_wakes_on_a_ring_and_keeps_the_services_pause(kafk
         consumer = await kafka.consumer(group=None, hot=True)
         assert isinstance(consumer, QuietConsumer)
         (tp,) = await kafka.assign_all(consumer, topic, from_end=True)
-        await _until(lambda: consumer.sleeping, "the idle consumer to sleep")
+        await until(lambda: consumer.sleeping, "the idle consumer to sleep", timeout_s=30.0)
 
         # Asleep it sends no fetch: a record produced without a ring stays unread (an awake
         # consumer would return it within one 2 ms fetch) ...
@@ -102,8 +86,8 @@ def test_quiet_consumer_sleeps_wakes_on_a_ring_and_keeps_the_services_pause(kafk
         assert await consumer.getmany(timeout_ms=300) == {}
         # ... wakes nothing; a producer of this package ringing: both records come at once.
         await kafka.send(topic, _envelope(1))
-        assert await _ids(consumer, 2) == ["r0", "r1"]
-        await _until(lambda: consumer.sleeping, "the consumer to sleep again")
+        assert await read_ids(consumer, 2, timeout_ms=1000) == ["r0", "r1"]
+        await until(lambda: consumer.sleeping, "the consumer to sleep again", timeout_s=30.0)
 
         # A partition the service paused (flow control) stays paused through a ring.
         consumer.pause(tp)
@@ -111,7 +95,7 @@ def test_quiet_consumer_sleeps_wakes_on_a_ring_and_keeps_the_services_pause(kafk
         assert consumer.paused() == {tp}
         assert await consumer.getmany(timeout_ms=100) == {}
         consumer.resume(tp)
-        assert await _ids(consumer, 1) == ["r2"]
+        assert await read_ids(consumer, 1, timeout_ms=1000) == ["r2"]
         await raw.stop()
         await kafka.stop()
 
@@ -130,9 +114,9 @@ def test_quiet_consumer_reads_unrung_records_at_its_idle_poll(kafka_bootstrap):
         await raw.start()
         consumer = await kafka.consumer(group=None, hot=True)
         await kafka.assign_all(consumer, topic, from_end=True)
-        await _until(lambda: consumer.sleeping, "the idle consumer to sleep")
+        await until(lambda: consumer.sleeping, "the idle consumer to sleep", timeout_s=30.0)
         await raw.send_and_wait(topic, _envelope(7).encode())
-        assert await _ids(consumer, 1) == ["r7"]
+        assert await read_ids(consumer, 1, timeout_ms=1000) == ["r7"]
         await raw.stop()
         await kafka.stop()
 
@@ -149,7 +133,7 @@ def test_long_poll_brokers_get_plain_consumers_and_no_doorbell(kafka_bootstrap):
         assert not isinstance(consumer, QuietConsumer) and kafka.doorbell is None
         await kafka.assign_all(consumer, "qc-long", from_end=True)
         await kafka.send("qc-long", _envelope(3))
-        assert await _ids(consumer, 1) == ["r3"]
+        assert await read_ids(consumer, 1, timeout_ms=1000) == ["r3"]
         await kafka.stop()
 
     asyncio.run(run())
@@ -182,9 +166,10 @@ def test_quiet_consumer_never_rearms_a_sub_millisecond_timer(kafka_bootstrap, mo
         for c in (hot, cold):
             await kafka.assign_all(c, topic, from_end=True)
         for i in range(10):  # each record wakes both, and both fall asleep again
-            await _until(lambda: hot.sleeping and cold.sleeping, "both consumers to sleep")
+            await until(lambda: hot.sleeping and cold.sleeping, "both consumers to sleep", timeout_s=30.0)
             await kafka.send(topic, _envelope(i))
-            assert await _ids(hot, 1) == [f"r{i}"] and await _ids(cold, 1) == [f"r{i}"]
+            assert await read_ids(hot, 1, timeout_ms=1000) == [f"r{i}"]
+            assert await read_ids(cold, 1, timeout_ms=1000) == [f"r{i}"]
         await kafka.stop()
 
     uvloop.run(run())
@@ -211,16 +196,16 @@ def test_a_reader_off_the_token_path_sleeps_once_it_has_read_what_it_was_rung_fo
         # Right after start nothing was rung: the awake window (an hour) would keep it up; one
         # record rung and read puts it to sleep.
         await kafka.send(topic, _envelope(0))
-        assert await _ids(cold, 1) == ["r0"]
-        await _until(lambda: cold.sleeping, "the reader to sleep on the rung record's answer")
+        assert await read_ids(cold, 1, timeout_ms=1000) == ["r0"]
+        await until(lambda: cold.sleeping, "the reader to sleep on the rung record's answer", timeout_s=30.0)
         for i in range(1, 6):
             acks = [await kafka.send_nowait(topic, _envelope(10 * i + k)) for k in range(3)]
             await asyncio.gather(*acks)
-            assert await _ids(cold, 3) == [f"r{10 * i + k}" for k in range(3)]
-            await _until(lambda: cold.sleeping, "the reader to sleep again")
+            assert await read_ids(cold, 3, timeout_ms=1000) == [f"r{10 * i + k}" for k in range(3)]
+            await until(lambda: cold.sleeping, "the reader to sleep again", timeout_s=30.0)
         # The token path keeps its awake window: it reads everything too, and is not asleep
         # (its window is an hour; asserted on a reader whose window cannot have run out).
-        assert len(await _ids(hot, 16)) == 16 and not hot.sleeping
+        assert len(await read_ids(hot, 16, timeout_ms=1000)) == 16 and not hot.sleeping
         await kafka.stop()
 
     asyncio.run(run())
@@ -242,7 +227,7 @@ def test_a_sleeping_consumer_rung_as_it_stops_still_stops(kafka_bootstrap):
             for turns in range(4):
                 consumer = await kafka.consumer(group=None, hot=True)
                 await kafka.assign_all(consumer, topic, from_end=True)
-                await _until(lambda c=consumer: c.sleeping, "the idle consumer to sleep")
+                await until(lambda c=consumer: c.sleeping, "the idle consumer to sleep", timeout_s=30.0)
                 consumer.wake()  # what the doorbell calls on a ring
                 for _ in range(turns):
                     await asyncio.sleep(0)

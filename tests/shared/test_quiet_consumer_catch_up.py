@@ -23,20 +23,12 @@ from shared.quiet_consumer import QuietConsumer
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
+from tests.shared.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 
 LONG_PARTITION = 6000  # one-record batches before the reader's position
 BURST = 300  # then written while it sleeps, without a ring
-
-
-async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
-    """Wait for `cond()`; the bound is only a safety net (a stalled reader never gets there)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def _record(i: int) -> bytes:
@@ -70,7 +62,7 @@ def test_a_reader_behind_on_a_long_partition_reads_everything_and_sleeps_only_wh
         reader = await kafka.consumer(group=None, hot=True)
         assert isinstance(reader, QuietConsumer)
         (tp,) = await kafka.assign_all(reader, topic, from_end=True)
-        await _until(lambda: reader.sleeping, "the idle reader to sleep")
+        await until(lambda: reader.sleeping, "the idle reader to sleep")
         # Every time it falls asleep: where it was and what the broker's last answer showed.
         asleep_at: list[tuple[int, int | None]] = []
         fall_asleep = reader._fall_asleep  # noqa: SLF001 (the event under test)
@@ -92,7 +84,7 @@ def test_a_reader_behind_on_a_long_partition_reads_everything_and_sleeps_only_wh
             for msgs in (await reader.getmany(timeout_ms=1000)).values():
                 got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
         assert got == [f"r{i}" for i in range(LONG_PARTITION, LONG_PARTITION + BURST)] + ["rung"]
-        await _until(lambda: reader.sleeping, "the reader to sleep once caught up")
+        await until(lambda: reader.sleeping, "the reader to sleep once caught up")
         end = LONG_PARTITION + BURST + 1
         assert asleep_at and all(pos == hw == end for pos, hw in asleep_at), asleep_at
         await kafka.stop()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import pytest
 
@@ -22,19 +21,11 @@ from shared.quiet_consumer import QuietConsumer
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
+from tests.shared.waiting import until
 
 pytestmark = pytest.mark.timeout(300)
 PARTITIONS = 4
 HOUR_MS = 3_600_000
-
-
-async def _until(cond, what: str, timeout_s: float = 60.0) -> None:
-    """Wait for `cond()`; the bound is only a safety net (the reader's own looks are an hour away)."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
 
 
 def _envelope(rid: str) -> ControlEnvelope:
@@ -55,7 +46,8 @@ class _Reader:
                 self.got += [ControlEnvelope.decode(m.value).message.request_id for m in msgs]
 
     async def has(self, rids: list[str], what: str) -> None:
-        await _until(lambda: set(rids) <= set(self.got), f"{what}: unread {sorted(set(rids) - set(self.got))}")
+        unread = f"{what}: unread {sorted(set(rids) - set(self.got))}"
+        await until(lambda: set(rids) <= set(self.got), unread, poll_s=0.002)
 
     async def stop(self) -> None:
         self._task.cancel()
@@ -89,12 +81,12 @@ def test_an_early_sleeper_reads_every_record_published_while_it_sleeps(kafka_boo
 
         # It sleeps only on a rung record's answer (its window is an hour).
         await reader.has(await publish(1), "the first record")
-        await _until(lambda: consumer.sleeping, "the reader to sleep on the rung record's answer")
+        await until(lambda: consumer.sleeping, "the reader to sleep on the rung record's answer", poll_s=0.002)
 
         # 1. Published while it sleeps: read, and it sleeps again.
         for i in range(20):
             await reader.has(await publish(rng.randint(1, 3)), f"round {i} published while asleep")
-            await _until(lambda: consumer.sleeping, f"the reader to sleep again after round {i}")
+            await until(lambda: consumer.sleeping, f"the reader to sleep again after round {i}", poll_s=0.002)
 
         # 2. Published in the very turn it falls asleep (from its settle).
         fall_asleep, sent_in_settle = consumer._fall_asleep, []  # noqa: SLF001
@@ -106,7 +98,7 @@ def test_an_early_sleeper_reads_every_record_published_while_it_sleeps(kafka_boo
 
         consumer._fall_asleep = and_publish  # noqa: SLF001
         await reader.has(await publish(1), "the record that starts the settles")
-        await _until(lambda: len(sent_in_settle) == 20, "20 settles, each publishing a record")
+        await until(lambda: len(sent_in_settle) == 20, "20 settles, each publishing a record", poll_s=0.002)
         rids = [r for f in await asyncio.gather(*sent_in_settle) for r in f]
         await reader.has(rids, "records published as it fell asleep")
         consumer._fall_asleep = fall_asleep  # noqa: SLF001
