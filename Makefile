@@ -53,10 +53,17 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml constraints.txt
 up: install
 	exec $(VENV)/bin/tandem up --host 127.0.0.1 --port 8000
 
+# Two pytest workers (pytest-xdist): the suite mostly waits (service start-ups, Kafka group
+# joins, tests waiting on events), so a second worker fills the waits; measured in docs/testing.md.
+# A whole module (or a group of modules sharing a costly fixture) goes to one worker, so a
+# module's stack starts once (tests/conftest.py, pytest_xdist_make_scheduler).
+# PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 test: $(VENV)/.installed-test postgres-bin chromium-bin
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q $(XDIST)
 	$(MAKE) --no-print-directory test-avx2
 
 # Once more as an AVX2-only host would run them (no AVX-512, no AMX, no native bf16;

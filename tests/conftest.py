@@ -55,6 +55,52 @@ def cpu_kernel_targets() -> list[str]:
     return [t for t in out if t != "avx512_bf16" or "avx512_bf16" in caps.flags]
 
 
+def _run_lock(config: pytest.Config, what: str):
+    """A file lock shared by the processes of one pytest run (pytest-xdist's controller and
+    workers), so that work every process needs before its first test is done by one of them
+    while the others wait, then find it in the shared cache, instead of racing to do it twice
+    on the same cores: the C++ kernel build (the controller builds first, since xdist starts
+    its workers after every other `pytest_sessionstart`; a worker finds the cache) and
+    Inductor's first compile (the second worker's hits Inductor's disk cache). Without xdist
+    there is one process and no lock."""
+    import contextlib
+    import tempfile
+
+    from filelock import FileLock
+
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return contextlib.nullcontext()
+    return FileLock(os.path.join(tempfile.gettempdir(), f"tandem-pytest-{worker['testrunuid']}-{what}.lock"))
+
+
+# Modules that share a session fixture too costly to build in both xdist workers: under `make
+# test` (`--dist loadfile`) the modules of a group run in one worker, which builds it once.
+# hf_default_model: transformers dequantising the default model's GGUF in Python.
+MODULE_GROUPS = {
+    "tests/engine/test_hf_parity.py": "hf_default_model",
+    "tests/engine/test_loader_gguf.py": "hf_default_model",
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: ignored where it is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` with MODULE_GROUPS: the unit a worker takes is a whole module (its
+    module-scoped stack or engine starts once, in one worker) or a group of modules. (xdist's
+    own `loadgroup` would serve, but it renames tests' ids, which pytest 9 no longer allows: its
+    groups are silently ignored.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return MODULE_GROUPS.get(module, module)
+
+    return ModuleGroupScheduling(config, log)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Every C++ kernel target this CPU runs, compiled (or found in the cache) once before any
     test, outside every test's timeout: the first test that needed them used to compile them
@@ -71,11 +117,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     t0 = time.monotonic()
     failed = []
-    for target in cpu_kernel_targets():
-        try:
-            build(target)
-        except KernelBuildError as exc:
-            failed.append(f"{target}: {exc}")
+    with _run_lock(session.config, "cpu-kernels"):
+        for target in cpu_kernel_targets():
+            try:
+                build(target)
+            except KernelBuildError as exc:
+                failed.append(f"{target}: {exc}")
     took = time.monotonic() - t0
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None and (took > 1.0 or failed):
@@ -124,7 +171,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if not any(compiles(item.path) for item in session.items):
         return
     t0 = time.monotonic()
-    _warm_inductor()
+    with _run_lock(session.config, "inductor-warmup"):
+        _warm_inductor()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"Inductor warmed up in {time.monotonic() - t0:.1f}s")

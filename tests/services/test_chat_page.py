@@ -287,7 +287,11 @@ async def _type_first_question(chat: ChatPage, hints: TopicReader, sid: str, que
     assert hint1.source == "websocket"
     await expect(chat.page.locator("#hint-status")).to_have_attribute("data-status", "sent")
     await hints.poll(0.3)
-    assert 1 <= len(frames) <= 1 + typing_s // DEBOUNCE_S < len(question), (frames, typing_s)
+    # The page's throttle, bounded by the typing time this test recorded: one frame when the
+    # socket opens, then at most one per interval. (It also asserted `< len(question)`, i.e.
+    # that typing 30 keys took under 58 s of wall time: a bound on load, not on the page; on a
+    # quiet host typing takes ~0.5 s, and the bound above is then exactly one frame.)
+    assert 1 <= len(frames) <= 1 + typing_s // DEBOUNCE_S, (frames, typing_s)
     assert {json.loads(f)["type"] for f in frames} == {"keystroke"}
     burst = [h for h in hints.seen if h.session_id == sid and h.sent_at < hint1.sent_at + DEBOUNCE_S]
     assert burst == [hint1], hints.seen
