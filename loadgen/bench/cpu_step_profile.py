@@ -37,8 +37,10 @@ import torch
 # operator names (lower-cased substrings) by category, first match wins; exact aten names for
 # the generic ones ("to" as a substring would catch "Torch-Compiled Region")
 CATEGORIES = (
-    ("graph guards", ("torchdynamo cache lookup",)),
-    ("compiled graph loops", ("torch-compiled region", "compiledfunction", "call_compiled")),
+    # Dynamo's guard check and the wrappers around a compiled graph's call
+    ("graph guards", ("torchdynamo cache lookup", "pregraph bytecode", "aotdispatcher")),
+    # Inductor's own code: the profiler sees it as the self time of the graph's call event
+    ("compiled graph loops", ("call compiledfxgraph", "torch-compiled region", "compiledfunction")),
     ("attention", ("::decode", "scaled_dot_product", "flash_attention", "_prefill")),
     ("gemm", ("packed_linear", "linear", "addmm", "aten::mm", "matmul", "mkldnn", "bmm")),
     ("kv write", ("write_kv", "index_copy")),
@@ -142,6 +144,7 @@ def _profile_step(engine) -> dict:
         "outside_ops_s": wall - op_s,
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top_ops_s": dict(top),
+        "ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # every op, to re-file later
     }
 
 

@@ -14,6 +14,9 @@ def test_categories_of_the_names_that_used_to_be_misfiled():
     # "to" as a substring filed the compiled region and Dynamo's guard lookup under index/copy
     assert category("Torch-Compiled Region: 0/0") == "compiled graph loops"
     assert category("TorchDynamo Cache Lookup") == "graph guards"
+    assert category("## Call CompiledFxGraph fovzj6mftydrzygwu4vbeu5uez3vlf4krqbfg4bk6nyccxekohzp ##") == (
+        "compiled graph loops"
+    )
     assert category("mkldnn::_linear_pointwise") == "gemm"
     assert category("tandem_cpu::decode") == "attention"
     assert category("tandem_cpu::add_rms_norm") == "norms/rope/act"
@@ -43,6 +46,7 @@ def test_profile_of_a_tiny_model(tiny_model_dir):
         assert sum(step["by_category_s"].values()) == pytest.approx(step["op_s"])
         assert step["outside_ops_s"] == pytest.approx(step["profiled_wall_s"] - step["op_s"])
         assert set(step["by_category_s"]) <= set(COLUMNS)
+        assert sum(step["ops_s"].values()) == pytest.approx(step["op_s"])
     assert out["provenance"]["dtype"] == out["dtype"] in ("float32", "bfloat16")
     table = markdown(out).splitlines()
     assert table[0].startswith("| step | wall (median) | gemm |")
