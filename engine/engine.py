@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.bookkeeping import EngineStats, StepBookkeeping, Stop
+from engine.bookkeeping import EngineStats, StepBookkeeping
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import CostModel
-from engine.detokenizer import IncrementalDetokenizer
+from engine.emitter import OutputEmitter
 from engine.engine_setup import (
     aptserve_needs_rho,
     attach_hidden_cache,
@@ -42,7 +42,6 @@ from engine.scheduling import (
     SLO,
     BatchLimits,
     CacheForm,
-    FinishReason,
     Request,
     RequestClass,
     RequestStatus,
@@ -118,8 +117,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | self._tokenizer_eos()
         self.stats = EngineStats()
         self.bookkeeping = StepBookkeeping(self.scheduler, self.stats, on_finish=self._keep_session_turn)
+        self.emitter = OutputEmitter(self.sampler, self.bookkeeping, self.eos_token_ids)
         self.last_logits: tuple[list[Request], torch.Tensor] | None = None  # for tests and debugging
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.info = EngineInfo(
             model=config.model,
             model_name=self.model_config.name,
@@ -212,19 +211,11 @@ class LLMEngine:
         if session_id is not None:
             self.sessions.begin_turn(request, session_id)
         if (stream_text or params.stop) and self.tokenizer is not None:  # no tokenizer: outputs are ids only
-            self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt_token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            if resumed_output_ids:
-                self._detokenizers[request_id].push(list(resumed_output_ids))  # the client has this text
+            self.emitter.open_text(request_id, self.tokenizer, prompt_token_ids, params, resumed_output_ids)
         return request
 
     def abort(self, request_id: str) -> Request | None:
-        self._detokenizers.pop(request_id, None)
+        self.emitter.drop(request_id)
         request = self.scheduler.requests.get(request_id)
         if request is not None:
             self.sessions.end_turn(request, keep=False)
@@ -264,7 +255,7 @@ class LLMEngine:
         if result.logits is not None:
             logits, sampled = self._without(result.logits, result.sampled, failed)
             self.last_logits = (sampled, logits)
-            outputs = self._sample_and_emit(logits, sampled) if sampled else []
+            outputs = self.emitter.sample_and_emit(logits, sampled) if sampled else []
         elapsed = time.perf_counter() - start
         if prefill_tokens:
             self.sessions.record_prefill(prefill_tokens, elapsed)
@@ -307,57 +298,8 @@ class LLMEngine:
         keep = [i for i, r in enumerate(sampled) if r not in failed]
         return logits[keep], [sampled[i] for i in keep]
 
-    def _sample_and_emit(self, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
-        out = self.sampler.sample(
-            logits, [r.params for r in sampled], [r.generator for r in sampled], self._banned_ids(sampled)
-        )
-        now = time.perf_counter()
-        outputs = []
-        for i, request in enumerate(sampled):
-            logprob = out.logprobs[i] if request.params.logprobs and out.logprobs is not None else None
-            stop = self.bookkeeping.append_token(request, out.token_ids[i], logprob, now)
-            outputs.append(self._emit(request, out.token_ids[i], logprob, stop))
-        return outputs
-
-    def _emit(self, request: Request, token: int, logprob: float | None, stop: Stop | None) -> RequestOutput:
-        """The step's news for one request; a stop string found by its detokenizer stops it too."""
-        detok = self._detokenizers.get(request.request_id)
-        text = ""
-        if detok is not None:
-            ends_on_token = stop is not None and stop[0] is FinishReason.STOP
-            text = "" if ends_on_token else detok.push([token])
-            if detok.stopped_by is not None:
-                stop = (FinishReason.STOP, detok.stopped_by)
-            elif stop is not None:
-                text += detok.finish()
-        if stop is not None:
-            self.bookkeeping.finish(request, stop)
-            if detok is not None:
-                request.output_text = detok.text
-            self._detokenizers.pop(request.request_id, None)
-        return RequestOutput(
-            request.request_id,
-            [token],
-            text,
-            None if logprob is None else [logprob],
-            stop is not None,
-            None if stop is None else stop[0].value,
-            request,
-        )
-
     def _keep_session_turn(self, request: Request) -> None:
         self.sessions.end_turn(request, keep=True)  # a no-op for requests outside sessions
-
-    def _banned_ids(self, requests: list[Request]) -> list[list[int]] | None:
-        """EOS and stop ids may not be sampled before min_tokens outputs."""
-        bans = []
-        for r in requests:
-            if r.num_output_tokens < r.params.min_tokens:
-                ids = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else list(self.eos_token_ids))
-                bans.append(ids)
-            else:
-                bans.append([])
-        return bans if any(bans) else None
 
     # -- set-up helpers ------------------------------------------------------------------
 

@@ -90,8 +90,15 @@ class DecodeGraph:
             values.append(v)
         return x[:seqs], torch.stack(keys)[:, :seqs], torch.stack(values)[:, :seqs]
 
+    @torch.inference_mode()
     def warm_up(self, caches: list[torch.Tensor]) -> None:
-        """Compile now, on two dummy sequences over the null block (nothing is written)."""
+        """Compile now, on two dummy sequences over the null block (nothing is written).
+
+        The dummy bucket is built in inference mode, as the runner builds a step's: Dynamo
+        guards on each input tensor's dispatch keys, and a block table made outside it (a
+        normal tensor, where a step's is an inference tensor) made the first decode-only step
+        of every engine recompile the layer graph (~1-8 s, mid-serving; the C++ kernel's
+        context passes the table through as it is)."""
         bucket = warm_up_bucket(self.block_size, caches[0].device)
         ids = torch.zeros(2, dtype=torch.long, device=caches[0].device)
         self(ids, ids, caches, bucket)

@@ -17,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from loadgen.bench import (
         batch,
         compare,
+        cpu_step_profile,
         ellm_ab,
         ellm_decision,
         ellm_sim,
@@ -33,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     engine.add_parser(bsub)
     compare.add_parser(bsub)
+    cpu_step_profile.add_parser(bsub)  # tandem bench profile
     policies.add_parser(bsub)
     gateway.add_parser(bsub)
     idle.add_parser(bsub)

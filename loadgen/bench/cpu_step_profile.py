@@ -1,42 +1,102 @@
-"""Where a CPU engine step goes: ops by category, and the Python around them (issue 15).
+"""`tandem bench profile`: where a CPU engine step goes, by category (issue 15's step profile).
 
-A measurement tool (JSON out, with the provenance stamp every result carries):
-
-    python -m loadgen.bench.cpu_step_profile --dtype float32 --fused-ops auto --json OUT.json
+    tandem bench profile --json OUT.json --markdown OUT.md      # the README workload's steps
+    python -m loadgen.bench.cpu_step_profile ...                  # the same tool
 
 Two measurements on the default model (or `--model`), each step timed without the profiler
-(median wall time) and then once more under `torch.profiler`:
-- *prefill*: one step of one `--prefill-len`-token prompt (the token budget is raised to fit),
-  or of prompts U(50, 300) filling it (`--prefill-shape workload`);
-- *decode*: `--seqs` requests with prompts U(50, 300) (the bench workload's), prefilled, then
-  `--steps` decode-only steps.
-Per step: the wall time, the profiler's op time (the sum of every operator's self time on the
-calling thread; work on OpenMP threads is inside its op), op time by category, and the
-remainder, wall minus op time under the profiler: Python, scheduling, the runner's tables and
-the sampler's Python, i.e. what no kernel speeds up. The profiler's own cost inflates that
-remainder a little; the unprofiled wall time bounds it.
+(median wall time of `--steps`) and then once more under `torch.profiler`:
+- *prefill*: a step of prompts U(50, 300) filling the token budget (`--prefill-len`, 1,024,
+  the engine's default budget), as the README workload's first steps see it (the default
+  `--prefill-shape workload`), or one prompt of that length (`one`);
+- *decode*: `--seqs` requests with prompts U(50, 300) (the workload's), prefilled, then
+  `--steps` decode-only steps (through the compiled layer graph where the engine uses one).
+Per step: the wall time and the profiler's self time by category: GEMMs, attention,
+norms/RoPE/activation/residual (fused C++ ops or op by op), the KV write, sampling,
+index/copy ops, the compiled layer graph's own loops (Inductor's fused code, which the
+profiler sees as the compiled region's self time), the graph's guard checks (Dynamo's cache
+lookup), other ops, and *Python/dispatch*: the profiled wall time minus all op time
+(scheduling, the runner's tables, the sampler's Python, op dispatch outside kernels), what no
+kernel speeds up. The profiler's own cost inflates that remainder a little; the unprofiled
+median bounds it. The JSON carries the provenance stamp; the markdown is the table the README
+quotes, with the host, commit and load average under it. About 1-2 minutes on a quiet 2-core
+host with warm caches; one dtype per run (`--dtype float32` for the other).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import random
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-# operator names (lower-cased substrings) by category, first match wins
+# operator names (lower-cased substrings) by category, first match wins; exact aten names for
+# the generic ones ("to" as a substring would catch "Torch-Compiled Region")
 CATEGORIES = (
+    # Dynamo's guard check and the wrappers around a compiled graph's call
+    ("graph guards", ("torchdynamo cache lookup", "pregraph bytecode", "aotdispatcher")),
+    # Inductor's own code: the profiler sees it as the self time of the graph's call event
+    ("compiled graph loops", ("call compiledfxgraph", "torch-compiled region", "compiledfunction")),
     ("attention", ("::decode", "scaled_dot_product", "flash_attention", "_prefill")),
     ("gemm", ("packed_linear", "linear", "addmm", "aten::mm", "matmul", "mkldnn", "bmm")),
-    ("fused elementwise", ("add_rms_norm", "qk_norm_rope", "silu_mul")),
     ("kv write", ("write_kv", "index_copy")),
-    ("norm/rope/act/residual (op by op)", ("mul", "add", "pow", "mean", "rsqrt", "cat", "neg", "silu", "sum")),
-    ("index/copy", ("index", "copy", "cat", "gather", "select", "slice", "view", "reshape", "to", "empty", "where")),
-    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "max")),
+    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "aten::max")),
+    (
+        "norms/rope/act",
+        (
+            "add_rms_norm",
+            "qk_norm_rope",
+            "silu_mul",
+            "aten::mul",
+            "aten::add",
+            "aten::pow",
+            "aten::mean",
+            "aten::rsqrt",
+            "aten::neg",
+            "aten::silu",
+            "aten::sum",
+            "aten::cat",
+        ),
+    ),  # fmt: skip
+    (
+        "index/copy",
+        (
+            "aten::index",
+            "aten::copy",
+            "aten::_to_copy",
+            "aten::to",
+            "aten::gather",
+            "aten::select",
+            "aten::slice",
+            "aten::view",
+            "aten::reshape",
+            "aten::empty",
+            "aten::where",
+            "aten::contiguous",
+            "aten::clone",
+            "aten::stack",
+            "aten::zeros",
+            "aten::fill",
+            "aten::expand",
+            "aten::as_strided",
+            "aten::split",
+        ),
+    ),  # fmt: skip
+)
+COLUMNS = (
+    "gemm",
+    "attention",
+    "norms/rope/act",
+    "kv write",
+    "sampling",
+    "index/copy",
+    "compiled graph loops",
+    "graph guards",
+    "other",
 )
 
 
@@ -84,6 +144,7 @@ def _profile_step(engine) -> dict:
         "outside_ops_s": wall - op_s,
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top_ops_s": dict(top),
+        "ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),  # every op, to re-file later
     }
 
 
@@ -141,36 +202,103 @@ def decode(args) -> dict:
     return {"seqs": args.seqs, "wall_s_median": statistics.median(walls), **_profile_step(engine)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="auto: as the engine decides it"
+    )
     p.add_argument("--fused-ops", default="auto", choices=["auto", "cpp", "off"])
     p.add_argument("--prefill-attention", default="auto", choices=["auto", "sdpa"])
-    p.add_argument("--prefill-len", type=int, default=1024)
+    p.add_argument("--prefill-len", type=int, default=1024, help="prefill tokens in the step (the default budget)")
     p.add_argument(
-        "--prefill-shape", default="one", choices=["one", "workload"], help="one prompt, or prompts U(50, 300)"
+        "--prefill-shape", default="workload", choices=["one", "workload"], help="prompts U(50, 300), or one prompt"
     )
-    p.add_argument("--seqs", type=int, default=64)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seqs", type=int, default=64, help="decode rows (the README workload's 64)")
+    p.add_argument("--steps", type=int, default=3, help="unprofiled steps timed per kind")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--json", default=None)
-    args = p.parse_args()
+    p.add_argument("--json", dest="json_path", default=None, metavar="FILE")
+    p.add_argument("--markdown", default=None, metavar="FILE", help="also write the table as markdown")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="where a CPU engine step goes (prefill and decode, by category)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    add_args(p)
+    p.set_defaults(func=run)
+
+
+def profile(args: argparse.Namespace) -> dict:
+    """Both measurements and the stamp (the JSON `tandem bench profile` writes)."""
+    from loadgen.provenance import decided_dtype, stamp
+
     torch.manual_seed(0)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    dtype = decided_dtype(args.dtype)
+    args = argparse.Namespace(**{**vars(args), "dtype": dtype})
     out = {
-        "dtype": args.dtype,
+        "model": args.model,
+        "dtype": dtype,
         "fused_ops": args.fused_ops,
         "prefill_attention": args.prefill_attention,
         "prefill_shape": args.prefill_shape,
         "prefill": prefill(args),
         "decode": decode(args),
     }
-    from loadgen.bench.common import write_json
-    from loadgen.provenance import decided_dtype, stamp
+    out["load_average_before"] = load_before  # the stamp's is taken at the end
+    out["provenance"] = stamp(dtype=dtype).as_dict()
+    return out
 
-    out["provenance"] = stamp(dtype=decided_dtype(args.dtype)).as_dict()
-    write_json(out, args.json)
-    print(json.dumps(out, indent=1))
+
+def markdown(out: dict) -> str:
+    """The step profile as a markdown table: each category's share of the profiled step's wall
+    time, and the host, commit and load it was measured with."""
+    header = "| step | wall (median) | " + " | ".join(COLUMNS) + " | Python/dispatch |"
+    rows = [header, "|" + "---|" * (len(COLUMNS) + 3)]
+    for kind, label in (("prefill", f"prefill, {out['prefill']['rows']} tokens"), ("decode", "decode")):
+        step = out[kind]
+        if kind == "decode":
+            label = f"decode, {step['seqs']} rows"
+        wall = step["profiled_wall_s"]
+        cats = step["by_category_s"]
+        cells = [f"{100 * cats.get(c, 0.0) / wall:.1f}%" for c in COLUMNS]
+        cells.append(f"{100 * step['outside_ops_s'] / wall:.1f}%")
+        median = "n/a" if step["wall_s_median"] is None else f"{1000 * step['wall_s_median']:.1f} ms"
+        rows.append(f"| {label} | {median} | " + " | ".join(cells) + " |")
+    prov = out["provenance"]
+    git, host = prov.get("git", {}), prov.get("host", {})
+    cpu = host.get("cpu", {})
+    load = f"{out.get('load_average_before')} before, {prov.get('load_average')} after"
+    rows += [
+        "",
+        f"{out['dtype']}, model {out['model']}; shares of the profiled step's wall time "
+        f"(Python/dispatch: wall minus op time). Commit `{str(git.get('commit'))[:7]}`"
+        f"{' (dirty tree)' if git.get('dirty') else ''}; CPU {cpu.get('model')} ({cpu.get('isa')}), "
+        f"{host.get('logical_cpus')} logical CPUs, {prov.get('threads', {}).get('torch_num_threads')} torch "
+        f"threads; load average {load}.",
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadgen.bench.common import write_json
+
+    out = profile(args)
+    write_json(out, args.json_path)
+    table = markdown(out)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(table)
+    print(table)
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(p)
+    raise SystemExit(run(p.parse_args()))
 
 
 if __name__ == "__main__":

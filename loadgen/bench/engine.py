@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json
+from loadgen.bench.timeline import timed_run
 from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids
 from shared.engine_options import add_cache_form_options
 
@@ -97,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
     write_json(res, args.json_path)
     if not args.quiet:
         print(format_table(res))
+        b = res["timeline"]["ttft_breakdown"]
+        if b:
+            m = b["median_request"]
+            print(
+                f"median TTFT: queued {m['queue_s']:.3f} s + own prefill {m['prefill_s']:.3f} s; "
+                f"{b['steps_before_first_token']} steps before it (first {b['first_step_s']:.3f} s), "
+                f"{b['decode_rows_before_first_token']} decode rows among them"
+            )
         if args.json_path:
             print(f"wrote {args.json_path}")
     return 0
@@ -148,23 +157,17 @@ def bench_engine(args: argparse.Namespace) -> dict:
     output_lens = _output_lens(args, len(prompts))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     with TreeRssSampler() as rss:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, progress=False)
-        elapsed = time.perf_counter() - start
+        run = timed_run(llm.engine, prompts, params)  # what LLM.generate does, step by step
+    elapsed = run.elapsed_s
 
-    out_tokens = sum(len(o.token_ids) for o in outs)
+    out_tokens = sum(r.output_tokens for r in run.requests)
     in_tokens = sum(len(p) for p in prompts)
-    ttfts = [
-        o.metrics.first_token_time - o.metrics.arrival_time
-        for o in outs
-        if o.metrics is not None and o.metrics.first_token_time
-    ]
+    ttfts = [r.first_token_s - r.arrival_s for r in run.requests if r.first_token_s is not None]
     if out_tokens != sum(output_lens):
         print(f"warning: expected {sum(output_lens)} output tokens, got {out_tokens}", file=sys.stderr)
 
     engine_cfg = llm.engine.config  # resolved: dtype "auto" decided
-    preemptions = sum(getattr(o.metrics, "num_preemptions", 0) or 0 for o in outs if o.metrics is not None)
-    cached = sum(getattr(o.metrics, "num_cached_tokens", 0) or 0 for o in outs if o.metrics is not None)
+    stats = llm.engine.stats
     config = {
         "model": args.model,
         "num_prompts": args.num_prompts,
@@ -180,7 +183,7 @@ def bench_engine(args: argparse.Namespace) -> dict:
     }
     return summarize(
         system="tandem",
-        num_requests=len(outs),
+        num_requests=len(run.requests),
         input_tokens=in_tokens,
         output_tokens=out_tokens,
         elapsed_s=elapsed,
@@ -189,9 +192,10 @@ def bench_engine(args: argparse.Namespace) -> dict:
         config=config,
         extra={
             "load_s": load_s,
-            "num_preemptions": preemptions,
-            "num_cached_prompt_tokens": cached,
+            "num_preemptions": stats.preemptions,
+            "num_cached_prompt_tokens": stats.prompt_tokens_cached,
             "process_peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+            "timeline": run.as_dict(),  # per step and per request: where first tokens wait
         },
     )
 

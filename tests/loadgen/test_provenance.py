@@ -137,6 +137,17 @@ def test_bench_engine_runs_partial_residency(tmp_path, tiny_model_dir):
     doc = json.loads(out.read_text())
     assert doc["config"]["engine_config"]["uncached_ratio"] == 0.5
     assert doc["output_tokens"] == 12
+    # the per-step and per-request timeline (where first tokens wait) accounts for every token
+    timeline = doc["timeline"]
+    computed = doc["input_tokens"] - doc["num_cached_prompt_tokens"]  # the warm-up prompt's block is cached
+    assert sum(s["prefill_tokens"] for s in timeline["steps"]) == computed
+    assert sum(s["sampled"] for s in timeline["steps"]) == 12
+    assert sum(s["first_tokens"] for s in timeline["steps"]) == 3
+    for r in timeline["requests"]:
+        assert 0 <= r["arrival_s"] <= r["first_scheduled_s"] <= r["first_token_s"] <= r["finish_s"]
+        step = timeline["steps"][r["first_token_step"]]
+        assert step["start_s"] <= r["first_token_s"] <= step["end_s"]
+    assert timeline["ttft_breakdown"]["ttft_p50_s"] == doc["ttft_p50_s"]
 
 
 @pytest.mark.timeout(300)

@@ -112,3 +112,22 @@ def test_cases_that_keep_the_op_by_op_path(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir("llama")), dtype="bfloat16", attention="reference", num_blocks=32)
     )
     assert reference.runner.decode_graph is None
+
+
+def test_warm_up_leaves_nothing_to_compile(tiny_model_dir):
+    """The engine's warm-up compiles the layer graph exactly as steps call it: the first
+    decode-only steps reuse that one entry. The process-wide graph cache is cleared first, so
+    a recompile that earlier tests' engines already paid for cannot hide here (the Inductor
+    cache is hot, so compiling again costs little). Before the fix, the warm-up's block table
+    was a normal tensor and a step's an inference tensor: one recompile at the first step."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from engine.models import decode_graph
+
+    decode_graph._compiled_layer.cache_clear()
+    engine = _engine(tiny_model_dir("llama"))
+    code = engine.runner.decode_graph._layer._torchdynamo_orig_callable.__code__
+    assert len(_debug_get_cache_entry_list(code)) == 1  # compiled once, at start
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _run(engine, [list(range(40, 75)), list(range(3, 12))])
+    assert len(_debug_get_cache_entry_list(code)) == 1
