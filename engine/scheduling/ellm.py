@@ -50,10 +50,24 @@ import numpy as np
 
 from engine.cost_model import CostModel
 from engine.kv.partial import PartialResidency
-from engine.scheduling.ellm_admission import RATIO_GRID, chunk_seconds, final_length, hysteresis, prefix_tokens
+from engine.scheduling.ellm_admission import (
+    RATIO_GRID,
+    HoldPrice,
+    chunk_seconds,
+    final_length,
+    hysteresis,
+    prefix_tokens,
+)
 from engine.scheduling.fcfs import FCFSPolicy
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
-from engine.scheduling.prefix_pricing import REBUILD_ONLY, SOURCES, PrefixSources, host_step_seconds, split_shares
+from engine.scheduling.prefix_pricing import (
+    REBUILD_ONLY,
+    SOURCES,
+    PrefixSources,
+    cheaper_source,
+    rebuild_step_seconds,
+    split_shares,
+)
 from engine.scheduling.request import SLO, Request
 
 RECENT_DECISIONS = 4096  # decisions kept for DecisionStats' percentiles
@@ -182,7 +196,13 @@ def choose(
       at its projected end at that `r` (and, where the host may serve the prefixes, they fit
       the host space at their end: past it the component rebuilds them, which no step could
       afford on a CPU and which the floor would then hold), so a request admitted at `r` is
-      never preempted for its growth while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged.
+      never preempted for its growth while `r` holds. At `r = 0` admission is FCFS's (the baseline's rule), unchanged;
+    - that bound is priced (eighth session, `HoldPrice`): the whole set the search would admit
+      at `r` is admitted where a ratio from `r` up holds it through its future (requests
+      leaving at their ends) and that later hold costs less than the recompute preemption the
+      bound protects against. Where the copy hides under the step (a fast link, a CPU's
+      in-place read) the hold is free and admission is the per-step search's, so the bound no
+      longer costs queueing (TTFT) where it protects nothing.
     Without `final_contexts` the search is the plain per-step one.
 
     The step's prefill chunks (`pending`: each candidate's prompt tokens still to compute, 0
@@ -206,7 +226,9 @@ def choose(
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
     floor = 0
     if final_contexts is not None:
-        batch, floor = hysteresis(batch, final_contexts[:max_batch], capacity_tokens, bs, sources, running)
+        finals = np.asarray(final_contexts[:max_batch], dtype=np.int64)
+        price = HoldPrice(cost, sources, s, finals, capacity_tokens, bs)
+        batch, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running, price.pays)
         floor = floor if hold_running else 0
     d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
     p_ln = _prefix_at(u, batch)
@@ -223,15 +245,12 @@ def choose(
         if b == 0:
             continue
         rows = int(carriers[i])
-        # rebuilt rows at their measured price where profiled (`with_rebuilt_prefixes`, shared with
-        # the simulator); otherwise as prefill rows plus the host fit's off-graph penalty
-        rebuilt = cost.with_rebuilt_prefixes(0, 0, b, int(d_work[i]), rows, int(p_ln[i]), int(p_work[i]))
-        step = rebuilt + (0.0 if cost.rebuild_step is not None else sources.off_graph_s(rows))
+        step = rebuild_step_seconds(cost, sources, b, int(d_work[i]), rows, int(p_ln[i]), int(p_work[i]))
         if i == floor:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
             fallback = Choice(max(1, min(b, running)) if floor else b, RATIO_GRID[i], step)
         if step <= tpot_s or sources.host:
             exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
-            step, source, layers = _cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
+            step, source, layers = cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
             if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
                 best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
     chosen = best or fallback or Choice(1, 0.0, math.inf)
@@ -239,25 +258,11 @@ def choose(
     if chunk_s[i] and math.isfinite(chosen.step_s) and chosen.batch == batch[i]:
         exec_s = cost.estimate_sums(0, 0, chosen.batch, int(d_work[i]))
         rest = chosen.step_s - chosen.rebuild_s  # the step without its prefixes (layer split included)
-        with_chunk, _, _ = _cheaper_source(
+        with_chunk, _, _ = cheaper_source(
             exec_s + chunk_s[i], chosen.step_s - rest + exec_s + chunk_s[i], int(p_ln[i]), int(carriers[i]), sources
         )
         chosen = replace(chosen, step_s=max(with_chunk, chosen.step_s))
     return chosen
-
-
-def _cheaper_source(
-    exec_s: float, rebuild_step: float, tokens: int, rows: int, sources: PrefixSources
-) -> tuple[float, str, int]:
-    """(step seconds, source, host layers) of the cheaper allowed source for `tokens` prefix
-    tokens of `rows` rows; rebuilding where the host cannot take them (the component falls
-    back the same way)."""
-    if not (sources.host and tokens and tokens <= sources.host_capacity_tokens):
-        return rebuild_step, "rebuild", 0
-    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources, rows)
-    if host_step < rebuild_step or not sources.rebuild:
-        return host_step, "host", layers
-    return rebuild_step, "rebuild", 0
 
 
 def _prefix_at(values: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cost_model import PrefixStepFit
+from engine.cost_model import CostModel, PrefixStepFit
 
 SOURCES = ("rebuild", "host", "auto")  # what `ellm` may use: one source, or the cheaper per step
 
@@ -132,3 +132,38 @@ def host_step_seconds(
     step = np.maximum(rest, copy) if sources.overlap else rest + copy
     best = int(np.argmin(step))
     return float(step[best]), int(layers[best])
+
+
+def rebuild_step_seconds(
+    cost: CostModel, sources: PrefixSources, b: int, work: int, rows: int, tokens: int, pairs: int
+) -> float:
+    """A step of `b` decode rows over `work` context tokens whose `rows` non-resident prefixes
+    (`tokens` in all, `pairs` query-key pairs) are rebuilt: at their measured price where
+    profiled (`with_rebuilt_prefixes`, shared with the simulator), otherwise as prefill rows plus
+    the host fit's off-graph penalty."""
+    rebuilt = cost.with_rebuilt_prefixes(0, 0, b, work, rows, tokens, pairs)
+    return rebuilt + (0.0 if cost.rebuild_step is not None else sources.off_graph_s(rows))
+
+
+def step_seconds(
+    cost: CostModel, sources: PrefixSources, b: int, work: int, rows: int, tokens: int, pairs: int
+) -> float:
+    """The same step with its prefixes from the cheaper allowed source (`cheaper_source`)."""
+    rebuild = rebuild_step_seconds(cost, sources, b, work, rows, tokens, pairs)
+    if not tokens:
+        return rebuild
+    return cheaper_source(cost.estimate_sums(0, 0, b, work), rebuild, tokens, rows, sources)[0]
+
+
+def cheaper_source(
+    exec_s: float, rebuild_step: float, tokens: int, rows: int, sources: PrefixSources
+) -> tuple[float, str, int]:
+    """(step seconds, source, host layers) of the cheaper allowed source for `tokens` prefix
+    tokens of `rows` rows; rebuilding where the host cannot take them (the component falls
+    back the same way)."""
+    if not (sources.host and tokens and tokens <= sources.host_capacity_tokens):
+        return rebuild_step, "rebuild", 0
+    host_step, layers = host_step_seconds(exec_s, rebuild_step - exec_s, tokens, sources, rows)
+    if host_step < rebuild_step or not sources.rebuild:
+        return host_step, "host", layers
+    return rebuild_step, "rebuild", 0

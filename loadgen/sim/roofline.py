@@ -209,21 +209,31 @@ SHIPPED = {
 }
 
 
-def link_scaled(name: str, scale: float) -> CostModel:
+def link_scaled(name: str, scale: float, attention_flops_only: bool = False) -> CostModel:
     """The shipped profile `name` with its host link `scale` times as fast (eLLM's host-link
     sweep, docs/ellm.md), stamped with the code and host that made it (`meta.provenance`): an
-    input for the simulator, not a measurement."""
+    input for the simulator, not a measurement.
+
+    `attention_flops_only`: decode attention priced as the paper's Eq. 3 prices it, by its
+    FLOPs (`4·layers·heads·head_dim` per context token at the GPU's effective FLOPS) instead of
+    the roofline's read of each context token's K/V from HBM (the decode fit's `alpha1`): the
+    assumption under which freeing memory raises throughput as the paper reports
+    (docs/ellm.md, "Eighth session")."""
     from loadgen.provenance import stamp
 
-    cm = build_profile(*SHIPPED[name])
+    model, gpu = SHIPPED[name]
+    cm = build_profile(model, gpu)
     meta = dict(cm.meta)
-    meta["source"] = (
-        f"{name} (loadgen/sim/profiles) with swap_bytes_per_s x{scale:g}: an input for docs/ellm.md's "
-        "host-link sweep, not a measurement"
-    )
-    meta["command"] = f"python -m loadgen.sim.roofline --link-scale {scale:g} --profile {name} --file FILE"
+    what = f"swap_bytes_per_s x{scale:g}" + (", decode attention by FLOPs only" if attention_flops_only else "")
+    meta["source"] = f"{name} (loadgen/sim/profiles) with {what}: an input for docs/ellm.md's sweeps, not a measurement"
+    flag = " --attention-flops-only" if attention_flops_only else ""
+    meta["command"] = f"python -m loadgen.sim.roofline --link-scale {scale:g}{flag} --profile {name} --file FILE"
     meta["provenance"] = stamp().as_dict()
-    return replace(cm, swap_bytes_per_s=cm.swap_bytes_per_s * scale, meta=meta)
+    decode = cm.decode
+    if attention_flops_only:
+        m, g, e = MODELS[model], GPUS[gpu], Efficiency()
+        decode = replace(decode, alpha1=4 * m.layers * m.heads * m.head_dim / (g.peak_flops * e.mfu))
+    return replace(cm, decode=decode, swap_bytes_per_s=cm.swap_bytes_per_s * scale, meta=meta)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-scale", type=float, default=None, help="write one profile with its host link scaled")
     ap.add_argument("--profile", default="llama-2-13b-a100-80gb", choices=sorted(SHIPPED), help="with --link-scale")
     ap.add_argument("--file", default=None, help="with --link-scale: where to write it")
+    ap.add_argument(
+        "--attention-flops-only", action="store_true", help="with --link-scale: price decode attention by FLOPs only"
+    )
     args = ap.parse_args(argv)
     if args.link_scale is not None:
         if not args.file:
             ap.error("--link-scale needs --file")
-        link_scaled(args.profile, args.link_scale).save(args.file)
+        link_scaled(args.profile, args.link_scale, args.attention_flops_only).save(args.file)
         return 0
     for name, (model, gpu) in SHIPPED.items():
         cm = build_profile(model, gpu)

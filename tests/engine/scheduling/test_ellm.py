@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit, PrefixStepFit
 from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
+from engine.scheduling.ellm_admission import peak_need
 from engine.scheduling.prefix_pricing import REBUILD_ONLY, PrefixSources, host_step_seconds
 
 BS = 16
@@ -191,12 +193,17 @@ def test_hysteresis_admits_at_a_ratio_only_what_fits_to_the_end():
     capacity_blocks=st.integers(0, 300),
     tpot_s=st.floats(0.001, 2.0),
     host_tokens=st.sampled_from([None, 0, 3000, 100000]),
+    swap_bytes_per_s=st.sampled_from([1e12, 1e6]),
 )
-def test_hysteresis_choice_never_commits_past_the_end(data, running, capacity_blocks, tpot_s, host_tokens):
+def test_hysteresis_choice_never_commits_past_what_a_ratio_holds(
+    data, running, capacity_blocks, tpot_s, host_tokens, swap_bytes_per_s
+):
     """Whatever the candidates: the chosen ratio is never below the least one that holds the
-    running requests now, and at r > 0 the admitted set beyond them fits the pool (and a
-    host-only source's space) at its projected end; the search without projections is the
-    plain one (the scan test above)."""
+    running requests now, and at r > 0 the admitted set beyond them is held through its whole
+    future (each request decoding a token per step until its projected end, then leaving) by
+    some ratio from the chosen one up: pool, and host space for a host source. Checked step
+    by step with the component's own block rounding, independently of the search's
+    departure-point bound."""
     contexts = [c for c, _ in data]
     finals = [c + g for c, g in data]
     running = min(running, len(data))
@@ -205,7 +212,11 @@ def test_hysteresis_choice_never_commits_past_the_end(data, running, capacity_bl
         REBUILD_ONLY
         if host_tokens is None
         else PrefixSources.of(
-            "host", kv_bytes_per_token=1000, swap_bytes_per_s=1e12, overlap=True, host_capacity_tokens=host_tokens
+            "host",
+            kv_bytes_per_token=1000,
+            swap_bytes_per_s=swap_bytes_per_s,
+            overlap=True,
+            host_capacity_tokens=host_tokens,
         )
     )
     got = choose(contexts, capacity, BS, COST, tpot_s, 64, sources, finals, running)
@@ -220,9 +231,51 @@ def test_hysteresis_choice_never_commits_past_the_end(data, running, capacity_bl
     assert floor is None or got.ratio >= floor  # None: no ratio holds them, FCFS preempts anyway
     if got.ratio > 0 and got.batch > running:
         b = got.batch
-        assert sum(resident(finals[:b], got.ratio)) <= capacity
-        if host_tokens is not None:
-            assert sum(int(got.ratio * (f - 1)) // BS * BS for f in finals[:b]) <= host_tokens
+        now = np.array(contexts[:b])
+        rem = np.maximum(np.array(finals[:b]) - now, 1)
+        t = np.arange(int(rem.max()))[:, None]
+        ctx = now[None, :] + t
+        live = rem[None, :] > t
+
+        def held(r):
+            u = (np.floor(r * (ctx - 1)).astype(np.int64) // BS) * BS
+            pool = (-(-(ctx - u) // BS) * BS * live).sum(axis=1)
+            host = (u * live).sum(axis=1)
+            return (pool <= capacity).all() and (host_tokens is None or (host <= host_tokens).all())
+
+        assert any(held(r) for r in RATIO_GRID if r >= got.ratio)
+
+
+def test_admission_past_the_end_bound_is_priced():
+    """Eight requests of 200 tokens, four running, a four-block pool: r = 0.6 holds all eight
+    now. Seven end at 300 and one at 5,000: all at their end at once, no ratio holds the
+    eight (the old end-of-life bound admitted seven), but through their future (the short
+    ones leave first) 0.85 does. With a host read that hides under the step, holding them at
+    0.85 later costs nothing and all eight are admitted at 0.6, as the per-step search alone
+    would; with a link whose copy at 0.85 outlasts the step for the long one's ~690 steps,
+    that hold costs more than recomputing what 0.6 would not hold, so at 0.6 the bound stays
+    and the eight come in only at a ratio that itself holds them to the end."""
+    contexts, capacity, finals = [200] * 8, 4 * 208, [300] * 4 + [5000] + [300] * 3
+
+    def host(link):
+        return PrefixSources.of(
+            "host", kv_bytes_per_token=1000, swap_bytes_per_s=link, overlap=True, host_capacity_tokens=10**5
+        )
+
+    for link in (1e15, 5e7):
+        assert (choose(contexts, capacity, BS, COST, 1.0, 128, host(link)).batch, link) == (8, link)  # myopic
+    free = choose(contexts, capacity, BS, COST, 1.0, 128, host(1e15), final_contexts=finals, running=4)
+    assert free.batch == 8 and free.ratio > 0
+    slow = choose(contexts, capacity, BS, COST, 1.0, 128, host(5e7), final_contexts=finals, running=4)
+    assert slow.batch == 8 and slow.ratio == 0.85
+
+
+def test_peak_need_counts_departures():
+    """Two requests of 100 tokens, one leaving after 10 more and one after 1,000: the live
+    tokens peak at 1,099 (the long one alone, just before its end), not at their finals' sum."""
+    rows, tokens, peak = peak_need(np.array([100, 100]), np.array([110, 1100]), BS)
+    assert sorted(zip(rows.tolist(), tokens.tolist())) == [(1, 1099), (2, 218)]
+    assert tokens[peak[0]] == 1099 and tokens[peak[-1]] == 1099
 
 
 def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
