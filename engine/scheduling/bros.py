@@ -58,7 +58,8 @@ from functools import partial
 from engine.cost_model import CostModel
 from engine.kv.two_ended import TwoEndedBlocks
 from engine.scheduling.adaptive_cap import AdaptiveCap
-from engine.scheduling.bros_step import BE_ORDERS, BROSStep, Decision
+from engine.scheduling.bros_decision import BE_ORDERS, Decision
+from engine.scheduling.bros_step import BROSStep
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import SLO, Request, RequestClass
 from engine.scheduling.slack import TokenGroups
