@@ -19,6 +19,8 @@ neither policy always gets the later, or the earlier, minutes. The JSON then hol
 round (each run's summary, what it left unfinished, its wall time and the load average before
 and after it) and ``rounds_ratios``: each key ratio per round with its median, min and max.
 Per-request rows are left out of a rounds document (size); one round is the plain document.
+Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again on every run, and on
+a busy host every run would be judged against its own SLOs.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     policies = _policies(args.policies)
     if args.rounds > 1:
+        if str(args.slo_scale).lower() == "auto":  # measured per run: each run would get its own SLOs
+            print("--rounds needs a fixed --slo-scale: 'auto' measures the step again on every run", file=sys.stderr)
+            return 2
         return _run_rounds(args, policies)
     doc = run_policies(args, policies, comparison=True, progress=not args.no_progress and sys.stderr.isatty())
     doc["unfinished"] = unfinished(doc["summary"])

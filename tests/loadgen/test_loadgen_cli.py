@@ -196,3 +196,5 @@ def test_bench_policies_rounds_alternate_the_order_and_record_the_load(tmp_path)
     assert lat["per_round"] == [r["ratios"]["bros"]["rt"]["normalized_latency_s"] for r in doc["rounds"]]
     assert lat["min"] <= lat["median"] <= lat["max"]
     assert doc["provenance"]["git"]["commit"]
+    auto = tandem("bench", "policies", "--target", "sim", "--policies", "fcfs,bros", "--rounds", "2")
+    assert auto.returncode == 2 and "fixed --slo-scale" in auto.stderr  # SLOs measured per run: refused
