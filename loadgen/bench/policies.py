@@ -19,8 +19,9 @@ neither policy always gets the later, or the earlier, minutes. The JSON then hol
 round (each run's summary, what it left unfinished, its wall time and the load average before
 and after it) and ``rounds_ratios``: each key ratio per round with its median, min and max.
 Per-request rows are left out of a rounds document (size); one round is the plain document.
-Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again on every run, and on
-a busy host every run would be judged against its own SLOs.
+(`tandem bench ellm` rotates rounds the same way for its own comparison; the two could share
+one rounds runner.) Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again
+on every run, and on a busy host every run would be judged against its own SLOs.
 """
 
 from __future__ import annotations
