@@ -16,7 +16,10 @@ Per step:
    request's own deadline still holds when deferred one step. An admitted BE request that
    needs memory (its KV partly on host after RT took its block's end, or its next block) may
    swap out BE requests behind it in BE order; without that, parked BE requests held ~12% of
-   the pool idle in the fair simulator at ShareGPT 2 req/s (docs/bros.md).
+   the pool idle in the fair simulator at ShareGPT 2 req/s (docs/bros.md). While an admitted
+   BE request has KV on host no new BE request is admitted (`BROSStep._held_back`): newcomers
+   took the memory the parked one needed, were pushed to host in turn and filled host space,
+   and then every eviction dropped work (docs/bros.md, "Sixth pass").
 
 Minimum BE share (our addition, `min_be_share`; the paper has none and its BE throughput
 falls to almost nothing under RT overload): the policy keeps a moving average of BE's share
@@ -58,7 +61,8 @@ from functools import partial
 from engine.cost_model import CostModel
 from engine.kv.two_ended import TwoEndedBlocks
 from engine.scheduling.adaptive_cap import AdaptiveCap
-from engine.scheduling.bros_step import BE_ORDERS, BROSStep, Decision
+from engine.scheduling.bros_decision import BE_ORDERS, Decision
+from engine.scheduling.bros_step import BROSStep
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import SLO, Request, RequestClass
 from engine.scheduling.slack import TokenGroups

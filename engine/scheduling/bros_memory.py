@@ -17,7 +17,7 @@ from engine.scheduling.policy import ScheduledBatch, SchedulerState
 from engine.scheduling.request import SLO, Request, RequestClass
 from engine.scheduling.slack import deadline
 
-BEKey = Callable[[Request], tuple]  # the BE packing order (`bros_step.be_key`); reversed, the eviction order
+BEKey = Callable[[Request], tuple]  # the BE packing order (`bros_decision.be_key`); reversed, the eviction order
 
 
 class StepMemory:

@@ -10,18 +10,18 @@ share); a `BROSStep` is built for one `schedule` call and thrown away. Its phase
 
 Each candidate goes through `_try` (reserve KV with `StepMemory`, price the step with the
 running sums of `Packing`, keep it, keep a chunk, or roll back), so every phase shares one
-memory and cost path. `Decision` records what the step decided, for tests and traces.
+memory and cost path. `Decision` (`bros_decision.py`) records what the step decided.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from engine.kv.block_pool import Block
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.scheduling.bros_decision import Decision, be_key
 from engine.scheduling.bros_floor import BEFloor
 from engine.scheduling.bros_memory import StepMemory
 from engine.scheduling.packing import Packing
@@ -31,47 +31,6 @@ from engine.scheduling.slack import merge_by_deadline, target
 
 if TYPE_CHECKING:
     from engine.scheduling.bros import BROSPolicy
-
-
-@dataclass
-class Decision:
-    """What the last step decided (tests check Algorithm 1's invariants against it)."""
-
-    rt_order: list[Request] = field(default_factory=list)  # saveable by slack, then demoted
-    num_saveable: int = 0
-    rt_scheduled: list[Request] = field(default_factory=list)
-    replaced: list[Request] = field(default_factory=list)  # dropped from the back for BE
-    skipped: list[Request] = field(default_factory=list)  # passed over: no memory, or held by admission control
-    be_scheduled: list[Request] = field(default_factory=list)
-    budget_s: float = math.inf
-    estimate_s: float = 0.0
-    cap: int = 0
-    early_exit: bool = False  # the RT cost check failed (cap resets)
-    forced: bool = False  # the head RT request ran past the budget (late fallback)
-    be_owed: list[Request] = field(default_factory=list)  # BE packed first for the minimum share
-    be_waiting: bool = False  # some BE request was left out (the share counts only such steps)
-    # why BE requests were left out (the "memory or time?" question of docs/bros.md): no KV
-    # for them (even with what they may evict), or no time (budget, cap, or the scan stopped)
-    be_no_memory: list[Request] = field(default_factory=list)
-    be_no_time: list[Request] = field(default_factory=list)
-
-
-# The order BE requests are packed in (and, reversed, evicted in). The paper's is
-# "checkpointed": fewest blocks on host first, which spends the fewest restore copies per
-# step. Under a standing backlog it starves every BE request RT once took a block end from:
-# a newer one always has fewer blocks on host, so the checkpointed ones wait on host, fill the
-# swap space, and from then on every eviction drops KV for recompute; and a batch job is
-# done only when its last request is. Measured in the fair simulator (docs/bros.md, "Why BE
-# loses throughput") that is most of BROS's BE shortfall, so the default is "arrival"
-# (oldest first, what a vLLM user expects of a queue), which restores them in turn.
-BE_ORDERS = frozenset({"arrival", "checkpointed"})
-
-
-def be_key(kv: KVCacheManager, be_order: str, r: Request) -> tuple[int, float, str]:
-    """A request's place in the BE order, a total order (no ties): BE_ORDERS says why each
-    order exists. Reversed, it is the order BE requests are evicted in."""
-    checkpointed = kv.num_host_blocks(r) if be_order == "checkpointed" else 0
-    return checkpointed, r.arrival_time, r.request_id
 
 
 @dataclass(frozen=True)
@@ -109,10 +68,12 @@ class BROSStep:
         self.be_candidates: list[Request] = []
         self.owed_blocks = 0  # device blocks new RT admissions leave to owed BE this step
         self.floor = BEFloor()  # the minimum share on memory (bros_floor.py)
+        self.be_parked = False  # some admitted BE request has KV on host (`_held_back`)
 
     def run(self) -> ScheduledBatch:
         self._order_rt()
         self.be_candidates = self._be_order()
+        self.be_parked = any(self.kv.holds(b) and not self.kv.is_resident(b) for b in self.be_candidates)
         self.floor = BEFloor.of(self.kv, self.be_candidates, self.policy.min_be_share)
         owed = self.policy.be_owed_tokens(self.pack.token_budget) if self.be_candidates else 0
         self.owed_blocks = self._owed_blocks(owed)
@@ -144,6 +105,8 @@ class BROSStep:
         for b in self.be_candidates:
             if owed <= 0 or len(self.pack) >= self.decision.cap:
                 break
+            if self._held_back(b):
+                continue
             left = min(owed, self.pack.tokens_left)
             if self._try(b, be=True, force=True, limit=left) is _Outcome.OK:  # evicts BE behind it only
                 self.decision.be_owed.append(b)
@@ -223,6 +186,8 @@ class BROSStep:
         d = self.decision
         order = [b for b in self._be_order() if b not in self.pack.items]  # owed ones are packed
         for i, b in enumerate(order):
+            if self._held_back(b):
+                continue
             if self.pack.tokens_left <= 0:
                 d.be_no_time.extend(order[i:])
                 break
@@ -243,6 +208,18 @@ class BROSStep:
             if outcome is _Outcome.COST and (full or self._no_decode_fits()):
                 d.be_no_time.extend(order[i + 1 :])
                 break  # nothing behind it can fit either (first-fit otherwise: a decode may)
+
+    def _held_back(self, b: Request) -> bool:
+        """BE admission control: a BE request with no KV waits while an admitted BE request has
+        KV on host (listed in `Decision.be_held`), as new RT requests do for parked RT ones.
+        Admitting it anyway took the memory the parked request needed to come back, RT growth
+        pushed the newcomer to host in turn, host space filled with half-prefilled BE requests
+        and every later eviction dropped KV for recompute (docs/bros.md, "Sixth pass")."""
+        if not self.be_parked or self.kv.holds(b):
+            return False
+        if b not in self.decision.be_held:
+            self.decision.be_held.append(b)
+        return True
 
     def _no_decode_fits(self) -> bool:
         return self.pack.cost_with(1, 1, self.kv.pending_swap_bytes) > self.decision.budget_s

@@ -12,6 +12,16 @@ drain for at most ``--drain-timeout`` seconds, and whatever is still open then i
 (`loadgen.driver`). ``unfinished`` counts those per policy and class, and the report says so
 beside the latency figures, which are over *finished* requests only: a policy that left RT
 requests unfinished looks better on latency than it was, so its ratio is a bound, not a value.
+
+``--rounds N`` (N > 1) is for a busy host, whose load drifts over minutes: the policies run N
+times, each round in the opposite order to the one before (fcfs,bros then bros,fcfs ...), so
+neither policy always gets the later, or the earlier, minutes. The JSON then holds every
+round (each run's summary, what it left unfinished, its wall time and the load average before
+and after it) and ``rounds_ratios``: each key ratio per round with its median, min and max.
+Per-request rows are left out of a rounds document (size); one round is the plain document.
+(`tandem bench ellm` rotates rounds the same way for its own comparison; the two could share
+one rounds runner.) Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again
+on every run, and on a busy host every run would be judged against its own SLOs.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_args(p, workload_default="rt-be", duration_default=60.0)
     p.add_argument("--policies", default="fcfs,rr,bros", help="comma-separated; the first is the baseline")
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the results document here")
+    p.add_argument("--rounds", type=int, default=1, help="run the policies N times, alternating their order")
     p.set_defaults(func=run, length_scale=0.25, slo_scale="auto", rate=1.0)
 
 
@@ -40,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
     from loadgen.orchestrate import run_policies
 
     policies = _policies(args.policies)
+    if args.rounds > 1:
+        if str(args.slo_scale).lower() == "auto":  # measured per run: each run would get its own SLOs
+            print("--rounds needs a fixed --slo-scale: 'auto' measures the step again on every run", file=sys.stderr)
+            return 2
+        return _run_rounds(args, policies)
     doc = run_policies(args, policies, comparison=True, progress=not args.no_progress and sys.stderr.isatty())
     doc["unfinished"] = unfinished(doc["summary"])
     title = f"tandem bench policies: {args.workload} on {args.target}"
@@ -65,4 +81,70 @@ def unfinished_markdown(counts: dict[str, dict[str, int]]) -> str:
     for policy, c in counts.items():
         note = " -- RT latency is over the finished ones only: a lower bound" if c["rt"] else ""
         lines.append(f"- {policy}: RT {c['rt']}, BE {c['be']}{note}")
+    return "\n".join(lines) + "\n"
+
+
+# the ratios a rounds document aggregates: the trade-off BROS is judged by (docs/bros.md)
+ROUND_RATIOS = (("rt", "normalized_latency_s"), ("rt", "ttft_attainment"), ("be", "throughput_rps"))
+
+
+def _run_rounds(args: argparse.Namespace, policies: list[str]) -> int:
+    import os
+    import time
+
+    from loadgen.orchestrate import run_policies
+    from loadgen.report import ratios
+
+    rounds, stamp = [], None
+    for i in range(args.rounds):
+        order = policies if i % 2 == 0 else policies[::-1]
+        runs = {}
+        for policy in order:
+            before, start = os.getloadavg(), time.monotonic()
+            doc = run_policies(args, [policy], comparison=True, progress=False)
+            stamp = stamp or doc["provenance"]  # the first run's: the code checked out at the start
+            runs[policy] = {
+                "summary": doc["summary"][policy],
+                "unfinished": unfinished(doc["summary"])[policy],
+                "wall_s": time.monotonic() - start,
+                "load_before": list(before),
+                "load_after": list(os.getloadavg()),
+            }
+            print(f"round {i + 1} {policy}: load {before[0]:.1f} -> {runs[policy]['load_after'][0]:.1f}", flush=True)
+        summaries = {p: runs[p]["summary"] for p in policies}
+        rounds.append({"order": order, "runs": runs, "ratios": ratios(summaries)})
+    out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "rounds": rounds}
+    out["rounds_ratios"] = rounds_ratios(rounds, policies)
+    out["provenance"] = stamp
+    print(rounds_markdown(out["rounds_ratios"]))
+    write_json(out, args.json_path)
+    return 0
+
+
+def rounds_ratios(rounds: list[dict], policies: list[str]) -> dict[str, dict]:
+    """Per policy after the first: each `ROUND_RATIOS` ratio per round, with median, min, max."""
+    import statistics
+
+    out: dict[str, dict] = {}
+    for policy in policies[1:]:
+        for cls, key in ROUND_RATIOS:
+            vals = [r["ratios"][policy][cls][key] for r in rounds]
+            got = [v for v in vals if v is not None]
+            out.setdefault(policy, {})[f"{cls}.{key}"] = {
+                "per_round": vals,
+                "median": statistics.median(got) if got else None,
+                "min": min(got, default=None),
+                "max": max(got, default=None),
+            }
+    return out
+
+
+def rounds_markdown(agg: dict[str, dict]) -> str:
+    lines = ["## Ratios vs the first policy, per round (median [min, max])", ""]
+    for policy, metrics in agg.items():
+        for name, m in metrics.items():
+            shown = ", ".join("n/a" if v is None else f"{v:.3f}" for v in m["per_round"])
+            lines.append(
+                f"- {policy} {name}: {shown}" + (f" (median {m['median']:.3f})" if m["median"] is not None else "")
+            )
     return "\n".join(lines) + "\n"

@@ -114,7 +114,8 @@ def test_inproc_target_publishes_ellm_decision_time(tiny_model_dir, tmp_path):
 
 def test_tandem_bench_ellm_parses_like_the_module():
     """`tandem bench ellm` takes `tandem bench policies`'s arguments and defaults (what
-    `python -m loadgen.bench.ellm_ab` passes through), plus rounds, policies and `--json`."""
+    `python -m loadgen.bench.ellm_ab` passes through), plus rounds, policies and `--json`
+    (`--rounds` is both commands' own option, with its own default)."""
     from loadgen.bench import ellm_ab
     from services.cli import build_parser
 
@@ -123,5 +124,5 @@ def test_tandem_bench_ellm_parses_like_the_module():
     module = ellm_ab._run_args(argv)
     assert ours.func is ellm_ab._run_cli and (ours.rounds, ours.json_path) == (2, "out.json")
     assert ours.policies == "fcfs,swap,ellm"
-    shared = set(vars(module)) - {"func", "policies", "json_path", "bench_command"}
+    shared = set(vars(module)) - {"func", "policies", "json_path", "bench_command", "rounds"}
     assert {k: getattr(ours, k) for k in shared} == {k: getattr(module, k) for k in shared}

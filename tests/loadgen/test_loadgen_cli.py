@@ -172,3 +172,29 @@ def test_bench_policies_counts_what_the_capped_drain_left_unfinished(tmp_path):
     left = doc["unfinished"]["fcfs-prefill-first"]
     assert left["rt"] == rt["requests"] - rt["completed"] > 0
     assert left["be"] >= 0 and f"- fcfs-prefill-first: RT {left['rt']}, BE {left['be']} -- RT latency" in res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_policies_rounds_alternate_the_order_and_record_the_load(tmp_path):
+    """`--rounds 2`: the second round runs the policies in the opposite order, every run keeps
+    its summary and the load average around it, and the ratios are per round (the first
+    policy is the baseline in every round, whatever order it ran in)."""
+    path = tmp_path / "r.json"
+    res = tandem(
+        "bench", "policies", "--target", "sim", "--policies", "fcfs,bros", "--duration", "5",
+        "--slo-scale", "1", "--rate", "2", "--rounds", "2", "--json", str(path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    assert [r["order"] for r in doc["rounds"]] == [["fcfs", "bros"], ["bros", "fcfs"]]
+    for r in doc["rounds"]:
+        assert r["ratios"]["baseline"] == "fcfs"
+        for run in r["runs"].values():
+            assert len(run["load_before"]) == len(run["load_after"]) == 3 and run["wall_s"] > 0
+            assert run["summary"]["rt"]["requests"] > 0
+    lat = doc["rounds_ratios"]["bros"]["rt.normalized_latency_s"]
+    assert lat["per_round"] == [r["ratios"]["bros"]["rt"]["normalized_latency_s"] for r in doc["rounds"]]
+    assert lat["min"] <= lat["median"] <= lat["max"]
+    assert doc["provenance"]["git"]["commit"]
+    auto = tandem("bench", "policies", "--target", "sim", "--policies", "fcfs,bros", "--rounds", "2")
+    assert auto.returncode == 2 and "fixed --slo-scale" in auto.stderr  # SLOs measured per run: refused
