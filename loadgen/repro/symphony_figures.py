@@ -112,7 +112,79 @@ def headline(docs: dict[str, dict]) -> list[str]:
                     f"hints / anchor = {h / anchor:.1f}x{plus} (the paper's reading), "
                     f"hints / recompute at the same bound = {same}."
                 )
+                lines += same_bound_by_seed(hints, rec)
     return [*lines, ""] if lines else []
+
+
+def _seed_values(doc: dict, key: str) -> list[float] | None:
+    """A cell's per-seed values of an RT metric, in seed order (a one-seed cell: its one value)."""
+    seeds = doc.get("seeds")
+    if seeds:
+        st = next(iter(seeds["metrics"].values()))["rt"].get(key) or {}
+        values = st.get("values")
+        if values and all(v is not None for v in values):
+            return list(values)
+    value = doc.get("summary", {}).get("rt", {}).get(key)
+    return None if value is None else [value]
+
+
+def _users_at(values: dict[int, float], bound: float) -> float | None:
+    """Users where `values` (users -> metric) crosses `bound`, interpolated in log(users) between
+    the last count under it and the first over it (counts past a break are ignored); None when
+    the lightest count is over it or no count breaks it (then it is not bracketed)."""
+    under = None
+    for u in sorted(values):
+        if values[u] > bound:
+            if under is None:
+                return None
+            lo, hi = values[under], values[u]
+            return under * (u / under) ** ((bound - lo) / (hi - lo))
+        under = u
+    return None
+
+
+def same_bound_by_seed(hints: dict[int, dict], rec: dict[int, dict]) -> list[str]:
+    """The same-bound ratio seed by seed (issue 20: a ratio with its spread). Seed i's bound is
+    1.14x recompute's mean TPOT at its lightest cell in seed i, and each mode's users at it are
+    interpolated from seed i of every cell (a cell run with fewer seeds gives its mean for the
+    seeds it lacks, and the line says how many cells did). Seeds are paired: seed i of every
+    cell replays the same users' arrivals and lengths."""
+    anchor = min(rec)
+    anchor_tpot = _seed_values(rec[anchor], "tpot_mean_s")
+    if not anchor_tpot:
+        return []
+    n = len(anchor_tpot)
+    cells = [d for row in (hints, rec) for d in row.values()]
+    short = sum(1 for d in cells if (vs := _seed_values(d, "tpot_mean_s")) is not None and len(vs) < n)
+
+    def seed_row(row: dict[int, dict], i: int) -> dict[int, float]:
+        out = {}
+        for u, doc in row.items():
+            vs = _seed_values(doc, "tpot_mean_s")
+            if vs is not None:
+                out[u] = vs[i] if i < len(vs) else sum(vs) / len(vs)
+        return out
+
+    bounds, h_users, r_users, ratios = [], [], [], []
+    for i in range(n):
+        bound = anchor_tpot[i] * TPOT_INFLATION
+        h, r = _users_at(seed_row(hints, i), bound), _users_at(seed_row(rec, i), bound)
+        if h is None or r is None:
+            return [f"- Seed by seed: seed {i}'s crossing is not bracketed by the tested cells (no ratio)."]
+        bounds.append(bound * 1e3)
+        h_users.append(h)
+        r_users.append(r)
+        ratios.append(h / r)
+
+    def spread(vs: list[float], fmt: str) -> str:
+        return f"{sum(vs) / len(vs):{fmt}} [{min(vs):{fmt}}, {max(vs):{fmt}}]"
+
+    note = f"; {short} cell(s) had fewer seeds and gave their mean" if short else ""
+    return [
+        f"- **Seed by seed at the same bound** ({n} seeds, mean [min, max]{note}): bound {spread(bounds, '.2f')} ms; "
+        f"recompute holds {spread(r_users, '.0f')} users, hints {spread(h_users, '.0f')}; "
+        f"hints / recompute = {spread(ratios, '.2f')}x."
+    ]
 
 
 def users_table(docs: dict[str, dict]) -> list[str]:

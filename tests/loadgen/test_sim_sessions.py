@@ -340,3 +340,35 @@ def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
     del doc["seeds"]["metrics"]["p"]["rt"]["tpot_mean_s"]  # a cell from before the fix
     with pytest.raises(KeyError, match="re-run it"):
         _rt_metric(doc, "tpot_mean_s")
+
+
+def test_the_same_bound_ratio_is_given_seed_by_seed_with_its_spread():
+    """Issue 20 asks for the ratio with its spread: seed i's bound comes from seed i of
+    recompute's lightest cell, and each mode's users at it from seed i of every cell (a cell
+    with one seed lends its value to every seed, and the line says so)."""
+    from loadgen.repro.symphony_figures import headline, same_bound_by_seed
+    from loadgen.spread import seed_spread
+
+    def doc(*tpots):
+        def summary(t):
+            return {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": t}, "be": {}, "all": {}}
+
+        out = {"summary": summary(sum(tpots) / len(tpots))}
+        if len(tpots) > 1:
+            out["seeds"] = seed_spread(list(range(len(tpots))), {"p": [summary(t) for t in tpots]})
+        return out
+
+    rec = {256: doc(0.0100, 0.0100), 512: doc(0.0105, 0.0110), 1024: doc(0.0125, 0.0130)}
+    hints = {1024: doc(0.0110, 0.0112), 2048: doc(0.0130)}
+    line = same_bound_by_seed(hints, rec)[0]
+    # both seeds' bound is 11.4 ms. Seed 0: recompute 512 * 2 ** (0.9 / 2) = 699, hints
+    # 1024 * 2 ** (0.4 / 2) = 1176 (ratio 1.68); seed 1: recompute 512 * 2 ** (0.4 / 2) = 588,
+    # hints 1024 * 2 ** (0.2 / 1.8) = 1106 (ratio 1.88)
+    assert "(2 seeds, mean [min, max]; 1 cell(s) had fewer seeds and gave their mean)" in line
+    assert "bound 11.40 [11.40, 11.40] ms" in line
+    assert "recompute holds 644 [588, 699] users, hints 1141 [1106, 1176]" in line
+    assert "hints / recompute = 1.78 [1.68, 1.88]x." in line
+    docs = {f"recompute-u{u}": d for u, d in rec.items()} | {f"hints-u{u}": d for u, d in hints.items()}
+    assert any(x.startswith("- **Seed by seed at the same bound**") for x in headline(docs))
+    # a seed whose hints never cross the bound has no ratio, and the line says why
+    assert "not bracketed" in same_bound_by_seed({1024: doc(0.011, 0.011)}, rec)[0]
