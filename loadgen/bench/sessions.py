@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.bench.gateway import _tiny_model
 from loadgen.provenance import decided_dtype, stamp
 
 # a p99 from fewer turns than this is the maximum of a handful, not a tail (issue 20: the
@@ -66,7 +67,22 @@ PLANS = {
         "users": "2,4,8,16",
         "modes": "recompute,recompute-cached,sticky,load-aware,hints",
         "duration": 300.0,
-    }
+    },
+    # issue 20 on a busy 2-core host: >= 100 next turns behind each p99 in 2-minute cells. The
+    # default model gives 7-25 next turns in 5 minutes here (a ~230-token answer at ~0.2 s per
+    # token under load), so this plan measures the control-plane effect (routing, prefetch,
+    # pulls, queueing) on the tiny model, with answers a quarter as long, 8 turns per session
+    # and people 50x faster than life; `--model default` with the same options keeps one cell
+    # on the real model (docs/sessions.md, session 8)
+    "issue20-tiny": {
+        "users": "4,8,16",
+        "modes": "recompute,recompute-cached,load-aware,hints",
+        "duration": 120.0,
+        "model": "tiny",
+        "length_scale": 0.25,
+        "speedup": 50.0,
+        "turns_mean": 8.0,
+    },
 }
 
 
@@ -75,7 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=90.0, help="seconds per (mode, user count) run")
     p.add_argument("--users", default="2,4,8", help="comma-separated concurrent users (sessions) to sweep")
     p.add_argument("--modes", default="recompute,sticky,hints", help=f"some of {', '.join(MODES)}")
-    p.add_argument("--model", default="default")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="a model, or `tiny` (a random-weight 2-layer Llama with the default tokenizer: the control-plane "
+        "effect at many turns per minute; its outputs mean nothing)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--kv-cache-gib", type=float, default=0.25)
@@ -105,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     if not modes or not levels or min(levels) < 1:
         raise ValueError("need at least one mode and user counts >= 1")
     provenance = stamp(dtype=decided_dtype(args.dtype)).as_dict()
-    result = uvloop.run(_bench(args, modes, levels, provenance))
+    with tempfile.TemporaryDirectory(prefix="tandem-sessions-model-") as tmp:
+        model = _tiny_model(tmp) if args.model == "tiny" else args.model
+        result = uvloop.run(_bench(args, modes, levels, provenance, model))
     print(format_result(result))
     write_json(result, args.json)
     return 0
@@ -127,11 +150,16 @@ def _mode(name: str) -> Mode:
 
 
 async def _bench(
-    args: argparse.Namespace, modes: list[Mode], levels: list[int], provenance: dict | None = None
+    args: argparse.Namespace,
+    modes: list[Mode],
+    levels: list[int],
+    provenance: dict | None = None,
+    model: str | None = None,
 ) -> dict:
     """Runs every (mode, users) cell. The JSON is rewritten after each cell with `complete`
     false: a 5-minute-per-cell grid takes hours on a shared host, and a run stopped part-way
-    (SIGTERM, a deadline) must still leave every finished cell on disk."""
+    (SIGTERM, a deadline) must still leave every finished cell on disk. `model`: the path or name
+    the stacks serve (default `args.model`; `run` builds the tiny model's folder)."""
     out: dict = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "complete": False, "modes": {}}
     if provenance is not None:
         out["provenance"] = provenance
@@ -141,19 +169,24 @@ async def _bench(
         write_json(out, getattr(args, "json", None))
 
     for mode in modes:
-        out["modes"][mode.name] = await _run_mode(args, mode, levels, save_partial)
+        out["modes"][mode.name] = await _run_mode(args, mode, levels, save_partial, model=model)
     out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
     out["complete"] = True
     return out
 
 
-async def _run_mode(args: argparse.Namespace, mode: Mode, levels: list[int], on_cell=None) -> dict:
+async def _run_mode(
+    args: argparse.Namespace, mode: Mode, levels: list[int], on_cell=None, *, model: str | None = None
+) -> dict:
     from loadgen.bench.stack import running_stack
 
     with tempfile.TemporaryDirectory(prefix=f"tandem-sessions-{mode.name}-") as data_dir:
         env = {**mode.env, "TANDEM_DATA_DIR": data_dir}
         log = os.path.join(args.log_dir, f"sessions-{mode.name}.log") if args.log_dir else None
-        async with running_stack(args.model, args.dtype, args.kv_cache_gib, log, args.workers, env) as (url, name):
+        async with running_stack(model or args.model, args.dtype, args.kv_cache_gib, log, args.workers, env) as (
+            url,
+            name,
+        ):
             runs = []
             for users in levels:
                 runs.append(await _run_level(args, mode, url, name, users))

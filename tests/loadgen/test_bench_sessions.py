@@ -70,6 +70,22 @@ def test_issue20_plan_sweeps_five_modes_at_four_user_counts(capsys):
     assert "users  16  300 s" in out
 
 
+def test_tiny_plan_keeps_the_four_modes_that_answer_the_question_in_short_cells(capsys):
+    """Issue 20 on a busy host: the tiny model, shorter answers, more turns and faster people,
+    so 2-minute cells can put 100 next turns behind a p99; the plan says so in its cells."""
+    from loadgen.bench.sessions import PLANS
+    from services.cli import main
+
+    assert main(["bench", "sessions", "--plan", "issue20-tiny", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("12 cells, 24 minutes")
+    for mode in ("recompute ", "recompute-cached", "load-aware", "hints"):
+        assert f"  {mode}" in out
+    assert "sticky" not in out
+    plan = PLANS["issue20-tiny"]
+    assert plan["model"] == "tiny" and plan["turns_mean"] > 4 and plan["speedup"] > 10
+
+
 def test_new_modes_separate_hints_from_routing_and_cache_from_sessions():
     from loadgen.bench.sessions import MODES
 
@@ -125,7 +141,7 @@ def test_every_finished_cell_is_on_disk_before_the_grid_ends(tmp_path, monkeypat
     path = tmp_path / "grid.json"
     seen_on_disk: list[list[int]] = []
 
-    async def fake_run_mode(args, mode, levels, on_cell=None):
+    async def fake_run_mode(args, mode, levels, on_cell=None, *, model=None):
         runs = []
         for users in levels:
             if path.exists():

@@ -121,7 +121,7 @@ def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
 
 
 def test_users_table_reports_seed_spread_and_the_most_users_under_each_bound():
-    from loadgen.repro.symphony import users_table
+    from loadgen.repro.symphony_figures import users_table
 
     def doc(ttft, tpot=0.010, spread=None):
         out = {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": tpot}}}
@@ -149,7 +149,7 @@ def test_users_table_reports_seed_spread_and_the_most_users_under_each_bound():
 
 
 def test_limits_table_reads_the_recompute_cells_tally_and_the_hints_prefetch_waits():
-    from loadgen.repro.symphony import limits_table
+    from loadgen.repro.symphony_figures import limits_table
 
     work = {"first_turn_share": 0.25, "mean_history_later_turns": 1400.0, "mean_new_tokens": 215.0}
     work |= {"redundant_prefill_share": 0.86, "prefill_ratio": 7.1, "work_ratio": 2.0}
@@ -256,7 +256,7 @@ def test_equal_tpot_table_reads_the_paper_pair_from_each_anchor_and_at_the_same_
     """The paper's 8x is one pair (vLLM at 64 users, 18 ms; Symphony at 512, 20.5 ms). Where
     recompute's TPOT is flat near the unloaded step it also carries far more than its anchor at
     that bound, and the two readings part: here 8x from the anchor, 2x at the same bound."""
-    from loadgen.repro.symphony import crossing_users, equal_tpot_table
+    from loadgen.repro.symphony_figures import crossing_users, equal_tpot_table
 
     def doc(tpot):
         return {"summary": {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": tpot}}}
@@ -275,7 +275,7 @@ def test_equal_tpot_table_reads_the_paper_pair_from_each_anchor_and_at_the_same_
 
 
 def test_ttft_bound_table_gives_each_ratio_with_its_bound():
-    from loadgen.repro.symphony import ttft_bound_table
+    from loadgen.repro.symphony_figures import ttft_bound_table
 
     def doc(ttft):
         return {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": 0.01}}}
@@ -294,7 +294,7 @@ def test_headline_states_where_hints_break_and_the_ratio_at_the_papers_bound():
     """Issue 20: the break point is read from measured cells (the last holding and the first
     breaking the 400 ms SLO, with their seed counts), and the paper's bound (+14% over
     recompute's mean TPOT at its lightest cell) gives both readings of the ratio."""
-    from loadgen.repro.symphony import headline
+    from loadgen.repro.symphony_figures import headline
 
     def doc(ttft, tpot, seeds=1):
         out = {"summary": {"rt": {"ttft_p99_s": ttft, "tpot_mean_s": tpot}}}
@@ -326,7 +326,7 @@ def test_headline_states_where_hints_break_and_the_ratio_at_the_papers_bound():
 def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
     """`repro symphony` reads mean TPOT (the paper's axis) over seeds: the seed spread must carry
     it (it did not, and the first 3-seed README crashed on the missing key)."""
-    from loadgen.repro.symphony import _rt_metric
+    from loadgen.repro.symphony_figures import _rt_metric
     from loadgen.spread import seed_spread
 
     def summary(tpot):
@@ -340,3 +340,35 @@ def test_a_three_seed_cell_gives_the_mean_tpot_spread_the_tables_read():
     del doc["seeds"]["metrics"]["p"]["rt"]["tpot_mean_s"]  # a cell from before the fix
     with pytest.raises(KeyError, match="re-run it"):
         _rt_metric(doc, "tpot_mean_s")
+
+
+def test_the_same_bound_ratio_is_given_seed_by_seed_with_its_spread():
+    """Issue 20 asks for the ratio with its spread: seed i's bound comes from seed i of
+    recompute's lightest cell, and each mode's users at it from seed i of every cell (a cell
+    with one seed lends its value to every seed, and the line says so)."""
+    from loadgen.repro.symphony_figures import headline, same_bound_by_seed
+    from loadgen.spread import seed_spread
+
+    def doc(*tpots):
+        def summary(t):
+            return {"rt": {"ttft_p99_s": 0.1, "tpot_mean_s": t}, "be": {}, "all": {}}
+
+        out = {"summary": summary(sum(tpots) / len(tpots))}
+        if len(tpots) > 1:
+            out["seeds"] = seed_spread(list(range(len(tpots))), {"p": [summary(t) for t in tpots]})
+        return out
+
+    rec = {256: doc(0.0100, 0.0100), 512: doc(0.0105, 0.0110), 1024: doc(0.0125, 0.0130)}
+    hints = {1024: doc(0.0110, 0.0112), 2048: doc(0.0130)}
+    line = same_bound_by_seed(hints, rec)[0]
+    # both seeds' bound is 11.4 ms. Seed 0: recompute 512 * 2 ** (0.9 / 2) = 699, hints
+    # 1024 * 2 ** (0.4 / 2) = 1176 (ratio 1.68); seed 1: recompute 512 * 2 ** (0.4 / 2) = 588,
+    # hints 1024 * 2 ** (0.2 / 1.8) = 1106 (ratio 1.88)
+    assert "(2 seeds, mean [min, max]; 1 cell(s) had fewer seeds and gave their mean)" in line
+    assert "bound 11.40 [11.40, 11.40] ms" in line
+    assert "recompute holds 644 [588, 699] users, hints 1141 [1106, 1176]" in line
+    assert "hints / recompute = 1.78 [1.68, 1.88]x." in line
+    docs = {f"recompute-u{u}": d for u, d in rec.items()} | {f"hints-u{u}": d for u, d in hints.items()}
+    assert any(x.startswith("- **Seed by seed at the same bound**") for x in headline(docs))
+    # a seed whose hints never cross the bound has no ratio, and the line says why
+    assert "not bracketed" in same_bound_by_seed({1024: doc(0.011, 0.011)}, rec)[0]
