@@ -10,9 +10,13 @@ One decision, made in one place for every consumer a `KafkaClient` opens (`share
   doorbell (`shared/quiet_consumer.py`, docs/services.md "Fetch waits"). A `hot` reader (the
   request and token path) fetches with `kafka_fetch_wait_ms`, others with 100 ms.
 
-A reader off the token path sleeps as soon as it has read what it was rung for (`settle_early`);
-on it, it stays awake for its window: the next token comes within it, and a sleeping reader
-takes a ring's round trip longer to see it.
+A reader off the token path sleeps as soon as it has read what it was rung for (`settle_early`).
+On it, by default, it stays awake for its window, so the next token finds a fetch in flight;
+with `kafka_hot_settle` it sleeps on the rung record's answer too (issue 21, eighth session):
+tansu answers a fetch with what it read when the fetch began, so a token that lands during an
+awake reader's fetch waits out that fetch's wait and then one more fetch, while a sleeping
+reader's ring sends a fetch that finds the token already there and answers at once. Idle, both
+cost nothing; while streaming, the sleeper sends one fetch per token instead of one per wait.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def fetch_policy(settings: ServiceSettings, *, hot: bool, idle_poll_s: float | N
     # the window must see one more fetch answer, sent after it.
     awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000
     poll_s = s.kafka_idle_poll_ms / 1000 if idle_poll_s is None else min(idle_poll_s, s.kafka_idle_poll_ms / 1000)
-    settle = not hot  # (module doc)
+    settle = s.kafka_hot_settle or not hot  # (module doc)
     return FetchPolicy(
         QuietConsumer,
         {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s, "settle_early": settle},

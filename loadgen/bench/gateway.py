@@ -88,6 +88,9 @@ async def _bench(args, model: str) -> dict:
     added = {k: stack["sequential"][k] - inproc[k] for k in inproc if k.endswith("_s")}
     return {
         "model": args.model,
+        # Kafka-layer settings the stack inherits from this environment (an A/B of a setting,
+        # e.g. TANDEM_KAFKA_HOT_SETTLE=true, says which side this was)
+        "kafka_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TANDEM_KAFKA_")},
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "inproc": inproc,

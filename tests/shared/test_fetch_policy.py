@@ -17,6 +17,11 @@ def test_tansu_hot_reader_fetches_with_the_token_path_wait_and_keeps_its_window(
     assert p.options["settle_early"] is False
 
 
+def test_hot_settle_makes_a_hot_reader_sleep_on_the_rung_records_answer():
+    p = fetch_policy(ServiceSettings(kafka_fetch_wait_ms=2, kafka_hot_settle=True), hot=True)
+    assert p.options["settle_early"] is True and p.options["fetch_max_wait_ms"] == 2
+
+
 def test_tansu_cold_reader_sleeps_early_and_its_window_covers_two_fetch_waits():
     p = fetch_policy(ServiceSettings(kafka_awake_ms=50), hot=False)
     assert p.options["fetch_max_wait_ms"] == COLD_FETCH_WAIT_MS
