@@ -37,6 +37,13 @@ while the last answer shows records beyond its position (`_drained`), and an ans
 back empty while records wait doubles the next fetch's wait (`_CATCH_UP_MAX_MS` at most) until
 an answer brings records, which restores the configured wait (`_after_answer`).
 
+**Foreign rings** (issue 21, eighth session). A topic's bell rings for a record on any of its
+partitions, and some readers hold only one: each gateway and the queue service read their own
+partition of `<p>.results`. A ring that names only partitions this reader does not hold is
+ignored; it used to wake the reader for a whole awake window, so every token streamed to a
+gateway kept the queue's results reader fetching every 2 ms (and the broker answering), on the
+cores the token path runs on. A bare ring (no position) still wakes it: it cannot tell.
+
 It subclasses `AIOKafkaConsumer` (rather than wrapping it) because it must see the service's own
 `pause`/`resume` (the scheduler pauses its BE partitions for flow control): a partition the
 service paused is never resumed by a wake-up, and `getmany`/`getone` mark activity.
@@ -179,12 +186,16 @@ class QuietConsumer(AIOKafkaConsumer):
         if self._watch_task is None:
             return  # stopped (or not started): nothing to wake
         rung = None if topic is None or payloads is None else _rung_offsets(topic, payloads)
+        if rung is not None:
+            assigned = self.assignment()
+            rung = {tp: offset for tp, offset in rung.items() if tp in assigned}
+            if not rung:
+                return  # only records for partitions other readers hold (module doc, "Foreign rings")
         if rung is None or self._due is None:
             self._due = None
         else:
             for tp, offset in rung.items():
-                if tp in self.assignment():
-                    self._due[tp] = max(self._due.get(tp, -1), offset)
+                self._due[tp] = max(self._due.get(tp, -1), offset)
             if self._asleep and self._read_all_rung():
                 return  # read already (an awake fetch got there before the ring): stay asleep
         self._mark_activity()
