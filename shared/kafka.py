@@ -27,6 +27,7 @@ from aiokafka.structs import RecordMetadata
 
 from shared.aio import within
 from shared.doorbell import Doorbell, doorbell_directory
+from shared.fetch_policy import fetch_policy
 from shared.kafka_reading import (
     OffsetTracker,
     apply_safely,
@@ -257,31 +258,13 @@ class KafkaClient:
     ) -> AIOKafkaConsumer:
         """A started consumer. With a group: subscribed, manual commits. Without: call `assign_all`.
 
-        `hot`: on the request/token path. On a broker that cannot long-poll its fetches return
-        after `kafka_fetch_wait_ms` while it is awake (others after 100 ms); on Apache Kafka every
-        consumer long-polls (`kafka_long_poll_wait_ms`), which costs no latency there.
+        `hot`: on the request/token path. How it fetches (its class, waits, sleeping) is the
+        broker's `fetch_policy` (`shared/fetch_policy.py`).
         `idle_poll_s`: the longest a sleeping consumer goes without looking by itself, for a
         reader that must not miss a record for longer than `kafka_idle_poll_ms` (a lease reader).
         """
-        s = self.settings
-        if s.kafka_long_poll:
-            cls, extra = AIOKafkaConsumer, {"fetch_max_wait_ms": s.kafka_long_poll_wait_ms}
-        else:
-            wait_ms = s.kafka_fetch_wait_ms if hot else 100
-            # Two fetch waits: a fetch in flight when the last record or ring came may have read
-            # the partition before that record existed (tansu answers with what it read at the
-            # start), so the window must see one more fetch answer, sent after it.
-            awake_s = max(s.kafka_awake_ms, 2 * wait_ms) / 1000
-            poll_s = (
-                s.kafka_idle_poll_ms / 1000 if idle_poll_s is None else min(idle_poll_s, s.kafka_idle_poll_ms / 1000)
-            )
-            # Off the token path a reader sleeps as soon as it has read what it was rung for
-            # (shared/quiet_consumer.py); on it, it stays awake for the window: the next token
-            # comes within it, and a sleeping reader takes a ring's round trip longer to see it.
-            settle = not hot
-            extra = {"fetch_max_wait_ms": wait_ms, "awake_s": awake_s, "idle_poll_s": poll_s, "settle_early": settle}
-            cls = QuietConsumer
-        c = cls(
+        policy = fetch_policy(self.settings, hot=hot, idle_poll_s=idle_poll_s)
+        c = policy.consumer_class(
             *topics if group and subscribe else (),
             bootstrap_servers=self.bootstrap,
             client_id=self.client_id,
@@ -292,7 +275,7 @@ class KafkaClient:
             session_timeout_ms=6000,
             heartbeat_interval_ms=1000,
             rebalance_timeout_ms=3000,
-            **extra,
+            **policy.options,
             **kwargs,
         )
         try:

@@ -37,6 +37,13 @@ while the last answer shows records beyond its position (`_drained`), and an ans
 back empty while records wait doubles the next fetch's wait (`_CATCH_UP_MAX_MS` at most) until
 an answer brings records, which restores the configured wait (`_after_answer`).
 
+**Foreign rings** (issue 21, eighth session). A topic's bell rings for a record on any of its
+partitions, and some readers hold only one: each gateway and the queue service read their own
+partition of `<p>.results`. A ring that names only partitions this reader does not hold is
+ignored; it used to wake the reader for a whole awake window, so every token streamed to a
+gateway kept the queue's results reader fetching every 2 ms (and the broker answering), on the
+cores the token path runs on. A bare ring (no position) still wakes it: it cannot tell.
+
 It subclasses `AIOKafkaConsumer` (rather than wrapping it) because it must see the service's own
 `pause`/`resume` (the scheduler pauses its BE partitions for flow control): a partition the
 service paused is never resumed by a wake-up, and `getmany`/`getone` mark activity.
@@ -115,7 +122,11 @@ class QuietConsumer(AIOKafkaConsumer):
     def _hook_answers(self) -> None:
         """Call `_after_answer` once each fetch's answer is applied. aiokafka has no hook for it:
         this wraps the fetcher's per-request coroutine, which its fetch routine looks up on the
-        instance for every request, and changes nothing of what it does or returns."""
+        instance for every request, and changes nothing of what it does or returns.
+
+        The wrapper runs on every answer, the token path's included, so an answer that brought
+        records (the coroutine says so: True) costs one comparison (`_after_answer`); only an
+        empty answer looks at its partitions (issue 21, eighth session)."""
         fetcher = self._fetcher
         apply_answer = getattr(fetcher, "_proc_fetch_request", None)
         if apply_answer is None:  # another aiokafka than constraints.txt pins: no catch-up, never a crash
@@ -125,7 +136,7 @@ class QuietConsumer(AIOKafkaConsumer):
         async def answered(assignment, node_id, request):
             brought = await apply_answer(assignment, node_id, request)
             try:
-                self._after_answer(assignment, request)
+                self._after_answer(assignment, request, brought)
             except Exception:  # noqa: BLE001 (an error here would end aiokafka's fetch routine)
                 log.exception("fetch wait not adjusted")
             return brought
@@ -175,12 +186,16 @@ class QuietConsumer(AIOKafkaConsumer):
         if self._watch_task is None:
             return  # stopped (or not started): nothing to wake
         rung = None if topic is None or payloads is None else _rung_offsets(topic, payloads)
+        if rung is not None:
+            assigned = self.assignment()
+            rung = {tp: offset for tp, offset in rung.items() if tp in assigned}
+            if not rung:
+                return  # only records for partitions other readers hold (module doc, "Foreign rings")
         if rung is None or self._due is None:
             self._due = None
         else:
             for tp, offset in rung.items():
-                if tp in self.assignment():
-                    self._due[tp] = max(self._due.get(tp, -1), offset)
+                self._due[tp] = max(self._due.get(tp, -1), offset)
             if self._asleep and self._read_all_rung():
                 return  # read already (an awake fetch got there before the ring): stay asleep
         self._mark_activity()
@@ -241,29 +256,31 @@ class QuietConsumer(AIOKafkaConsumer):
                 return False  # the broker has more than it answered with (module doc, "Catching up")
         return True
 
-    def _after_answer(self, assignment, request) -> None:
+    def _after_answer(self, assignment, request, brought: bool) -> None:
         """Grow the fetch wait while answers come back empty with records waiting; restore it
-        once one brings records (module doc, "Catching up")."""
+        once one brings records (module doc, "Catching up"). `brought`: the answer added records
+        to the fetcher's buffer (what aiokafka's coroutine returned)."""
+        fetcher = self._fetcher
+        if brought:  # the common case on the token path: O(1)
+            if fetcher._fetch_max_wait_ms != self._base_wait_ms:  # noqa: SLF001
+                fetcher._fetch_max_wait_ms = self._base_wait_ms  # noqa: SLF001
+            return
         if not assignment.active:
             return
         buffered = self._fetcher._records  # noqa: SLF001
-        starved = brought = False
+        starved = False
         for topic, partitions in request.topics:
             for partition, offset, _max_bytes in partitions:
                 tp = TopicPartition(topic, partition)
                 if tp in buffered:
-                    brought = True
-                    continue
+                    return  # records from an earlier answer still wait: not starved
                 state = assignment.state_value(tp)
                 if state is not None and state.highwater is not None and state.highwater > offset:
                     starved = True
-        fetcher = self._fetcher
-        if starved and not brought:
+        if starved:
             self.starved_answers += 1
             wait = fetcher._fetch_max_wait_ms  # noqa: SLF001
             fetcher._fetch_max_wait_ms = min(max(2 * wait, 1), max(_CATCH_UP_MAX_MS, self._base_wait_ms))  # noqa: SLF001
-        elif brought:
-            fetcher._fetch_max_wait_ms = self._base_wait_ms  # noqa: SLF001
 
     def _settle_if_read(self) -> None:
         """Off the token path: sleep now if everything rung since the last sleep has been read."""

@@ -13,7 +13,9 @@ the transport's share is visible; pass a path or `default` to measure with a rea
 Where the added time goes: the stack exports its traces to a receiver in this process
 (`loadgen/otlp_sink.py`), each measured request carries its own `traceparent`, and `hops`
 reports p50/p99 of every hop span (`shared/tracing.py`) of those requests, beside
-`added_by_kafka_path`. The export itself (a batching thread per service) is part of what is
+`added_by_kafka_path`; `first_token_path` splits each request's TTFT into its Kafka hops (each
+as the produce's ack and the reader's wake-up), the services' own work and what no span covers
+(`loadgen/bench/hop_path.py`). The export itself (a batching thread per service) is part of what is
 measured, as it is in a traced deployment.
 """
 
@@ -29,8 +31,9 @@ import tempfile
 import time
 
 from loadgen.bench.common import percentile, write_json
+from loadgen.bench.hop_path import first_token_path, hop_breakdown
 from loadgen.bench.inproc import PROMPT
-from loadgen.otlp_sink import OtlpSink, ReceivedSpan
+from loadgen.otlp_sink import OtlpSink
 from loadgen.provenance import stamp
 
 
@@ -85,12 +88,16 @@ async def _bench(args, model: str) -> dict:
     added = {k: stack["sequential"][k] - inproc[k] for k in inproc if k.endswith("_s")}
     return {
         "model": args.model,
+        # Kafka-layer settings the stack inherits from this environment (an A/B of a setting,
+        # e.g. TANDEM_KAFKA_HOT_SETTLE=true, says which side this was)
+        "kafka_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TANDEM_KAFKA_")},
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "inproc": inproc,
         "gateway": stack["sequential"],
         "added_by_kafka_path": added,
         "hops": stack["hops"],
+        "first_token_path": stack["path"],
         "sustained": stack["sustained"],
     }
 
@@ -124,40 +131,12 @@ async def _through_stack(args, model: str) -> dict:
             # which would cap the concurrency the gateway sees).
             limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-                seq, trace_ids = await _sequential(client, url, name, args)
+                seq, ttft_by_trace = await _sequential(client, url, name, args)
                 sustained = await _sustained(client, url, name, args)
         # The stack has stopped: every service flushed its spans on the way out.
-        hops = hop_breakdown(sink.spans(), trace_ids)
-    return {"sequential": seq, "sustained": sustained, "hops": hops}
-
-
-def hop_breakdown(spans: list[ReceivedSpan], trace_ids: set[str]) -> dict:
-    """p50/p99 seconds of each hop over the given traces, and how many traces had that hop."""
-    by_hop: dict[str, list[float]] = {}
-    for s in spans:
-        if s.hop is not None and s.trace_id in trace_ids:
-            by_hop.setdefault(s.hop, []).append(s.seconds)
-    order = [h for h in HOP_ORDER if h in by_hop] + sorted(set(by_hop) - set(HOP_ORDER))
-    return {
-        h: {"p50_s": percentile(by_hop[h], 50), "p99_s": percentile(by_hop[h], 99), "count": len(by_hop[h])}
-        for h in order
-    }
-
-
-# A request's path in order (shared/tracing.py): the hops up to the first token.
-HOP_ORDER = (
-    "gateway.accept",
-    "gateway.produce",
-    "scheduler.consume",
-    "scheduler.place",
-    "scheduler.produce",
-    "worker.consume",
-    "worker.engine_queue",
-    "worker.first_token",
-    "worker.result_produce",
-    "gateway.consume",
-    "gateway.sse_write",
-)
+        spans = sink.spans()
+    hops = hop_breakdown(spans, set(ttft_by_trace))
+    return {"sequential": seq, "sustained": sustained, "hops": hops, "path": first_token_path(spans, ttft_by_trace)}
 
 
 async def _sequential(client, url: str, model: str, args) -> dict:
@@ -169,15 +148,15 @@ async def _sequential(client, url: str, model: str, args) -> dict:
         "ignore_eos": True,
         "stream": True,
     }
-    ttfts, itls, trace_ids = [], [], set()
+    ttfts, itls, ttft_by_trace = [], [], {}
     for i in range(args.requests + 3):
         trace_id = secrets.token_hex(16)
         times = await _stream_times(client, url, body, {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
         if i >= 3:
             ttfts.append(times[0])
             itls += [b - a for a, b in zip(times, times[1:])]
-            trace_ids.add(trace_id)
-    return _latency(ttfts, itls), trace_ids
+            ttft_by_trace[trace_id] = times[0]
+    return _latency(ttfts, itls), ttft_by_trace
 
 
 async def _stream_times(client, url: str, body: dict, headers: dict | None = None) -> list[float]:
@@ -234,6 +213,14 @@ def _print(r: dict) -> None:
         print(f"{'hop (first token)':24}{'p50':>8}{'p99':>8}  (ms)")
         for hop, v in r["hops"].items():
             print(f"{hop:24}{ms(v['p50_s'])}{ms(v['p99_s'])}")
+    path = r["first_token_path"]
+    if path["requests"]:
+        print(f"first token's path, per request ({path['requests']} requests, {path['kafka_hops']} Kafka hops)")
+        for part in ("kafka_s", "services_s", "untraced_s", "ttft_s"):
+            print(f"  {part[:-2]:22}{ms(path[part]['p50_s'])}{ms(path[part]['p99_s'])}")
+        for hop in (k[: -len(".ack_s")] for k in path if k.endswith(".ack_s")):
+            ack, wake = path[f"{hop}.ack_s"], path[f"{hop}.wake_s"]
+            print(f"  {hop:22}ack {ms(ack['p50_s'])}  wake-up {ms(wake['p50_s'])}  (p50)")
     s = r["sustained"]
     print(
         f"sustained: {s['requests_per_s']:.1f} req/s ({s['requests']} ok, {s['errors']} errors, "

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from loadgen.bench.gateway import HOP_ORDER, hop_breakdown
+from loadgen.bench.hop_path import HOP_ORDER, KAFKA_HOPS, SERVICE_HOPS, first_token_path, hop_breakdown
 from loadgen.bench.idle import process_label
 from loadgen.otlp_sink import ReceivedSpan
 
@@ -30,6 +30,20 @@ def test_hop_breakdown_keeps_only_the_measured_traces_in_path_order():
     assert got["gateway.accept"] == {"p50_s": 0.001, "p99_s": 0.001, "count": 1}
     assert got["worker.consume"]["count"] == 2 and 0.002 <= got["worker.consume"]["p50_s"] <= 0.004
     assert HOP_ORDER[0] == "gateway.accept" and HOP_ORDER[-1] == "gateway.sse_write"
+
+
+def test_first_token_path_adds_up_per_request_and_splits_each_kafka_hop():
+    # Request "a": every hop 1 ms except the consumes (3 ms, holding a 1 ms produce each): Kafka
+    # 9 ms, services 5 ms, TTFT 20 ms -> 6 ms untraced. "b" lacks a hop: left out, not guessed.
+    spans = [_span("a", h, 1.0) for h in SERVICE_HOPS]
+    spans += [s for c, p in KAFKA_HOPS for s in (_span("a", c, 3.0), _span("a", p, 1.0))]
+    spans += [_span("b", "gateway.accept", 1.0)]
+    got = first_token_path(spans, {"a": 0.020, "b": 0.030})
+    assert got["requests"] == 1 and got["kafka_hops"] == 3
+    expected = {"kafka_s": 0.009, "services_s": 0.005, "untraced_s": 0.006, "ttft_s": 0.020}
+    for consume, _produce in KAFKA_HOPS:
+        expected |= {f"{consume}.ack_s": 0.001, f"{consume}.wake_s": 0.002}
+    assert {k: round(got[k]["p50_s"], 9) for k in expected} == expected
 
 
 def test_idle_bench_names_processes_by_their_role():

@@ -239,3 +239,38 @@ def test_a_sleeping_consumer_rung_as_it_stops_still_stops(kafka_bootstrap):
             await kafka.stop()
 
     asyncio.run(run())
+
+
+def test_a_ring_for_a_partition_the_reader_does_not_hold_leaves_it_asleep(kafka_bootstrap):
+    """Each gateway and the queue read their own partition of the results topic, whose bell rings
+    for every partition. A sleeping reader of partition 0 rung for a record on partition 1 stays
+    asleep (it used to wake for its awake window and fetch every 2 ms); the state is read in the
+    wake-up call itself, so no race with its fetches. Rung for its own partition, it wakes and
+    reads the record."""
+    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_idle_poll_ms=3_600_000)
+
+    async def run() -> None:
+        topic = "qc-foreign"
+        kafka = KafkaClient(settings, "qc")
+        await kafka.start([TopicSpec(topic, 2, "none")])
+        reader = await kafka.consumer(group=None, hot=True)
+        await kafka.assign_all(reader, topic, from_end=True, partitions=[0])
+        assert isinstance(reader, QuietConsumer)
+        await until(lambda: reader.sleeping, "the idle reader to sleep")
+        woken: list[tuple[list[bytes] | None, bool]] = []
+        wake = reader.wake
+
+        def recorded(topic: str | None = None, payloads: list[bytes] | None = None) -> None:
+            wake(topic, payloads)
+            woken.append((payloads, reader.sleeping))
+
+        reader.wake = recorded
+        await kafka.send(topic, _envelope(1), partition=1)
+        await until(lambda: woken, "the ring for partition 1")
+        assert woken[0] == ([b"1:0"], True)
+        await kafka.send(topic, _envelope(0), partition=0)
+        assert await read_ids(reader, 1, timeout_ms=1000) == ["r0"]
+        assert woken[-1] == ([b"0:0"], False)  # its own partition's ring woke it
+        await kafka.stop()
+
+    asyncio.run(run())

@@ -87,6 +87,9 @@ def test_a_reader_behind_on_a_long_partition_reads_everything_and_sleeps_only_wh
         await until(lambda: reader.sleeping, "the reader to sleep once caught up")
         end = LONG_PARTITION + BURST + 1
         assert asleep_at and all(pos == hw == end for pos, hw in asleep_at), asleep_at
+        # Caught up: the answers that brought the burst put back the configured wait, whatever
+        # empty answers had grown it to (`starved_answers` of them).
+        assert reader._fetcher._fetch_max_wait_ms == wait_ms, reader.starved_answers  # noqa: SLF001
         await kafka.stop()
 
     asyncio.run(run())

@@ -6,7 +6,8 @@ A reader off the token path sleeps as soon as it has read what it was rung for
 switched off as a suspect, without proof. Here its awake window and its own looks are an hour
 apart, so only a ring can wake it: a record it slept through would stall the reader, which the
 test reports instead of waiting an hour. Records come while it sleeps, in the very turn it falls
-asleep, and from a producer racing its fetches, on four partitions, from two clients.
+asleep, and from a producer racing its fetches, on four partitions, from two clients. The same
+for a reader on the token path with `kafka_hot_settle` (its 2 ms fetch wait; eighth session).
 """
 
 from __future__ import annotations
@@ -54,17 +55,20 @@ class _Reader:
         await asyncio.gather(self._task, return_exceptions=True)
 
 
-def test_an_early_sleeper_reads_every_record_published_while_it_sleeps(kafka_bootstrap):
-    settings = ServiceSettings(kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=HOUR_MS, kafka_idle_poll_ms=HOUR_MS)
+@pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot-settle"])
+def test_an_early_sleeper_reads_every_record_published_while_it_sleeps(kafka_bootstrap, hot):
+    settings = ServiceSettings(
+        kafka_bootstrap=kafka_bootstrap, kafka_awake_ms=HOUR_MS, kafka_idle_poll_ms=HOUR_MS, kafka_hot_settle=hot
+    )
     rng = random.Random(21)
 
     async def run() -> None:
-        topic = "qc-early-sleep"
+        topic = f"qc-early-sleep-{'hot' if hot else 'cold'}"
         readers_client, producers = KafkaClient(settings, "reader"), [KafkaClient(settings, f"p{i}") for i in (0, 1)]
         await readers_client.start([TopicSpec(topic, PARTITIONS, "none")])
         for p in producers:
             await p.start()
-        consumer = await readers_client.consumer(group=None)
+        consumer = await readers_client.consumer(group=None, hot=hot)
         assert isinstance(consumer, QuietConsumer) and consumer._settle_early  # noqa: SLF001
         await readers_client.assign_all(consumer, topic, from_end=True)
         reader = _Reader(consumer)

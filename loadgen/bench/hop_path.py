@@ -1,0 +1,87 @@
+"""Where a request's first-token time goes, from its trace spans (`tandem bench gateway`).
+
+Two views of the spans of `shared/tracing.py`:
+
+- `hop_breakdown`: p50/p99 of every hop over the measured traces, each hop on its own.
+- `first_token_path`: per request, its client-measured TTFT split into the parts that add up to
+  it, then p50/p99 of each part over the requests. The first token crosses three Kafka hops
+  (gateway → scheduler, scheduler → worker, worker → gateway); each consume span is timed from
+  the sender's send, so it holds that send's produce (its ack) and then the reader's wake-up (ack
+  → the record read: a ring or the next fetch, and the fetch's answer). The produce spans
+  therefore overlap the next consume and are not added again. What the spans do not cover
+  (`untraced`) is the client's HTTP request before the gateway reads it, the SSE chunk's trip
+  back, and the gaps between spans (the worker's outbox hand-off, event-loop turns).
+"""
+
+from __future__ import annotations
+
+from loadgen.bench.common import percentile
+from loadgen.otlp_sink import ReceivedSpan
+
+# A request's path in order (shared/tracing.py): the hops up to the first token.
+HOP_ORDER = (
+    "gateway.accept",
+    "gateway.produce",
+    "scheduler.consume",
+    "scheduler.place",
+    "scheduler.produce",
+    "worker.consume",
+    "worker.engine_queue",
+    "worker.first_token",
+    "worker.result_produce",
+    "gateway.consume",
+    "gateway.sse_write",
+)
+
+# Each Kafka hop of the first token's path: its consume span and the produce span inside it.
+KAFKA_HOPS = (
+    ("scheduler.consume", "gateway.produce"),
+    ("worker.consume", "scheduler.produce"),
+    ("gateway.consume", "worker.result_produce"),
+)
+
+# The work of the services between the Kafka hops (in process, no broker).
+SERVICE_HOPS = ("gateway.accept", "scheduler.place", "worker.engine_queue", "worker.first_token", "gateway.sse_write")
+
+
+def hop_breakdown(spans: list[ReceivedSpan], trace_ids: set[str]) -> dict:
+    """p50/p99 seconds of each hop over the given traces, and how many traces had that hop."""
+    by_hop: dict[str, list[float]] = {}
+    for s in spans:
+        if s.hop is not None and s.trace_id in trace_ids:
+            by_hop.setdefault(s.hop, []).append(s.seconds)
+    order = [h for h in HOP_ORDER if h in by_hop] + sorted(set(by_hop) - set(HOP_ORDER))
+    return {
+        h: {"p50_s": percentile(by_hop[h], 50), "p99_s": percentile(by_hop[h], 99), "count": len(by_hop[h])}
+        for h in order
+    }
+
+
+def first_token_path(spans: list[ReceivedSpan], ttft_by_trace: dict[str, float]) -> dict:
+    """Per request (trace) with every hop of the path: its TTFT as Kafka hops (each as produce ack
+    and reader wake-up) + service work + untraced time; p50/p99 of each part over those requests.
+    Parts are added per request, so their p50s need not add up to the TTFT's p50."""
+    hops: dict[str, dict[str, float]] = {}
+    for s in spans:
+        if s.hop is not None and s.trace_id in ttft_by_trace:
+            hops.setdefault(s.trace_id, {})[s.hop] = s.seconds
+    needed = {h for pair in KAFKA_HOPS for h in pair} | set(SERVICE_HOPS)
+    parts: dict[str, list[float]] = {}
+    for trace_id, got in hops.items():
+        if not needed <= set(got):
+            continue  # a hop's span was not exported (the stack stopped first): not comparable
+        row = {}
+        for consume, produce in KAFKA_HOPS:
+            row[f"{consume}.ack_s"] = got[produce]
+            row[f"{consume}.wake_s"] = max(0.0, got[consume] - got[produce])
+        row["kafka_s"] = sum(got[c] for c, _ in KAFKA_HOPS)
+        row["services_s"] = sum(got[h] for h in SERVICE_HOPS)
+        row["ttft_s"] = ttft_by_trace[trace_id]
+        row["untraced_s"] = row["ttft_s"] - row["kafka_s"] - row["services_s"]
+        for k, v in row.items():
+            parts.setdefault(k, []).append(v)
+    return {
+        "requests": len(parts.get("ttft_s", [])),
+        "kafka_hops": len(KAFKA_HOPS),
+        **{k: {"p50_s": percentile(v, 50), "p99_s": percentile(v, 99)} for k, v in parts.items()},
+    }
