@@ -238,6 +238,7 @@ class _Ctx:
         self.first_token_seen = False
         self.closed = False
         self.cached_tokens: int | None = None
+        self.early: Delta | None = None  # a first event that was a delta (`wait_accepted`)
 
     @property
     def endpoint(self) -> str:
@@ -257,15 +258,24 @@ class _Ctx:
             raise APIError(504, "the request timed out", code="timeout") from None
 
     async def wait_accepted(self) -> None:
+        """Until the first event. It is normally the worker's `Accepted`, but a delta can come
+        first: a broker restart loses the records it held unread (the `Accepted` among them) while
+        the worker's later records, sent again by its producer, reach the new broker. Such a delta
+        is kept for `_deltas` (it used to be taken for the acceptance and dropped: the client's
+        text then lacked its first chunk, a gap `tandem chaos` counted, and a delta that also
+        finished the request left the response waiting out `request_timeout_s`)."""
         event = await self._next(first=True)
         if isinstance(event, Failed):
             self.close(completed=True, status=str(event.status))
             raise failed_error(event)
+        if isinstance(event, Delta):
+            self.early = event
 
     async def _deltas(self):
         """Deltas until the finishing one; Accepted events of resumed attempts are skipped."""
         while True:
-            event = await self._next()
+            event = self.early if self.early is not None else await self._next()
+            self.early = None
             if isinstance(event, Accepted):
                 continue
             if isinstance(event, Failed):
