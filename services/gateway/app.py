@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -30,6 +31,8 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.sessions import check_session_id
 from shared.tracing import Tracing
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -253,7 +256,13 @@ class _Ctx:
             async with asyncio.timeout(self._timeout(first)):  # not wait_for: see shared/aio.py
                 return await self.stream.events.get()
         except TimeoutError:
-            if first:
+            if first:  # a request nobody served: named, so its path can be followed in the logs
+                log.warning(
+                    "no result event within %.0fs of submission (attempt %d): 503 no_capacity",
+                    self._timeout(first),
+                    self.stream.attempt,
+                    extra={"request_id": self.stream.request.request_id},
+                )
                 raise APIError(503, "no worker accepted the request in time", code="no_capacity") from None
             raise APIError(504, "the request timed out", code="timeout") from None
 

@@ -123,7 +123,8 @@ class GatewayCore:
             self.tracing.hop("gateway.accept", trace, accepted_ns, send_ns)
         await self.kafka.send(topic.name, request, key=request.request_id, headers=Tracing.kafka_headers(trace))
         self.tracing.hop("gateway.produce", trace, send_ns)
-        log.debug("submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
+        level = self.broker_watch.recovery.level()  # INFO for a while after a broker restart
+        log.log(level, "submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
 
     def cancel_soon(self, request_id: str) -> None:
         """Publish a cancel without awaiting it (called from cleanup paths that may be cancelled)."""
