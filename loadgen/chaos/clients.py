@@ -127,10 +127,25 @@ async def rt_client(
                 record.outcome = "ok" if text == references[k] else "mismatch"
 
 
-async def references(gateways: Gateways, max_tokens: int) -> list[str]:
-    """Each prompt's greedy answer from the undisturbed stack."""
+async def references(gateways: Gateways, max_tokens: int, budget_s: float = 600.0) -> list[str]:
+    """Each prompt's greedy answer from the undisturbed stack. A failed attempt (a 503 from a
+    stack that is ready but starved: at load 40 a reference request waited out the gateway's
+    60 s first-event timeout and ended a `--ha` run before its first fault) is sent again, to
+    each replica in turn, within `budget_s` per prompt."""
     async with httpx.AsyncClient(timeout=300) as client:
-        return [await complete_text(client, gateways.urls[0], chat(p, max_tokens, False)) for p in PROMPTS]
+        out = []
+        for p in PROMPTS:
+            deadline, n = time.monotonic() + budget_s, 0
+            while True:
+                try:
+                    out.append(await complete_text(client, gateways.url(n), chat(p, max_tokens, False)))
+                    break
+                except (httpx.HTTPError, RuntimeError, ValueError, KeyError):
+                    n += 1
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
+        return out
 
 
 @dataclass
