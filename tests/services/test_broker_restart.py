@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import threading
 import time
@@ -100,13 +99,6 @@ def _restart_seen_by(stack: Stack, *names: str) -> None:
         stack.wait_log(name, RESTART_LOGGED)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TANDEM_TEST_BROKER_RESTART") != "1",
-    reason="flaky from tansu itself (after an in-memory restart it refuses some produces and leaves holes: "
-    "docs/reliability.md, Broker restarts). Session 7 looped it 8 times at load 25-44: 7 passed, run 4 failed (the "
-    "batch not final 300 s after the restart, every child silent after its repair; the logs went with pytest's "
-    "temporary directories), so `make test` still leaves it out: run it with TANDEM_TEST_BROKER_RESTART=1",
-)
 def test_stack_survives_a_broker_restart(stack, broker):
     client = openai_client(stack)
     prompt = chat_body("before and after the restart", max_tokens=12)
