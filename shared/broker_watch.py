@@ -80,6 +80,24 @@ log = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 3.0
 
 
+class RecoveryWindow:
+    """The level of a service's per-request log lines: INFO for `seconds` after a broker restart
+    this watch repaired, DEBUG otherwise. A request that is slow to be served after a restart
+    (`tandem chaos` measured 62 s twice, with nothing at INFO to say where the request was) can
+    then be followed through the services' logs without running them at DEBUG, at no cost in
+    steady state."""
+
+    def __init__(self, seconds: float = 120.0) -> None:
+        self.seconds = seconds
+        self._until = float("-inf")
+
+    def open(self) -> None:
+        self._until = time.monotonic() + self.seconds
+
+    def level(self) -> int:
+        return logging.INFO if time.monotonic() < self._until else logging.DEBUG
+
+
 @dataclass(frozen=True)
 class BrokerRestart:
     """What the watch knows about a restart it repaired."""
@@ -118,6 +136,8 @@ class BrokerWatch:
         self.restarts = 0  # restarts repaired since start (tests and metrics read it)
         self.checks = 0  # checks that got an answer (the idle cost: one metadata request each)
         self.holes = HoleGuard(kafka.live_consumers, wait_s=kafka.settings.broker_hole_wait_s)
+        # opened at each repaired restart: per-request lines at INFO for a while
+        self.recovery = RecoveryWindow(kafka.settings.broker_recovery_log_s)
 
     async def start(self, *, background: bool = True) -> None:
         """Adopt or create the incarnation marker, then watch in the background (`background=False`:
@@ -195,6 +215,7 @@ class BrokerWatch:
             return None
         restart = await self._repair(topics, reasons)
         self.restarts += 1
+        self.recovery.open()
         log.warning(
             "broker restarted (%s); recreated %s; telling the service",
             "; ".join(restart.reasons),

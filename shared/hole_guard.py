@@ -27,6 +27,17 @@ Then the consumer is moved to the high watermark, and a warning names the range.
 serves every offset below its watermark (Apache Kafka) the first two never hold together with the
 third: a fetch below the watermark returns records.
 
+Confirmed before stepping (session 8). A busy tansu also answers a fetch below the watermark
+with nothing: it answers with what it read by the fetch's deadline, and the consumers' short
+token-path waits (a few ms, growing to 64 ms on empty answers, shared/quiet_consumer.py) can
+expire before it reads a stored batch at load 20-30. The three conditions above then held for
+records that were stored: in `tandem chaos` at load 26 the queue stepped over nine offsets of its
+reply partition a minute after a restart, no produce had been refused since, and two batch items
+whose results were among them stayed in flight for good. So a candidate is stepped over only when
+a patient fetch confirms it: a probe consumer of its own fetches at the position with a
+`PROBE_WAIT_MS` deadline, twice, and finds nothing (a hole has nothing to find, however long it
+looks). A probe that fails or finds records leaves the position alone.
+
 Why the high watermark and not one offset at a time: a fetch at the position already looked at
 every stored batch between it and the watermark and found none, so there is nothing between to
 read; stepping one offset per check would take a check per missing offset (holes of a dozen were
@@ -38,14 +49,49 @@ watermark first), so a batch still being stored is never skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 log = logging.getLogger(__name__)
+PROBE_WAIT_MS = 1000  # a confirming fetch's deadline: ample for a stored batch, even at load 30
+PROBE_FETCHES = 2
+PROBE_BOUND_S = 15.0  # a probe that takes longer (a starved machine) confirms nothing
+
+
+async def nothing_served_at(consumer: AIOKafkaConsumer, tp: TopicPartition, position: int) -> bool:
+    """True when patient fetches at `position` of `tp` find nothing (a hole); False when they find
+    a record, or cannot tell (an error, the broker away, `PROBE_BOUND_S` passed). A consumer of its
+    own, so the watched one's position and buffers are untouched."""
+    bootstrap = consumer._client._bootstrap_servers  # noqa: SLF001 (aiokafka has no public view)
+    probe = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        fetch_max_wait_ms=PROBE_WAIT_MS,
+        client_id="hole-guard-probe",
+    )
+    try:
+        async with asyncio.timeout(PROBE_BOUND_S):
+            await probe.start()
+            probe.assign([tp])
+            probe.seek(tp, position)
+            for _ in range(PROBE_FETCHES):
+                if (await probe.getmany(tp, timeout_ms=2 * PROBE_WAIT_MS)).get(tp):
+                    return False
+            return True
+    except Exception:  # noqa: BLE001 (cannot tell: leave the position alone, the next check looks again)
+        log.debug("hole probe at %s[%d] %d failed", tp.topic, tp.partition, position, exc_info=True)
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await probe.stop()
+
+
+Confirm = Callable[[AIOKafkaConsumer, TopicPartition, int], Awaitable[bool]]
 
 
 @dataclass
@@ -61,8 +107,15 @@ class HoleGuard:
     `consumers` returns the live consumers to check (a `KafkaClient`'s); the guard makes no
     request of its own: everything it reads the consumers already hold."""
 
-    def __init__(self, consumers: Callable[[], Iterable[AIOKafkaConsumer]], *, wait_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        consumers: Callable[[], Iterable[AIOKafkaConsumer]],
+        *,
+        wait_s: float = 3.0,
+        confirm: Confirm = nothing_served_at,
+    ) -> None:
         self._consumers = consumers
+        self._confirm = confirm
         self.wait_s = wait_s
         self._seen: dict[tuple[int, TopicPartition], _Watch] = {}
         self._task: asyncio.Task | None = None
@@ -84,7 +137,7 @@ class HoleGuard:
         while True:
             await asyncio.sleep(self.wait_s / 2)
             try:
-                self.check()
+                await self.check()
             except Exception:  # noqa: BLE001 (a consumer mid-rebalance or stopping: the next check)
                 log.debug("hole check failed", exc_info=True)
 
@@ -98,39 +151,58 @@ class HoleGuard:
         self._seen.clear()
         self._armed_until = time.monotonic() + for_s
 
-    def check(self, now_ms: float | None = None) -> int:
+    async def check(self, now_ms: float | None = None) -> int:
         """One pass over every assigned partition; returns how many holes it stepped over."""
         if time.monotonic() > self._armed_until:
             self._seen.clear()
             return 0
         now_ms = time.time() * 1000 if now_ms is None else now_ms
         live: set[tuple[int, TopicPartition]] = set()
-        stepped = 0
+        candidates = []
         for consumer in self._consumers():
             for tp in consumer.assignment():
                 key = (id(consumer), tp)
                 live.add(key)
-                stepped += self._check_one(consumer, tp, key, now_ms)
+                if self._looks_like_a_hole(consumer, tp, key, now_ms):
+                    candidates.append((consumer, tp, key))
         for key in set(self._seen) - live:  # unassigned or stopped consumers
             del self._seen[key]
+        stepped = 0
+        for consumer, tp, key in candidates:
+            stepped += await self._step_if_confirmed(consumer, tp, key)
         self.skipped += stepped
         return stepped
 
-    def _check_one(self, consumer: AIOKafkaConsumer, tp: TopicPartition, key, now_ms: float) -> int:
+    def _looks_like_a_hole(self, consumer: AIOKafkaConsumer, tp: TopicPartition, key, now_ms: float) -> bool:
         position = _position(consumer, tp)
         if position is None:
             self._seen.pop(key, None)
-            return 0
+            return False
         watch = self._seen.get(key)
         if watch is None or watch.position != position:
             self._seen[key] = _Watch(position, now_ms)
-            return 0
+            return False
         highwater, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
         wait_ms = self.wait_s * 1000
         if highwater is None or polled is None or highwater <= position:
+            return False
+        return not (now_ms - watch.since_ms < wait_ms or polled < watch.since_ms + wait_ms or _buffered(consumer, tp))
+
+    async def _step_if_confirmed(self, consumer: AIOKafkaConsumer, tp: TopicPartition, key) -> int:
+        position, highwater = self._seen[key].position, consumer.highwater(tp)
+        if not await self._confirm(consumer, tp, position):
+            log.info(
+                "%s[%d]: offset %d looked like a hole (nothing served below the high watermark %s) but "
+                "a patient fetch found records: a slow broker, not a hole; left in place",
+                tp.topic,
+                tp.partition,
+                position,
+                highwater,
+            )
+            self._seen.pop(key, None)  # judged again from fresh observations
             return 0
-        if now_ms - watch.since_ms < wait_ms or polled < watch.since_ms + wait_ms or _buffered(consumer, tp):
-            return 0
+        if _position(consumer, tp) != position:
+            return 0  # it moved while the probe looked: not stuck after all
         log.warning(
             "%s[%d]: offsets %d-%d are below the high watermark but the broker serves none of them "
             "(a hole left by a broker restart, shared/hole_guard.py); reading on from %d",
@@ -141,7 +213,7 @@ class HoleGuard:
             highwater,
         )
         consumer.seek(tp, highwater)
-        self._seen[key] = _Watch(highwater, now_ms)
+        self._seen[key] = _Watch(highwater, time.time() * 1000)
         return 1
 
 

@@ -129,6 +129,12 @@ class KafkaClient:
             self.ensured.update(t.name for t in topics)
         if not topics:
             return
+        # Retried as a whole, with a new admin client each time: a loaded tansu answers the
+        # listing or the creation with `RequestTimedOut`, which ended a gateway's start (and a
+        # `tandem chaos` run with it) while the connect alone was retried.
+        await with_backoff("topic creation", lambda: self._create_missing(topics))
+
+    async def _create_missing(self, topics: Sequence[TopicSpec]) -> None:
         admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, client_id=f"{self.client_id}-admin")
         await with_backoff("admin connect", admin.start)
         try:

@@ -57,6 +57,7 @@ from shared.schemas.lease import LeaseRecord, LeaseState
 
 log = logging.getLogger(__name__)
 RELEASE_WAIT_S = 1.0  # how long a clean stop waits for its release to be acknowledged
+LEASE_PARTITION = 0  # `leases` has one partition; records name it (`LeaseKeeper._send` says why)
 
 
 @dataclass
@@ -186,7 +187,7 @@ class LeaseKeeper:
         # Woken by this role's records only; a lost ring makes a renewal late, never a false
         # claim (the active wakes its reader after each send, a standby reads to the end first).
         c = self._consumer = await self.kafka.consumer(group=None)
-        await self.kafka.assign_all(c, self.topic, from_end=False, bell=self.bell)
+        await self.kafka.assign_all(c, self.topic, from_end=False, partitions=[LEASE_PARTITION], bell=self.bell)
         await read_to_end(c, self._apply)
         cur = self.log.current
         log.info(
@@ -353,7 +354,13 @@ class LeaseKeeper:
         if state == "held":
             self._last_held = self._sent[self._seq]
         # Not re-sent when refused: the next tick sends the state of that moment (produce_resend.py).
-        landed = await self.kafka.send(self.topic, record, key=self.role, resend=NO_RESEND)
+        # Partition 0 named, not left to the key: `leases` has one partition, but a producer
+        # that started while the topic was a restarted tansu's auto-created 4-partition one keeps
+        # that count for minutes after another service's broker watch re-created it with one
+        # (`BrokerWatch._repair`), and its keyed records then went to partition 1, where no reader
+        # looks: a successor's claims were never read back, not even by itself (the gated
+        # real-tansu test, session 8). Readers read partition 0 only (`start`), for the same reason.
+        landed = await self.kafka.send(self.topic, record, key=self.role, partition=LEASE_PARTITION, resend=NO_RESEND)
         self.kafka.ring(self.bell, landed)  # this role's readers (the topic's own bell wakes no lease reader)
         if state == "held" and isinstance(self._consumer, QuietConsumer):
             self._consumer.wake(self.topic, [ring_payload(landed)])  # read back without a ring

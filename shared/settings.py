@@ -58,6 +58,9 @@ class ServiceSettings(BaseSettings):
     # How long a consumer sits at offsets the broker acknowledged but never serves (tansu after a
     # restart) before it reads on from the high watermark (shared/hole_guard.py). No request.
     broker_hole_wait_s: float = 3.0
+    # For this long after a broker restart, per-request log lines (gateway submissions, scheduler
+    # receipts and placements) are INFO instead of DEBUG (shared/broker_watch.py, RecoveryWindow).
+    broker_recovery_log_s: float = 120.0
     worker_timeout_s: float = 3.0  # a worker silent this long is declared lost
     # The doubled services (scheduler, queue, advisory): the active renews its lease every
     # lease_s / 2 and a standby claims lease_s after the last renewal it read (shared/lease.py),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -79,8 +80,8 @@ async def stream_text(client: httpx.AsyncClient, url: str, body: dict) -> str:
     return "".join(text)
 
 
-async def complete_text(client: httpx.AsyncClient, url: str, body: dict) -> str:
-    r = await client.post(f"{url}/v1/chat/completions", json=body)
+async def complete_text(client: httpx.AsyncClient, url: str, body: dict, headers: dict | None = None) -> str:
+    r = await client.post(f"{url}/v1/chat/completions", json=body, headers=headers)
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}")
     return r.json()["choices"][0]["message"]["content"]
@@ -126,22 +127,60 @@ async def rt_client(
                 record.outcome = "ok" if text == references[k] else "mismatch"
 
 
-async def references(gateways: Gateways, max_tokens: int) -> list[str]:
-    """Each prompt's greedy answer from the undisturbed stack."""
+async def references(gateways: Gateways, max_tokens: int, budget_s: float = 600.0) -> list[str]:
+    """Each prompt's greedy answer from the undisturbed stack. A failed attempt (a 503 from a
+    stack that is ready but starved: at load 40 a reference request waited out the gateway's
+    60 s first-event timeout and ended a `--ha` run before its first fault) is sent again, to
+    each replica in turn, within `budget_s` per prompt."""
     async with httpx.AsyncClient(timeout=300) as client:
-        return [await complete_text(client, gateways.urls[0], chat(p, max_tokens, False)) for p in PROMPTS]
+        out = []
+        for p in PROMPTS:
+            deadline, n = time.monotonic() + budget_s, 0
+            while True:
+                try:
+                    out.append(await complete_text(client, gateways.url(n), chat(p, max_tokens, False)))
+                    break
+                except (httpx.HTTPError, RuntimeError, ValueError, KeyError):
+                    n += 1
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
+        return out
 
 
-async def recovery_s(gateways: Gateways, since: float, timeout_s: float) -> float | None:
+@dataclass
+class ProbeAttempt:
+    """One recovery probe request: which gateway, under which request id (the services log it, at
+    INFO for a minute after a broker restart), when it was sent after the kill, how long it took
+    and how it failed. A long recovery is then traced to the request that waited."""
+
+    request_id: str
+    gateway: str
+    sent_s: float  # after the kill
+    took_s: float
+    error: str | None = None
+
+
+async def recovery_s(
+    gateways: Gateways, since: float, timeout_s: float, attempts: list[ProbeAttempt] | None = None, tag: str = ""
+) -> float | None:
     """Seconds from `since` (the kill) until a small request, sent one after another to each
-    replica in turn, first succeeds; None if none did within `timeout_s`."""
+    replica in turn, first succeeds; None if none did within `timeout_s`. Each request is
+    appended to `attempts` (its id: `<tag>-<n>`; request ids must be unique: the scheduler takes
+    a known one for a redelivery)."""
+    attempts = [] if attempts is None else attempts
+    tag = tag or f"probe-{uuid.uuid4().hex[:12]}"
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=2.0)) as client:
-        attempt = 0
+        n = 0
         while time.time() - since < timeout_s:
+            url, rid, sent = gateways.url(n), f"{tag}-{n}", time.time()
+            n += 1
             try:
-                await complete_text(client, gateways.url(attempt), chat(PROMPTS[0], 2, False))
+                await complete_text(client, url, chat(PROMPTS[0], 2, False), {"X-Request-Id": rid})
+                attempts.append(ProbeAttempt(rid, url, sent - since, time.time() - sent))
                 return time.time() - since
-            except (httpx.HTTPError, RuntimeError, ValueError, KeyError):
-                attempt += 1
+            except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as exc:
+                error = f"{type(exc).__name__}: {exc}"[:120]
+                attempts.append(ProbeAttempt(rid, url, sent - since, time.time() - sent, error))
                 await asyncio.sleep(0.1)
     return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from loadgen.bench.common import percentile
@@ -51,6 +51,9 @@ class FaultRecord:
     recovery_s: float | None
     ready_again_s: float | None  # until both gateways counted both workers again
     crashed: list[str]  # children found dead that the harness had not killed
+    # the recovery probe's requests that took over a second or failed, and the one that succeeded
+    # (request ids the services log: docs/reliability.md, "Tracing a slow recovery")
+    probes: list[clients.ProbeAttempt] = field(default_factory=list)
 
 
 def targets(fault: str) -> list[str]:
@@ -119,7 +122,9 @@ async def _one_fault(
     killed_at = time.time()
     for name in names:
         await asyncio.to_thread(stack.kill, name)
-    recovery = asyncio.create_task(clients.recovery_s(gateways, killed_at, cfg.recovery_timeout_s))
+    probes: list[clients.ProbeAttempt] = []
+    tag = f"probe-{fault.replace('+', '-')}-r{repeat}-{int(killed_at)}"
+    recovery = asyncio.create_task(clients.recovery_s(gateways, killed_at, cfg.recovery_timeout_s, probes, tag))
     await asyncio.sleep(cfg.restart_delay_s)
     for name in names:
         await asyncio.to_thread(stack.spawn, name)
@@ -131,7 +136,8 @@ async def _one_fault(
         ready_again = time.time() - killed_at
     except RuntimeError:
         ready_again = None
-    return FaultRecord(fault, repeat, killed_at, names, recovered, ready_again, crashed)
+    notable = [p for p in probes if p.error is None or p.took_s > 1.0]  # the fast refusals add nothing
+    return FaultRecord(fault, repeat, killed_at, names, recovered, ready_again, crashed, notable)
 
 
 def _summary(cfg: ChaosConfig, faults: list[FaultRecord], rt: list[clients.RTRecord], counts) -> dict:

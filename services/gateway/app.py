@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -30,6 +31,8 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Accepted, Delta, Failed
 from shared.schemas.sessions import check_session_id
 from shared.tracing import Tracing
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -238,6 +241,7 @@ class _Ctx:
         self.first_token_seen = False
         self.closed = False
         self.cached_tokens: int | None = None
+        self.early: Delta | None = None  # a first event that was a delta (`wait_accepted`)
 
     @property
     def endpoint(self) -> str:
@@ -252,20 +256,35 @@ class _Ctx:
             async with asyncio.timeout(self._timeout(first)):  # not wait_for: see shared/aio.py
                 return await self.stream.events.get()
         except TimeoutError:
-            if first:
+            if first:  # a request nobody served: named, so its path can be followed in the logs
+                log.warning(
+                    "no result event within %.0fs of submission (attempt %d): 503 no_capacity",
+                    self._timeout(first),
+                    self.stream.attempt,
+                    extra={"request_id": self.stream.request.request_id},
+                )
                 raise APIError(503, "no worker accepted the request in time", code="no_capacity") from None
             raise APIError(504, "the request timed out", code="timeout") from None
 
     async def wait_accepted(self) -> None:
+        """Until the first event. It is normally the worker's `Accepted`, but a delta can come
+        first: a broker restart loses the records it held unread (the `Accepted` among them) while
+        the worker's later records, sent again by its producer, reach the new broker. Such a delta
+        is kept for `_deltas` (it used to be taken for the acceptance and dropped: the client's
+        text then lacked its first chunk, a gap `tandem chaos` counted, and a delta that also
+        finished the request left the response waiting out `request_timeout_s`)."""
         event = await self._next(first=True)
         if isinstance(event, Failed):
             self.close(completed=True, status=str(event.status))
             raise failed_error(event)
+        if isinstance(event, Delta):
+            self.early = event
 
     async def _deltas(self):
         """Deltas until the finishing one; Accepted events of resumed attempts are skipped."""
         while True:
-            event = await self._next()
+            event = self.early if self.early is not None else await self._next()
+            self.early = None
             if isinstance(event, Accepted):
                 continue
             if isinstance(event, Failed):

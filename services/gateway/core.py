@@ -12,6 +12,7 @@ import zlib
 
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream, StreamRegistry
+from shared.aio import within
 from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import NO_RESEND, KafkaClient, fetch_decoded
 from shared.live_workers import LiveWorkers
@@ -26,6 +27,9 @@ from shared.topics import Topics
 from shared.tracing import Tracing, sent_ns
 
 log = logging.getLogger(__name__)
+# The stop's bounds (`GatewayCore.stop`): the sends still in flight, then closing the Kafka clients.
+STOP_SENDS_GRACE_S = 2.0
+STOP_KAFKA_S = 5.0
 
 
 class GatewayCore:
@@ -70,13 +74,43 @@ class GatewayCore:
         log.info("gateway %s reading results partition %d", self.gateway_id, self.reply_partition)
 
     async def stop(self) -> None:
+        """Stop, within about `STOP_SENDS_GRACE_S + STOP_KAFKA_S` whatever the broker does.
+
+        A stop often comes with the broker gone: a test run or a benchmark stopped by `timeout`
+        takes its broker down with the gateway. Every stream the stop closed then publishes a
+        cancel, and each of those sends (and the producer's flush of them) waited out the
+        producer's 10 s request timeout on a broker that would never answer; a gateway outlived
+        its parent by seconds to minutes while the other services had exited. The cancels are
+        a courtesy: a worker cancels the requests of a gateway whose owner heartbeats stop
+        (services/worker/owners.py), so those not sent within the grace are dropped (logged)."""
         self.ready = False
         await self.broker_watch.stop()
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._fire_and_forget, return_exceptions=True)
-        await self.kafka.stop()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._drop_unsent(STOP_SENDS_GRACE_S)
+        try:
+            await within(self.kafka.stop(), STOP_KAFKA_S)
+        except TimeoutError:
+            log.warning("gateway stop: the Kafka clients did not close within %.0fs; leaving them", STOP_KAFKA_S)
         self.tracing.shutdown()
+
+    async def _drop_unsent(self, grace_s: float) -> None:
+        """Give the cancels and batch notices still being sent `grace_s`, then cancel the rest."""
+        pending = set(self._fire_and_forget)
+        if not pending:
+            return
+        _, unsent = await asyncio.wait(pending, timeout=grace_s)
+        for task in unsent:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if unsent:
+            log.warning(
+                "gateway stop: dropped %d cancels or notices not sent within %.0fs (the workers cancel "
+                "this gateway's requests once its owner heartbeats stop)",
+                len(unsent),
+                grace_s,
+            )
 
     async def submit(self, request: GenerateRequest, accepted_ns: int | None = None) -> None:
         """Publish a request (a first attempt, or a resumed one); `accepted_ns`: when the HTTP
@@ -89,7 +123,8 @@ class GatewayCore:
             self.tracing.hop("gateway.accept", trace, accepted_ns, send_ns)
         await self.kafka.send(topic.name, request, key=request.request_id, headers=Tracing.kafka_headers(trace))
         self.tracing.hop("gateway.produce", trace, send_ns)
-        log.debug("submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
+        level = self.broker_watch.recovery.level()  # INFO for a while after a broker restart
+        log.log(level, "submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
 
     def cancel_soon(self, request_id: str) -> None:
         """Publish a cancel without awaiting it (called from cleanup paths that may be cancelled)."""

@@ -191,7 +191,7 @@ class SchedulerService:
         if sent is not None:
             self.tracing.hop("scheduler.consume", trace, sent, read_ns)
         self.pending[req.req_class].append(Pending(req, tp, offset, trace, read_ns))
-        log.debug("received", extra={"request_id": req.request_id})
+        log.log(self.broker_watch.recovery.level(), "received", extra={"request_id": req.request_id})
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -294,6 +294,9 @@ class SchedulerService:
                 else:
                     self._count_decision(p.request, decision)
                     await self.dispatcher.dispatch(p, decision.worker_id, {w.worker_id for w in loads})
+                    level = self.broker_watch.recovery.level()  # DEBUG: dispatch.py logs it there
+                    if level > logging.DEBUG:
+                        log.log(level, "placed on %s", decision.worker_id, extra={"request_id": p.request.request_id})
                 self.offsets.done(p.tp, p.offset)  # both written and acknowledged
             self.m.pending.labels(cls).set(len(queue))
 

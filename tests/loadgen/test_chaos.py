@@ -31,6 +31,8 @@ def test_a_short_chaos_run_counts_everything(tmp_path, tiny_model_dir):
     assert result["provenance"]["git"]["commit"]
     fault = result["faults"]["advisory"]
     assert fault["repeats"] == 1 and fault["recovered"] == 1 and fault["recovery_s"][0] > 0
+    served = result["rounds"][0]["probes"][-1]  # the probe request that ended the recovery, by its id
+    assert served["error"] is None and served["request_id"].startswith("probe-advisory-r0-")
     assert result["baseline_probe_s"] > 0
     rt = result["rt"]
     assert rt["requests"] > 0 and rt["lost"] == 0 and rt["gaps_or_repeats"] == 0

@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from services.broker import start_broker
-from shared.hole_guard import HoleGuard
+from shared.hole_guard import HoleGuard, nothing_served_at
 
 TOPIC = "hole.t"
 TP = TopicPartition(TOPIC, 0)
@@ -87,9 +87,28 @@ def test_a_consumer_at_a_restarted_brokers_hole_reads_on():
                     got.extend(m.value for m in msgs)
 
         reader = asyncio.create_task(read())
-        guard.start()
         try:
             await _until("the orphan read", lambda: got == [b"orphan"])
+            # The confirming probe: a stored record is found, the hole is not (session 8: a busy
+            # tansu's empty answers over stored records made the guard skip them).
+            assert not await nothing_served_at(consumer, TP, 0)
+            assert await nothing_served_at(consumer, TP, 1)
+            # A candidate the probe does not confirm stays where it is.
+            asked: list[int] = []
+
+            async def not_a_hole(_consumer, _tp, position: int) -> bool:
+                asked.append(position)
+                return False
+
+            doubting = HoleGuard(lambda: [consumer], wait_s=1.0, confirm=not_a_hole)
+            doubting.arm()
+            deadline = time.monotonic() + 60
+            while not asked:
+                assert await doubting.check() == 0
+                assert time.monotonic() < deadline, "the hole was never a candidate"
+                await asyncio.sleep(0.1)
+            assert asked == [1] and await consumer.position(TP) == 1
+            guard.start()
             # Nothing else is produced: only the guard can move the consumer past the hole.
             deadline = time.monotonic() + 60
             while await consumer.position(TP) != 4:
@@ -141,7 +160,7 @@ def test_a_consumer_slow_to_read_is_not_moved(kafka_bootstrap):
             checks = 0
             deadline = time.monotonic() + 3.0
             while time.monotonic() < deadline:
-                checks += guard.check()
+                checks += await guard.check()
                 await asyncio.sleep(0.1)
             got = [m.value for msgs in (await consumer.getmany(timeout_ms=2000)).values() for m in msgs]
             return checks, got
