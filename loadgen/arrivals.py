@@ -38,7 +38,13 @@ def gamma_times(rate: float, cv: float, duration_s: float, rng: np.random.Genera
     scale = 1.0 / (rate * shape)
     times: list[float] = []
     t = 0.0
-    chunk = max(16, int(rate * duration_s * 1.2) + 16)
+    # How many gaps to draw at once. It sets how far the generator advances, so the lengths drawn
+    # after the arrivals depend on it: a `--requests N` window (duration N/rate) must draw the
+    # same chunk at every rate, so that every probe of a rate search sees the same requests with
+    # its times scaled (the papers' trace of N sampled requests). `rate * (N / rate)` can land a
+    # hair below N in floating point (4.75, 9.5, 19 req/s ... for N = 1000), and `int` then drew
+    # one gap less: a different set of requests at those rates. The epsilon absorbs only that.
+    chunk = max(16, int(rate * duration_s * 1.2 + 1e-6) + 16)
     while True:
         for gap in rng.gamma(shape, scale, size=chunk):
             t += float(gap)

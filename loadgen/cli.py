@@ -96,6 +96,19 @@ def add_run_args(
         action="store_true",
         help="bisect the request rate for the effective throughput (attainment >= --attainment)",
     )
+    g.add_argument(
+        "--decide-early",
+        action="store_true",
+        help="--find-rate: stop a probe once it is certain to miss the target (its attainment is then an "
+        "upper bound; loadgen/effective.py MissBound)",
+    )
+    g.add_argument(
+        "--max-rate",
+        type=float,
+        default=None,
+        help="--find-rate: the highest rate probed; a policy that still meets the target there is reported "
+        "as at least it (bracketed: false)",
+    )
     g.add_argument("--no-progress", action="store_true")
     g.add_argument("--served-model", default=None, help="http: model name (default: the gateway's first)")
     g.add_argument(

@@ -7,6 +7,8 @@ in a step: the request's arrival time is the scheduled one, so queueing shows up
 
 End of a run: no new requests after `duration_s`; RT requests in flight are drained (at most
 `drain_timeout_s`); BE requests still running then are aborted and count as not completed.
+`stop_when(records, now)` (optional) ends the run early the same way once it returns True: an
+effective-throughput probe whose answer is already decided (`loadgen.effective.MissBound`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from loadgen.metrics import RequestRecord
@@ -31,6 +34,8 @@ class RunResult:
     load: list[LoadSample] = field(default_factory=list)
     typing_hints: int = 0
     target: dict = field(default_factory=dict)
+    stopped_early: bool = False  # `stop_when` ended it: open requests were aborted
+    attainment_at_most: float | None = None  # when stopped early: the bound that stopped it
 
 
 class Driver:
@@ -43,11 +48,13 @@ class Driver:
         drain_timeout_s: float | None = None,
         progress: bool = False,
         load_samples: int = 2000,
+        stop_when: Callable[[Iterable[RequestRecord], float], bool] | None = None,
     ) -> None:
         self.target, self.workload, self.prompts = target, workload, prompts
         self.duration_s = workload.config.duration_s
         self.drain_timeout_s = max(30.0, self.duration_s) if drain_timeout_s is None else drain_timeout_s
         self.progress = progress
+        self.stop_when, self.stopped_early = stop_when, False
         self.sample_every_s = self.duration_s / max(1, load_samples)
         self._due: list[tuple[float, int, Submission, Source | None]] = []
         self._hints: list[tuple[float, int, str]] = []
@@ -77,7 +84,14 @@ class Driver:
         finally:
             bar.close()
         elapsed = self.target.now()
-        return RunResult(list(self._records.values()), elapsed, self._load, self._hint_count, self.target.describe())
+        return RunResult(
+            list(self._records.values()),
+            elapsed,
+            self._load,
+            self._hint_count,
+            self.target.describe(),
+            self.stopped_early,
+        )
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -99,6 +113,8 @@ class Driver:
     def _finished(self, now: float, hard_stop: float) -> bool:
         """Due submissions at or past `duration_s` are never sent, so the run ends when the
         window is over and no RT request is in flight (or the drain timeout passed)."""
+        if self.stop_when is not None and self.stop_when(self._records.values(), now):
+            self.stopped_early, hard_stop = True, now
         if now >= hard_stop or (now >= self.duration_s and not self._rt_open()):
             self._closing = True
             for rid in list(self._open):  # BE past the window, or anything past the drain timeout

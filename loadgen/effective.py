@@ -8,8 +8,10 @@ attainment-vs-rate plot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from loadgen.metrics import RequestRecord, slo_ok
 
 
 @dataclass
@@ -18,13 +20,20 @@ class EffectiveThroughput:
     target: float
     probes: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment), in probe order
     bracketed: bool = True  # False: the highest rate tried still met the target
+    # probes stopped once they could no longer meet the target (`MissBound`): their attainment
+    # in `probes` is an upper bound, not a measurement
+    stopped_early: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
+        early = set(self.stopped_early)
         return {
             "rate": self.rate,
             "target": self.target,
             "bracketed": self.bracketed,
-            "probes": [{"rate": r, "attainment": a} for r, a in self.probes],
+            "probes": [
+                {"rate": r, "attainment": a, **({"attainment_at_most": True} if r in early else {})}
+                for r, a in self.probes
+            ],
         }
 
 
@@ -87,3 +96,53 @@ def _bracket_down(ok: Callable[[float], bool], start: float, halvings: int) -> t
             return lo, hi
         hi = lo
     return None, hi
+
+
+class MissBound:
+    """Stops an effective-throughput probe once it can no longer meet the target.
+
+    The bisection needs only whether a probe's attainment is >= the target. A probe past the
+    wall (aptserve at 16 req/s, every one of 1,000 requests served to its end, as the paper's
+    client does) spends most of its time serving requests whose outcome cannot change that
+    answer. A request is a *certain miss* once it closed without meeting its SLO, or once it
+    is open with no token past its TTFT SLO (or its first token came late): whatever happens
+    next, it misses. When the certain misses of a window of `total` requests make
+    `(total - misses) / total < target`, the probe fails for sure and the run can stop; its
+    attainment is then known only as at most that bound, which is what the probe records
+    (`EffectiveThroughput.stopped_early` lists such rates). Certain P99-TBT misses of open
+    requests are not counted (a late gap may still fall under the P99), so the bound is
+    conservative: a probe is never stopped that could still pass.
+
+    Called by the driver with the run's records and the target's clock; it rescans at most
+    once per `every_s` of that clock (a scan is over every record)."""
+
+    def __init__(self, target: float, total: int, every_s: float = 1.0) -> None:
+        if total <= 0:
+            raise ValueError(f"MissBound needs the window's request count, got {total}")
+        self.target, self.total, self.every_s = target, total, every_s
+        self.misses = 0
+        self._next_check = 0.0
+
+    @property
+    def at_most(self) -> float:
+        """The highest attainment the run can still reach."""
+        return (self.total - self.misses) / self.total
+
+    def __call__(self, records: Iterable[RequestRecord], now: float) -> bool:
+        if now < self._next_check:
+            return False
+        self._next_check = now + self.every_s
+        self.misses = sum(1 for r in records if _certain_miss(r, now))
+        return self.at_most < self.target
+
+
+def _certain_miss(rec: RequestRecord, now: float) -> bool:
+    if rec.slo_ttft_s is None and rec.slo_tpot_s is None:
+        return False  # no SLO: not in the attainment's denominator
+    if rec.finish_s is not None:
+        return not slo_ok(rec)
+    if rec.slo_ttft_s is None:
+        return False
+    if rec.token_times_s:
+        return rec.token_times_s[0] - rec.arrival_s > rec.slo_ttft_s
+    return now - rec.arrival_s > rec.slo_ttft_s  # its first token can come only later

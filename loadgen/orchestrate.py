@@ -9,7 +9,7 @@ import sys
 import time
 
 from loadgen.driver import Driver, RunResult
-from loadgen.effective import effective_throughput
+from loadgen.effective import MissBound, effective_throughput
 from loadgen.factory import TargetBundle, inproc_target, sim_target, workload_config
 from loadgen.metrics import summarize
 from loadgen.workloads.build import build_workload
@@ -57,7 +57,16 @@ def _stamp(args: argparse.Namespace) -> dict:
     return stamp(dtype=dtype, extra={"target": args.target}).as_dict()
 
 
-def run_once(args: argparse.Namespace, policy: str, scale: _SloScale, rate: float, progress: bool) -> RunResult:
+def run_once(
+    args: argparse.Namespace,
+    policy: str,
+    scale: _SloScale,
+    rate: float,
+    progress: bool,
+    stop_below: float | None = None,
+) -> RunResult:
+    """One run; `stop_below`: end it once its SLO attainment is certain to stay below this
+    (`MissBound`, open-loop workloads only; `RunResult.stopped_early`, `.attainment_at_most`)."""
     if _is_http(args):
         from loadgen.targets.http import run_http
 
@@ -69,12 +78,34 @@ def run_once(args: argparse.Namespace, policy: str, scale: _SloScale, rate: floa
         _install_policy(bundle, policy, cfg)
         count = (lambda text: len(bundle.tokenizer.encode(text))) if bundle.tokenizer is not None else None
         workload = build_workload(cfg, count) if count else build_workload(cfg)
+        bound = _miss_bound(workload, stop_below)
         result = Driver(
-            bundle.target, workload, bundle.prompts, drain_timeout_s=args.drain_timeout, progress=progress
+            bundle.target,
+            workload,
+            bundle.prompts,
+            drain_timeout_s=args.drain_timeout,
+            progress=progress,
+            stop_when=bound,
         ).run()
+        if result.stopped_early:
+            result = dataclasses.replace(result, attainment_at_most=bound.at_most)
         return measured_window(result, getattr(args, "warmup_s", 0.0) or 0.0)
     finally:
         bundle.target.close()
+
+
+def _miss_bound(workload, stop_below: float | None) -> MissBound | None:
+    """The early stop of a probe over this window's requests; None where the window's size is
+    not known in advance (closed-loop sources) or none was asked for."""
+    if stop_below is None or workload.sources:
+        return None
+    window = workload.config.duration_s
+    total = sum(1 for sub in workload.open_loop if sub.at_s < window and _has_slo(sub.spec.slo))
+    return MissBound(stop_below, total) if total else None
+
+
+def _has_slo(slo) -> bool:
+    return slo.ttft_s is not None or slo.tpot_s is not None
 
 
 def measured_window(result: RunResult, warmup_s: float) -> RunResult:
@@ -123,13 +154,26 @@ def _install_policy(bundle: TargetBundle, policy: str, cfg) -> None:
 
 
 def _search(args: argparse.Namespace, policy: str, scale: _SloScale):
+    """Bisect the rate; with `--decide-early` a probe stops once it is certain to miss the target
+    (its attainment is then recorded as an upper bound; `MissBound`)."""
+    stop_below = args.attainment if getattr(args, "decide_early", False) else None
+    stopped: list[float] = []
+
     def attainment_at(rate: float) -> float:
-        res = run_once(args, policy, scale, rate, progress=False)
+        res = run_once(args, policy, scale, rate, progress=False, stop_below=stop_below)
+        if res.stopped_early:
+            stopped.append(rate)
+            att = res.attainment_at_most
+            _log(f"{policy}: rate {rate:.3f} -> SLO attainment at most {att:.3f} (stopped at {res.elapsed_s:.0f} s)")
+            return att
         att = summarize(res.records, res.elapsed_s)["rt"]["slo_attainment"]
         _log(f"{policy}: rate {rate:.3f} -> SLO attainment {att}")
         return att or 0.0
 
-    return effective_throughput(attainment_at, args.attainment, start=max(args.rate, 1e-3))
+    max_rate = getattr(args, "max_rate", None) or 1024.0
+    found = effective_throughput(attainment_at, args.attainment, start=max(args.rate, 1e-3), max_rate=max_rate)
+    found.stopped_early = stopped
+    return found
 
 
 class _SloScale:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from engine.cost_model import CostModel, PhaseFit
-from loadgen.bench import hybrid
+from loadgen.bench import hybrid, hybrid_summary
 
 
 def _cost(tmp_path) -> str:
@@ -54,7 +54,7 @@ def test_hybrid_bench_runs_every_policy_and_splits_hidden_rows(tiny_model_dir, t
 
 
 def test_rounds_alternate_the_order_over_seeds_and_rates():
-    order = hybrid._rounds(["fcfs", "aptserve"], [1.0, 2.0], [0, 1])
+    order = hybrid_summary.rounds(["fcfs", "aptserve"], [1.0, 2.0], [0, 1])
     assert order == [
         (1.0, 0, "fcfs"),
         (1.0, 0, "aptserve"),
@@ -89,7 +89,7 @@ def test_summary_pairs_seeds_and_reads_the_highest_tested_rate_per_level():
         _row("fcfs", 2.0, 1, 0.4),
         _row("aptserve", 2.0, 1, 0.6),
     ]
-    summary = hybrid.summarize_runs(runs, ["fcfs", "aptserve"])
+    summary = hybrid_summary.summarize_runs(runs, ["fcfs", "aptserve"])
     ratio = summary["per_rate"]["2.0"]["aptserve"]["ratio_to_fcfs"]
     assert abs(ratio["slo_attainment"]["min"] - 0.6 / 0.4) < 1e-12
     assert abs(ratio["slo_attainment"]["max"] - 0.92 / 0.5) < 1e-12

@@ -149,11 +149,13 @@ def test_bros_repro_shows_the_baselines_regime_beside_the_papers_vllm():
 def test_aptserve_full_cells_use_the_papers_trace_and_serve_every_request():
     """The paper's measurement: 1,000 requests per probe, and its client waits for every one (a
     request still open at our drain's end would count as a miss; the paper's counts it if it
-    meets the SLO when it finishes). The quick cells stay short."""
+    meets the SLO when it finishes), with its vLLM's max_num_seqs (256); a probe that cannot meet
+    the target any more stops (`--decide-early`). Four seeds per level. The quick cells stay short."""
     full = [c for c in REPROS["aptserve"].cells(quick=False, engine=False) if c.name.startswith("sim-")]
-    assert len(full) == 10
+    assert len(full) == 8
     for cell in full:
         args = cell_args(cell)
         assert args.requests == 1000 and args.drain_timeout >= 1e5 and args.find_rate
+        assert args.max_num_seqs == 256 and args.decide_early
     quick = REPROS["aptserve"].cells(quick=True, engine=False)
     assert all(cell_args(c).requests is None and cell_args(c).drain_timeout is None for c in quick)

@@ -164,3 +164,30 @@ def test_requests_sets_the_window_per_rate():
     assert workload_config(args, max_len=2048, slo_scale=1.0, rate=8.0).duration_s == pytest.approx(125.0)
     plain = p.parse_args(["--duration", "60"])
     assert workload_config(plain, max_len=2048, slo_scale=1.0, rate=8.0).duration_s == 60.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_requests_window_is_the_same_requests_at_every_rate(seed):
+    """`--requests 1000`: every rate of a search gets the same requests (lengths, order, count)
+    with its arrival times scaled by 1/rate, as the paper replays one trace of sampled requests
+    at several rates. 4.75, 9.5 and 19 req/s are rates where `rate * (1000 / rate)` falls just
+    below 1000 in floating point; they drew a different set of requests before the fix."""
+    import argparse
+
+    from loadgen.cli import add_run_args
+    from loadgen.factory import workload_config
+
+    p = argparse.ArgumentParser()
+    add_run_args(p, target_default="sim")
+    args = p.parse_args(["--requests", "1000", "--seed", str(seed)])
+
+    def trace(rate):
+        wl = build_workload(workload_config(args, max_len=2048, slo_scale=1.0, rate=rate))
+        return [(s.spec.prompt_len, s.spec.max_tokens) for s in wl.open_loop], [s.at_s * rate for s in wl.open_loop]
+
+    lengths, times = trace(4.0)
+    assert 4.75 * (1000 / 4.75) * 1.2 < 1200  # the floating-point case this guards
+    for rate in (2.0, 3.125, 4.75, 9.5, 19.0):
+        other_lengths, other_times = trace(rate)
+        assert other_lengths == lengths
+        assert other_times == pytest.approx(times, abs=1e-6)
