@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import threading
 import time
@@ -99,6 +100,15 @@ def _restart_seen_by(stack: Stack, *names: str) -> None:
         stack.wait_log(name, RESTART_LOGGED)
 
 
+@pytest.mark.skipif(
+    os.environ.get("TANDEM_TEST_BROKER_RESTART") != "1",
+    reason="session 8 ungated it after 8 of 8 passes under load, but it failed in the lead's quiet merged "
+    "`make test` (two xdist workers): after the restart the worker read nothing more from its dispatch topic "
+    "(its rewind ran at the repair; the RT request the scheduler placed 0.1 s later and the 8 re-released batch "
+    "items never reached it), so the request met the gateway's 60 s first-event timeout: the same family as "
+    "tandem chaos's 62 s broker recovery, cause not found yet (docs/reliability.md). Run it with "
+    "TANDEM_TEST_BROKER_RESTART=1",
+)
 def test_stack_survives_a_broker_restart(stack, broker):
     client = openai_client(stack)
     prompt = chat_body("before and after the restart", max_tokens=12)
