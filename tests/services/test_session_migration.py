@@ -196,6 +196,12 @@ class BusyHolder:
     once (its first 0.1 s of HTTP, Kafka and scheduler hops took longer than that): a race
     between two timings. A turn of thousands of tokens that ends only when the test closes it
     keeps wa busy for as long as the test needs, whatever the machine's load.
+
+    "As long as the test needs" is still bounded: the context (8K) caps the turn at BUSY_TOKENS,
+    6 to 15 s of decoding here. Should the turn end by itself before the test releases it, wa
+    may have been idle when the turn under test was placed, and a `wa` there says nothing about
+    the scheduler: `ended_by_itself` and `diagnosis()` tell that case apart from a real
+    misplacement (a reroute, a worker declared lost), whose logs the failure then carries.
     """
 
     def __init__(self, stack) -> None:
@@ -203,6 +209,8 @@ class BusyHolder:
         self.started = threading.Event()
         self.release = threading.Event()
         self.thread = threading.Thread(target=self._run)
+        self.ended_by_itself = False  # the stream finished before the test released it
+        self.first_token_at = self.ended_at = 0.0
 
     def _run(self) -> None:
         messages = _turn2("busy", _text(self.stack.turn1["busy"]))
@@ -219,10 +227,14 @@ class BusyHolder:
         ) as r:
             self.worker = r.headers.get("x-tandem-worker")
             for line in r.iter_lines():
-                if '"content"' in line:
+                if '"content"' in line and not self.started.is_set():
+                    self.first_token_at = time.monotonic()
                     self.started.set()
                 if self.release.is_set():
                     break  # closing the stream cancels the turn on wa
+            else:
+                self.ended_by_itself = not self.release.is_set()
+        self.ended_at = time.monotonic()
         self.started.set()
 
     def __enter__(self):
@@ -235,13 +247,31 @@ class BusyHolder:
         self.thread.join(timeout=300)
         assert self.worker == "wa"
 
+    def diagnosis(self) -> str:
+        """Whether wa stayed busy until released, and every log line of the stack that could
+        have freed wa's slot in the scheduler's view (a reroute, a lost worker, a broker restart
+        seen, a lease lapse), which a tail of the logs may no longer hold."""
+        ran = self.ended_at - self.first_token_at
+        busy = (
+            f"the busy turn ended by itself {ran:.1f} s after its first token, before the test released it"
+            if self.ended_by_itself
+            else "the busy turn ran on wa until the test released it"
+        )
+        signs = [
+            f"{f.name}: {line}"
+            for f in sorted(self.stack.log_dir.glob("*.log"))
+            for line in f.read_text(errors="replace").splitlines()
+            if any(word in line.lower() for word in ("rerout", "lost", "restart", "lease", "fence"))
+        ]
+        return "\n".join([busy, *signs[-50:], self.stack.logs()])
+
 
 def test_turn_without_hint_leaves_a_busy_holder_and_the_new_worker_pulls_the_kv(stack):
     messages = _turn2("nohint", _text(stack.turn1["nohint"]))
     pulls_before = _stats(stack, "wb")["pulls"]
-    with BusyHolder(stack):
+    with BusyHolder(stack) as busy:
         r = _chat(stack, messages, "nohint")
-    assert r.headers["x-tandem-worker"] == "wb"  # the holder wa had no room
+    assert r.headers["x-tandem-worker"] == "wb", busy.diagnosis()  # the holder wa had no room
     _wait_stat(stack, "wb", "pulls", pulls_before + 1)  # pulled while the turn waited (heartbeats lag)
     assert _cached(r) >= stack.reference.history("nohint")
     assert _text(r) == stack.reference.text(messages)
