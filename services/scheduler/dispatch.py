@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from aiokafka import TopicPartition
+from aiokafka.structs import RecordMetadata
 from opentelemetry.context import Context
 
 from services.scheduler.affinity import SessionAffinity
@@ -55,7 +56,9 @@ class Dispatcher:
         self.registry, self.tracing, self.m, self.lease = registry, tracing, metrics, lease
         self.topics = Topics(settings.topic_prefix)
 
-    async def dispatch(self, p: Pending, worker_id: str, live: set[str]) -> None:
+    async def dispatch(self, p: Pending, worker_id: str, live: set[str]) -> RecordMetadata:
+        """Write the assignment and send the request to the worker's dispatch topic; returns where
+        the dispatch landed (logged after a broker restart: which partition and offset to look for)."""
         req = p.request
         kv_source = self.affinity.kv_source(req.session_id, worker_id, live)
         # kv_source: where this worker can pull the KV; worker_epoch: a fenced worker drops it
@@ -82,7 +85,7 @@ class Dispatcher:
         dispatch_ack = await self.kafka.send_nowait(
             self.topics.dispatch(worker_id).name, req, key=req.request_id, headers=Tracing.kafka_headers(p.trace)
         )
-        await asyncio.gather(state_ack, dispatch_ack)
+        _, landed = await asyncio.gather(state_ack, dispatch_ack)
         self.tracing.hop("scheduler.produce", p.trace, send_ns)
         self._count_session_turn(req, worker_id, live)
         self.affinity.placed(req.session_id, worker_id)
@@ -93,6 +96,7 @@ class Dispatcher:
             f" (KV from {kv_source.worker_id})" if kv_source else "",
             extra={"request_id": req.request_id},
         )
+        return landed
 
     def _count_session_turn(self, req: GenerateRequest, worker_id: str, live: set[str]) -> None:
         if req.session_id is None:

@@ -293,10 +293,18 @@ class SchedulerService:
                     await self.dispatcher.reject(p, decision)
                 else:
                     self._count_decision(p.request, decision)
-                    await self.dispatcher.dispatch(p, decision.worker_id, {w.worker_id for w in loads})
+                    landed = await self.dispatcher.dispatch(p, decision.worker_id, {w.worker_id for w in loads})
                     level = self.broker_watch.recovery.level()  # DEBUG: dispatch.py logs it there
                     if level > logging.DEBUG:
-                        log.log(level, "placed on %s", decision.worker_id, extra={"request_id": p.request.request_id})
+                        log.log(
+                            level,
+                            "placed on %s (%s[%d]@%d)",
+                            decision.worker_id,
+                            landed.topic,
+                            landed.partition,
+                            landed.offset,
+                            extra={"request_id": p.request.request_id},
+                        )
                 self.offsets.done(p.tp, p.offset)  # both written and acknowledged
             self.m.pending.labels(cls).set(len(queue))
 

@@ -101,7 +101,9 @@ class ResultOutbox:
             # `gateway.consume` hop (shared/tracing.py).
             await self._kafka.send(self._topic, batch, partition=partition, headers=Tracing.kafka_headers(None))
         except Exception:  # noqa: BLE001 (a lost batch must not kill the worker; the client times out)
-            log.exception("failed to publish %d result events", len(events))
+            # named by request: a lost batch is a request whose client waits out its timeout
+            requests = ", ".join(sorted({f"{e.request_id}:{e.attempt}" for e in events}))
+            log.exception("failed to publish %d result events (requests %s)", len(events), requests)
             return
         for cb in on_ack:
             cb()

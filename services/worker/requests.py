@@ -73,6 +73,10 @@ class RequestRunner:
         self._tasks: dict[str, asyncio.Task] = {}  # request_id -> its stream task
         self._requests: dict[str, GenerateRequest] = {}  # request_id -> the attempt that task serves
         self._seen: OrderedDict[str, None] = OrderedDict()
+        # The level a dispatch's receipt is logged at: INFO in the broker watch's recovery window
+        # (the service sets it), DEBUG otherwise; a request lost after a restart then shows
+        # whether the worker read it (it could not be told from the INFO logs of session 8).
+        self.receipt_level: Callable[[], int] = lambda: logging.DEBUG
         self._finished: deque[tuple[float, str]] = deque()
 
     # -- what heartbeats say -----------------------------------------------------------------
@@ -128,7 +132,14 @@ class RequestRunner:
         if sent is not None:
             self.tracing.hop("worker.consume", hop.context, sent, read_ns)
         key = f"{req.request_id}:{req.attempt}"
-        log.debug("dispatch received", extra={"request_id": req.request_id})
+        log.log(
+            self.receipt_level(),
+            "dispatch received (%s[%d]@%d)",
+            record.topic,
+            record.partition,
+            record.offset,
+            extra={"request_id": req.request_id},
+        )
         if req.scheduler_term is not None:  # a deposed scheduler's late dispatch: its successor placed it
             if req.scheduler_term < self.scheduler_term:
                 log.info("dropped: dispatched at stale scheduler term %d", req.scheduler_term)

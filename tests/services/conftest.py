@@ -73,7 +73,7 @@ class Stack:
             **os.environ,
             "KAFKA_BOOTSTRAP": bootstrap,
             "TANDEM_TOPIC_PREFIX": prefix,
-            "TANDEM_LOG_LEVEL": "INFO",
+            "TANDEM_LOG_LEVEL": os.environ.get("TANDEM_STACK_LOG_LEVEL", "INFO"),
             "TANDEM_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_INTERVAL_S),
             "TANDEM_WORKER_TIMEOUT_S": str(WORKER_TIMEOUT_S),
             "TANDEM_UNKNOWN_REQUEST_GRACE_S": str(WORKER_TIMEOUT_S),

@@ -152,7 +152,11 @@ def test_stack_survives_a_broker_restart(stack, broker):
     # the request's path, named at INFO for a minute after the restart (steady state: DEBUG)
     rid = after.headers["x-request-id"]
     assert f"[{rid}] submitted attempt" in (stack.log_dir / "gateway.log").read_text()
-    assert f"[{rid}] placed on w0" in (stack.log_dir / "scheduler.log").read_text()
+    # waited for, not read at once: "placed on" follows the acks of both the dispatch and the
+    # assignment's state record, and a refused state record is re-sent after the worker has
+    # already answered (a run failed reading the log at once, session 8)
+    stack.wait_log("scheduler", f"[{rid}] placed on w0 (br.dispatch.w0[0]@")
+    assert f"[{rid}] dispatch received (br.dispatch.w0[0]@" in (stack.log_dir / "w0.log").read_text()
 
     # The batch finishes with every item exactly once, all succeeded.
     done = wait_final(client, batch.id, stack)
@@ -196,6 +200,11 @@ def test_broker_and_scheduler_killed_together_recover(own_broker, tiny_model_dir
         # stack runs at INFO; in steady state that line is DEBUG), so a slow one can be followed.
         gateway_log = (tmp_path / "gateway.log").read_text()
         assert any("INFO" in ln and "submitted attempt 0" in ln for ln in gateway_log.splitlines())
+        # ... and the worker each dispatch it reads, with its partition and offset (the scheduler
+        # where it placed it: test_stack_survives_a_broker_restart): a request lost after a
+        # restart shows which side lost it.
+        worker_log = (tmp_path / "w0.log").read_text()
+        assert any("INFO" in ln and "dispatch received (brs.dispatch.w0[0]@" in ln for ln in worker_log.splitlines())
     finally:
         stack.stop()
 
