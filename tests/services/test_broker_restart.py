@@ -103,11 +103,10 @@ def _restart_seen_by(stack: Stack, *names: str) -> None:
 @pytest.mark.skipif(
     os.environ.get("TANDEM_TEST_BROKER_RESTART") != "1",
     reason="session 8 ungated it after 8 of 8 passes under load, but it failed in the lead's quiet merged "
-    "`make test` (two xdist workers): after the restart the worker read nothing more from its dispatch topic "
-    "(its rewind ran at the repair; the RT request the scheduler placed 0.1 s later and the 8 re-released batch "
-    "items never reached it), so the request met the gateway's 60 s first-event timeout: the same family as "
-    "tandem chaos's 62 s broker recovery, cause not found yet (docs/reliability.md). Run it with "
-    "TANDEM_TEST_BROKER_RESTART=1",
+    "`make test` (two xdist workers), and 1 of 22 gated runs after: a request placed right after the restart is "
+    "read and answered by the worker, tansu acknowledges its results, but they never reach the gateway's results "
+    "reader, so the request meets the gateway's 60 s first-event timeout: the same family as tandem chaos's 62 s "
+    "broker recovery, cause not found yet (docs/reliability.md). Run it with TANDEM_TEST_BROKER_RESTART=1",
 )
 def test_stack_survives_a_broker_restart(stack, broker):
     client = openai_client(stack)
