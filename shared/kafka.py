@@ -186,6 +186,16 @@ class KafkaClient:
             if isinstance(c, QuietConsumer):
                 c.wake()
 
+    def _single_partition(self, topic: str, partition: int | None) -> int | None:
+        """Partition 0 for a one-partition catalogue topic, whatever the key: a producer whose
+        metadata saw a restarted tansu's auto-created multi-partition topic keeps that count after
+        a broker watch re-created it with one, and its keyed records went where nobody reads
+        (session 8's lease claims; dispatch and `be.capacity` are keyed too)."""
+        spec = self.catalogue.get(topic)
+        if partition is None and spec is not None and spec.partitions == 1:
+            return 0
+        return partition
+
     async def send(
         self,
         topic: str,
@@ -202,6 +212,7 @@ class KafkaClient:
         Returns where the record landed."""
         value = None if message is None else message.encode()
         raw_key = None if key is None else key.encode()
+        partition = self._single_partition(topic, partition)
         landed = await with_resend(
             f"record to {topic}",
             lambda: self.producer.send_and_wait(topic, value, key=raw_key, partition=partition, headers=headers),
@@ -224,6 +235,7 @@ class KafkaClient:
         refused record is sent again per `resend` before the future resolves; the re-send is
         not ordered with sends queued after this one (`shared/produce_resend.py`)."""
         value, raw_key = message.encode(), None if key is None else key.encode()
+        partition = self._single_partition(topic, partition)
         ack = await self.producer.send(topic, value, key=raw_key, partition=partition, headers=headers)
         if resend.attempts:
             ack = asyncio.ensure_future(

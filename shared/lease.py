@@ -57,7 +57,7 @@ from shared.schemas.lease import LeaseRecord, LeaseState
 
 log = logging.getLogger(__name__)
 RELEASE_WAIT_S = 1.0  # how long a clean stop waits for its release to be acknowledged
-LEASE_PARTITION = 0  # `leases` has one partition; records name it (`LeaseKeeper._send` says why)
+LEASE_PARTITION = 0  # `leases` has one partition; readers read it only (`LeaseKeeper._send` says why)
 
 
 @dataclass
@@ -354,13 +354,10 @@ class LeaseKeeper:
         if state == "held":
             self._last_held = self._sent[self._seq]
         # Not re-sent when refused: the next tick sends the state of that moment (produce_resend.py).
-        # Partition 0 named, not left to the key: `leases` has one partition, but a producer
-        # that started while the topic was a restarted tansu's auto-created 4-partition one keeps
-        # that count for minutes after another service's broker watch re-created it with one
-        # (`BrokerWatch._repair`), and its keyed records then went to partition 1, where no reader
-        # looks: a successor's claims were never read back, not even by itself (the gated
-        # real-tansu test, session 8). Readers read partition 0 only (`start`), for the same reason.
-        landed = await self.kafka.send(self.topic, record, key=self.role, partition=LEASE_PARTITION, resend=NO_RESEND)
+        # Lands on partition 0 whatever the producer's metadata says (`KafkaClient._single_partition`:
+        # a stale 4-partition count after a restart sent a successor's claims to partition 1,
+        # never read back: the gated real-tansu test, session 8). Readers read partition 0 only.
+        landed = await self.kafka.send(self.topic, record, key=self.role, resend=NO_RESEND)
         self.kafka.ring(self.bell, landed)  # this role's readers (the topic's own bell wakes no lease reader)
         if state == "held" and isinstance(self._consumer, QuietConsumer):
             self._consumer.wake(self.topic, [ring_payload(landed)])  # read back without a ring
