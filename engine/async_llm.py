@@ -30,7 +30,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.engine_thread import Abort, AddRequest, Call, EngineThread, check_prompt
+from engine.engine_thread import Abort, AddRequest, Admission, Call, EngineThread, check_prompt
 from engine.outputs import StreamDelta
 from engine.prompts import CheckedPrompt, ParamsFor, Prompt, encode_prompt
 from engine.sampling import SamplingParams
@@ -113,7 +113,7 @@ class AsyncLLM:
             )
         )
         try:
-            num_prompt_tokens = await accepted
+            admission: Admission = await accepted
         except asyncio.CancelledError:
             self._streams.pop(request_id, None)
             self.abort(request_id)  # it may be in the engine already: the abort follows it there
@@ -121,7 +121,7 @@ class AsyncLLM:
         except ValueError:
             self._streams.pop(request_id, None)
             raise
-        return RequestStream(request_id, num_prompt_tokens, deltas, self._release)
+        return RequestStream(request_id, admission, deltas, self._release)
 
     async def generate(
         self,
@@ -199,12 +199,15 @@ class RequestStream:
     def __init__(
         self,
         request_id: str,
-        num_prompt_tokens: int,
+        admission: Admission,
         deltas: asyncio.Queue,
         release: Callable[[str, bool], None],
     ) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens  # the prompt as tokenized, resumed tokens not included
+        self.num_prompt_tokens = admission.num_prompt_tokens  # the prompt as tokenized, resumed tokens not included
+        # When the engine thread took the request and when the engine had queued it (wall-clock
+        # ns; the worker's hand-off stages, services/worker/requests.py).
+        self.picked_ns, self.queued_ns = admission.picked_ns, admission.queued_ns
         self._deltas = deltas
         self._release = release
         self._finished = False

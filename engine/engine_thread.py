@@ -7,6 +7,11 @@ session operations). The queue is drained between steps, so a call never runs in
 one. Results go back to the event loop with `call_soon_threadsafe`: one call per step for all
 of that step's deltas, one per answered call. Every step ends by publishing the engine's
 snapshot (`LLMEngine.snapshot`), which the event loop reads without crossing over.
+
+The hand-off is stamped (wall-clock ns, two clock reads per request and per step): when this
+thread took a request from the queue and when the engine had it queued (`Admission`), when each
+step started and when it ended, its deltas posted (`StreamDelta`). The worker splits its first-token
+time into these stages (issue 21: the ~4 ms hand-off had no account of where it went).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +46,18 @@ class AddRequest:
     arrival_time: float | None
     resumed_output_ids: tuple[int, ...]
     session_id: str | None
-    accepted: asyncio.Future  # -> the prompt's token count, or the ValueError that refused it
+    accepted: asyncio.Future  # -> its `Admission`, or the ValueError that refused it
     cache_salt: str | None = None  # share cached KV only with same-salt requests (per API key)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What an accepted request's future resolves to: its prompt's token count, and when this
+    thread took it from the queue and when the engine had queued it (wall-clock ns)."""
+
+    num_prompt_tokens: int
+    picked_ns: int
+    queued_ns: int
 
 
 @dataclass(frozen=True)
@@ -105,9 +121,12 @@ class EngineThread:
             self._drain_inbox(block=not engine.has_unfinished())
             if self._stopping.is_set():
                 break
+            started_ns = time.time_ns()
             outputs = engine.step()
             if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, [self._delta(out) for out in outputs])
+                ended_ns = time.time_ns()
+                deltas = [self._delta(out, started_ns, ended_ns) for out in outputs]
+                self._loop.call_soon_threadsafe(self._deliver, deltas)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -130,6 +149,7 @@ class EngineThread:
             self._add(item)
 
     def _add(self, item: AddRequest) -> None:
+        picked_ns = time.time_ns()
         try:
             prompt_ids = encode_prompt(self.engine.tokenizer, item.prompt)
             self.engine.add_request(
@@ -147,7 +167,7 @@ class EngineThread:
         except ValueError as exc:
             self._reply(item.accepted, None, exc)
             return
-        self._reply(item.accepted, len(prompt_ids), None)
+        self._reply(item.accepted, Admission(len(prompt_ids), picked_ns, time.time_ns()), None)
 
     def _run_call(self, call: Call) -> None:
         try:
@@ -156,7 +176,7 @@ class EngineThread:
             result, error = None, exc
         self._reply(call.future, result, error)
 
-    def _delta(self, out: RequestOutput) -> StreamDelta:
+    def _delta(self, out: RequestOutput, step_started_ns: int, posted_ns: int) -> StreamDelta:
         """The event loop's copy of one output: everything it needs, read here, where the
         request and the tokenizer live."""
         texts = None
@@ -172,6 +192,8 @@ class EngineThread:
             out.finish_reason,
             RequestMetrics.of(out.request) if out.finished else None,
             texts,
+            step_started_ns,
+            posted_ns,
         )
 
     def _reply(self, future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -64,6 +64,10 @@ class StreamDelta:
     finish_reason: str | None
     metrics: RequestMetrics | None  # set on the final delta
     token_texts: list[str] | None = None  # each token's own text, when logprobs were asked for
+    # When the step that made it started and ended, its deltas then posted to the event loop
+    # (wall-clock ns, engine/engine_thread.py): the worker times its hand-off by them.
+    step_started_ns: int = 0
+    posted_ns: int = 0
 
 
 @dataclass

@@ -26,10 +26,56 @@ def tansu_path() -> str:
     return path
 
 
+# Ports handed out by this process: a second call must not return a port the first caller has
+# not bound yet (a stack spawns its scheduler and gateway before either listens).
+_HANDED_OUT: set[int] = set()
+# The lowest port `free_port` draws from: above the registered services most hosts run.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' local ports (Linux; the IANA range elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a child process to bind a moment later.
+
+    Drawn from *below* the kernel's ephemeral range, never from it: a port the kernel chose with
+    bind(0) is in that range, and between our probe and the child's bind, any outgoing connection
+    on the machine (a Kafka client, an HTTP poll) may be handed it; the child then dies with
+    "address already in use" (a CI failure: a test's gateway lost its port to a connection). Below
+    the range only another listener can take it. The draw starts at a pid-seeded offset, so two
+    processes (pytest workers, a bench beside a test) walk different ports, and this process never
+    returns a port twice. Falls back to bind(0) where the range leaves no room below it."""
+    low, _ = _ephemeral_range()
+    span = low - _LOWEST_PORT
+    if span >= 1000:
+        start = (os.getpid() * 7919 + len(_HANDED_OUT) * 104729) % span
+        for i in range(span):
+            port = _LOWEST_PORT + (start + i) % span
+            if port not in _HANDED_OUT and _bindable(host, port):
+                _HANDED_OUT.add(port)
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether a listener could bind `port` now: no listener and no lingering connection on it
+    (no SO_REUSEADDR, so a port with TIME_WAIT connections counts as taken, the stricter test)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def broker_command(host: str, port: int) -> list[str]:

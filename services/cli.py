@@ -42,14 +42,31 @@ _SUBCOMMANDS: list[tuple[str, str]] = [
     ("services.queue.cli_batch", "add_parser"),
 ]
 
+# The long-running services, by subcommand: the module (of _SUBCOMMANDS) that registers each.
+# Starting one builds only its own parser: building all of them imports every benchmark's and
+# tool's module (numpy, psutil, httpx, aiokafka's admin...), ~0.6 CPU-s in each service process
+# of a stack, and a test stack's start on a busy host is CPU-starved (docs/testing.md).
+_SERVICE_COMMANDS: dict[str, str] = {
+    "gateway": "services.gateway.cli",
+    "scheduler": "services.scheduler.cli",
+    "advisory": "services.advisory.cli",
+    "worker": "services.worker.cli_worker",
+    "queue": "services.queue.cli",
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `tandem` parser; for `argv` that starts a service (`tandem worker ...`), that service's
+    subcommand only (a wrong argument is still a parse error naming it)."""
     import importlib
 
     ap = argparse.ArgumentParser(prog="tandem", description="Tandem: an LLM serving system")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    service = _SERVICE_COMMANDS.get(argv[0]) if argv else None
     for module, attr in _SUBCOMMANDS:
+        if service is not None and module != service:
+            continue
         register: Callable[[argparse._SubParsersAction], None] = getattr(importlib.import_module(module), attr)
         register(sub)
     return ap
@@ -70,7 +87,8 @@ def _leave_now(code: int) -> NoReturn:
 def main(argv: list[str] | None = None) -> int:
     from services.lifeline import Terminated, interrupt_on_termination
 
-    args = build_parser().parse_args(argv)  # no subcommand imports torch while parsing
+    words = sys.argv[1:] if argv is None else argv
+    args = build_parser(words).parse_args(words)  # no subcommand imports torch while parsing
     # SIGTERM/SIGHUP unwind a one-shot command (a benchmark stopping its stack) like Ctrl-C;
     # services and `up` install their own handlers over this.
     interrupt_on_termination()

@@ -200,7 +200,7 @@ class BrokerWatch:
         try:
             await self.check()
         except Exception as exc:  # noqa: BLE001 (the broker is down or starting: the caller retries)
-            log.debug("broker check failed: %s", exc)
+            log.debug("broker check failed: %r", exc)
             await self.close_admin()  # a fresh admin client next time (it may hold a dead connection)
             return False
         return True
@@ -255,6 +255,9 @@ class BrokerWatch:
         self._marker = await self._ensure_marker(topics)
         await self._kafka.refresh_metadata()
         self._kafka.rewind_consumers()
+        for consumer in self._kafka.live_consumers():
+            if hasattr(consumer, "sleep_log_level"):  # a QuietConsumer: its sleeps at INFO for a while
+                consumer.sleep_log_level = self.recovery.level
         self.holes.arm()
         restart = BrokerRestart(self._last_alive, detected, tuple(reasons), tuple(dict.fromkeys(recreated)))
         self._last_alive = time.time()

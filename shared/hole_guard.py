@@ -38,6 +38,25 @@ a patient fetch confirms it: a probe consumer of its own fetches at the position
 `PROBE_WAIT_MS` deadline, twice, and finds nothing (a hole has nothing to find, however long it
 looks). A probe that fails or finds records leaves the position alone.
 
+Past the end (session 9). The other stale position a restart leaves: a reader whose position is
+*above* its partition's high watermark. tansu resets a topic's watermark to 0 when the topic is
+created again (by a repair, by auto-creation) but keeps records stored under its name before;
+a reader that read such early records (the deltas a worker's producer sent to the restarted
+broker before its topic existed: 51 of them in the stalled broker-restart test, session 8) is
+carried past where the next records will land, and tansu answers a fetch there with nothing,
+never with `OffsetOutOfRange` (Apache Kafka would, and the consumer would reset). Every record
+produced afterwards gets an offset below the reader's position until the watermark catches up,
+which on a reply partition may be never: the gateway's results reader missed every result of a
+request and answered 503 after its 60 s first-event timeout. So, while armed, a partition whose
+latest answer (fetched at the current position, after the arming) shows a high watermark below
+the position, with nothing of it buffered, is moved back to offset 0, its log start: everything
+there is newer than the restart, and every reader drops what it already applied (results by
+attempt and index, dispatches by attempt, compacted topics by key). No probe is needed: a high
+watermark is the broker's own count, not a fetch that may have run out of time, and a healthy
+broker never reports one below a position a consumer reached by reading. A sleeping
+`QuietConsumer`'s partitions (paused by the consumer itself) are judged too, and the consumer is
+woken to fetch from the new position; partitions a service paused itself are left alone.
+
 Why the high watermark and not one offset at a time: a fetch at the position already looked at
 every stored batch between it and the watermark and found none, so there is nothing between to
 read; stepping one offset per check would take a check per missing offset (holes of a dozen were
@@ -120,7 +139,9 @@ class HoleGuard:
         self._seen: dict[tuple[int, TopicPartition], _Watch] = {}
         self._task: asyncio.Task | None = None
         self._armed_until = 0.0  # monotonic; set by `arm` after a broker restart
+        self._armed_at_ms = float("inf")  # wall clock (aiokafka's poll timestamps) of the last `arm`
         self.skipped = 0  # holes stepped over since start (tests and logs read it)
+        self.rewound = 0  # partitions moved back from past their end since start (module doc)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="hole-guard")
@@ -150,6 +171,7 @@ class HoleGuard:
         broker that had not restarted: one heartbeat each, cause not found)."""
         self._seen.clear()
         self._armed_until = time.monotonic() + for_s
+        self._armed_at_ms = time.time() * 1000
 
     async def check(self, now_ms: float | None = None) -> int:
         """One pass over every assigned partition; returns how many holes it stepped over."""
@@ -163,6 +185,9 @@ class HoleGuard:
             for tp in consumer.assignment():
                 key = (id(consumer), tp)
                 live.add(key)
+                if self._rewind_if_past_the_end(consumer, tp):
+                    self._seen.pop(key, None)
+                    continue
                 if self._looks_like_a_hole(consumer, tp, key, now_ms):
                     candidates.append((consumer, tp, key))
         for key in set(self._seen) - live:  # unassigned or stopped consumers
@@ -172,6 +197,33 @@ class HoleGuard:
             stepped += await self._step_if_confirmed(consumer, tp, key)
         self.skipped += stepped
         return stepped
+
+    def _rewind_if_past_the_end(self, consumer: AIOKafkaConsumer, tp: TopicPartition) -> bool:
+        """Move `tp` back to offset 0 when its latest answer since the arming shows a high
+        watermark below the position (module doc, "Past the end"); True when it did."""
+        position = _position(consumer, tp, paused_ok=True)
+        highwater, polled = consumer.highwater(tp), consumer.last_poll_timestamp(tp)
+        if position is None or highwater is None or polled is None:
+            return False
+        if highwater >= position or polled < self._armed_at_ms or _buffered(consumer, tp):
+            return False
+        if tp in getattr(consumer, "_held", ()):  # noqa: SLF001 (paused by its service: not ours to move)
+            return False
+        log.warning(
+            "%s[%d]: position %d is past the partition's high watermark %d (a topic created again "
+            "by a restarted broker under records read before it, shared/hole_guard.py); reading it "
+            "again from offset 0",
+            tp.topic,
+            tp.partition,
+            position,
+            highwater,
+        )
+        consumer.seek(tp, 0)
+        wake = getattr(consumer, "wake", None)
+        if wake is not None:  # a QuietConsumer may be asleep: fetch from the new position now
+            wake()
+        self.rewound += 1
+        return True
 
     def _looks_like_a_hole(self, consumer: AIOKafkaConsumer, tp: TopicPartition, key, now_ms: float) -> bool:
         position = _position(consumer, tp)
@@ -217,13 +269,14 @@ class HoleGuard:
         return 1
 
 
-def _position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
-    """The consumer's position if it has a valid one (without asking the broker)."""
+def _position(consumer: AIOKafkaConsumer, tp: TopicPartition, *, paused_ok: bool = False) -> int | None:
+    """The consumer's position if it has a valid one (without asking the broker); a paused
+    partition has none unless `paused_ok`."""
     state = consumer._subscription.subscription  # noqa: SLF001 (aiokafka's position() may fetch)
     if state is None or state.assignment is None:
         return None
     tp_state = state.assignment.state_value(tp)
-    if tp_state is None or not tp_state.has_valid_position or tp_state.paused:
+    if tp_state is None or not tp_state.has_valid_position or (tp_state.paused and not paused_ok):
         return None
     return tp_state.position
 

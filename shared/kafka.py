@@ -71,7 +71,7 @@ async def with_backoff(
         except (KafkaConnectionError, KafkaError, OSError) as exc:
             if i == attempts - 1:
                 raise
-            log.warning("%s failed (%s); retrying in %.1fs", what, exc, delay)
+            log.warning("%s failed (%r); retrying in %.1fs", what, exc, delay)  # repr: TimeoutError() has no str
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
     raise AssertionError("unreachable")

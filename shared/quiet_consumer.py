@@ -113,6 +113,10 @@ class QuietConsumer(AIOKafkaConsumer):
         self._watch_task: asyncio.Task | None = None
         self._base_wait_ms = kwargs.get("fetch_max_wait_ms", 500)
         self.starved_answers = 0  # answers that came back empty while records waited (a count)
+        # The level of the "asleep at position/high watermark" line: the broker watch sets its
+        # recovery window after a restart (INFO for a while, DEBUG otherwise), so a reader that
+        # sleeps with a position a restarted broker will not reach can be seen in the logs.
+        self.sleep_log_level = lambda: logging.DEBUG
 
     async def start(self) -> None:
         await super().start()
@@ -308,6 +312,20 @@ class QuietConsumer(AIOKafkaConsumer):
             return
         super().pause(*tps)
         self._asleep = set(tps)
+        level = self.sleep_log_level()
+        if log.isEnabledFor(level):
+            log.log(level, "reader asleep at (position, high watermark) %s", self._positions(tps))
+
+    def _positions(self, tps) -> str:
+        """`topic[partition]=(position, high watermark)` for each of `tps`, from what the
+        consumer already holds (no request)."""
+        assignment = self._subscription.subscription.assignment  # noqa: SLF001 (sync position read)
+        out = []
+        for tp in sorted(tps):
+            state = assignment.state_value(tp)
+            position = state.position if state is not None and state.has_valid_position else None
+            out.append(f"{tp.topic}[{tp.partition}]=({position}, {self.highwater(tp)})")
+        return " ".join(out)
 
     def _resume_slept(self) -> None:
         if not self._asleep:

@@ -19,13 +19,20 @@ only when `TANDEM_OTLP_ENDPOINT` is set (e.g. `http://collector:4318/v1/traces`)
 | `scheduler.place` | scheduler | read → dispatch handed to the producer |
 | `scheduler.produce` | scheduler | → the broker acked the dispatch |
 | `worker.consume` | worker | scheduler's send → worker read the dispatch (the Kafka hop) |
-| `worker.engine_queue` | worker | read → the engine queued the request (tokenized, validated) |
-| `worker.first_token` | worker | queued → the engine produced the first token |
+| `worker.engine_queue` | worker | read → the worker's loop has the engine's acceptance (tokenized, validated, queued) |
+| `worker.first_token` | worker | acceptance → the first token's delta on the worker's loop |
+| `worker.to_engine` | worker | read → the engine thread took the request (its stamp; split of the two above) |
+| `worker.engine_add` | worker | taken → the engine queued it (tokenize, validate) |
+| `worker.step_wait` | worker | queued → its first step started (a step in progress) |
+| `worker.first_step` | worker | that step, start → end |
+| `worker.to_loop` | worker | step end → its delta on the worker's event loop (the thread hop back) |
 | `worker.result_produce` | worker | first token → the broker acked the batch that carries it |
 | `gateway.consume` | gateway | worker's send → gateway read the batch (the Kafka hop) |
 | `gateway.sse_write` | gateway | batch read → first token's SSE chunk handed to the server |
 
-Cross-process hops subtract two wall clocks: exact on one machine, as good as the hosts' clock
+Spans are recorded once what they time has left the service (the request, the dispatch, the
+first token's batch), never on its path: each costs the event loop ~50-120 us (issue 21, ninth
+session). Cross-process hops subtract two wall clocks: exact on one machine, as good as the hosts' clock
 sync across machines (a negative duration is clamped to 0 rather than dropped).
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -63,15 +64,41 @@ def _run_lock(config: pytest.Config, what: str):
     its workers after every other `pytest_sessionstart`; a worker finds the cache) and
     Inductor's first compile (the second worker's hits Inductor's disk cache). Without xdist
     there is one process and no lock."""
-    import contextlib
-    import tempfile
-
     from filelock import FileLock
 
     worker = getattr(config, "workerinput", None)
     if worker is None:
         return contextlib.nullcontext()
-    return FileLock(os.path.join(tempfile.gettempdir(), f"tandem-pytest-{worker['testrunuid']}-{what}.lock"))
+    return FileLock(_run_lock_glob(worker["testrunuid"]).replace("*", what))
+
+
+def _run_lock_glob(run_id: str) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"tandem-pytest-{run_id}-*.lock")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On pytest-xdist's controller: fix the run's id (xdist's `--testrunuid`, which its workers
+    receive) here, so that the controller knows which lock files (`_run_lock`) are this run's and
+    removes them when the run ends (`pytest_unconfigure`); they used to stay in $TMPDIR, two per
+    run. Other runs on the same host (other engineers, CI jobs) have other ids: theirs stay."""
+    if getattr(config, "workerinput", None) is None and config.pluginmanager.hasplugin("xdist"):
+        import uuid
+
+        if config.getoption("testrunuid", None) is None:
+            config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller, after every worker has ended: this run's lock files removed."""
+    import glob
+
+    run_id = getattr(config.option, "testrunuid", None)
+    if getattr(config, "workerinput", None) is None and run_id:
+        for path in glob.glob(_run_lock_glob(run_id)):
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 # Modules that share a session fixture too costly to build in both xdist workers: under `make

@@ -64,6 +64,29 @@ def test_help_lists_subcommands():
         assert cmd in res.stdout
 
 
+def test_a_service_builds_its_own_parser_only_and_no_parser_imports_torch():
+    """Every process of a stack parses its argv first: a service registers only its own
+    subcommand (`_SERVICE_COMMANDS` must name the module that registers it), and building the
+    whole parser (`tandem --help`) imports neither torch nor transformers (they cost ~2 CPU-s
+    per process; docs/testing.md, "Stack start-up")."""
+    probe = """
+import json, sys
+from services.cli import _SERVICE_COMMANDS, build_parser
+def commands(parser):
+    return sorted(parser._subparsers._group_actions[0].choices)
+only = {name: commands(build_parser([name, "--help"])) for name in _SERVICE_COMMANDS}
+full = commands(build_parser())
+print(json.dumps({"only": only, "full": full, "heavy": [m for m in ("torch", "transformers") if m in sys.modules]}))
+"""
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["heavy"] == []
+    for name, choices in out["only"].items():
+        assert choices == [name], (name, choices)
+        assert name in out["full"]
+
+
 def test_generate_with_the_hybrid_cache_forced_hidden():
     """The default model (GQA) and its MHA expansion, every request HIDDEN: the same answer."""
     for extra in ((), ("--kv-heads-expand",)):

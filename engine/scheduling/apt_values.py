@@ -25,6 +25,7 @@ from engine.scheduling.knapsack import Candidate
 from engine.scheduling.request import SLO, Request
 
 DEMOTED_VALUE = 1e-6  # seconds: "near zero", yet ordered by age (× pending time)
+_NO_SLO = SLO()  # a request's "no SLO of its own" (built once: this runs per request per step)
 
 
 def pending_time(request: Request, now: float) -> float:
@@ -37,7 +38,7 @@ def pending_time(request: Request, now: float) -> float:
 def slo_violated(request: Request, now: float, default: SLO = SLO()) -> bool:
     """Past its TTFT (no token yet) or TBT (decoding) target (the request's own, else
     `default`'s); never without one."""
-    slo = request.slo if request.slo != SLO() else default
+    slo = request.slo if request.slo != _NO_SLO else default
     limit = slo.ttft_s if request.first_token_time is None else slo.tpot_s
     return limit is not None and pending_time(request, now) > limit
 

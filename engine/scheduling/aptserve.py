@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from engine.cost_model import CostModel
 from engine.kv.hidden import CacheForm, HiddenBlocks
-from engine.scheduling.apt_values import iteration_type, make_candidate, pending_time, request_value
+from engine.scheduling.apt_values import iteration_type, make_candidate, pending_time, request_value, slo_violated
 from engine.scheduling.knapsack import Candidate, options, solve
 from engine.scheduling.policy import ScheduledBatch, SchedulerState, SchedulingPolicy
 from engine.scheduling.request import SLO, Request
@@ -71,14 +71,19 @@ class AptServePolicy(SchedulingPolicy):
         cost_model: CostModel | None = None,
         price_switches: bool = False,
         withhold_dropped_hidden: bool = True,
+        penalty_counts_demoted: bool = True,
     ) -> None:
         """`rho`: ρ override (else `cost_model`'s measured one); `decay`: a demoted request's
         value factor (0: near zero, the paper; 0.4: its "Scheduling*"); `default_slo`: for
         requests without their own (the paper's 1 s / 1 s); `price_switches`: price the
         re-prefill of a conversion or preemption (needs `cost_model`; False: the paper);
         `withhold_dropped_hidden`: offer HIDDEN only where the next decode iteration would keep
-        it (False: the paper's rule, offered wherever the knapsack takes it; an ablation)."""
+        it (False: the paper's rule, offered wherever the knapsack takes it; an ablation);
+        `penalty_counts_demoted`: N in the HIDDEN penalty counts the requests past their SLO
+        (True: ours; False: the paper's code, `_U -= num_violate`; an ablation, docs/aptserve.md
+        "Why HIDDEN is never chosen (ninth session)")."""
         self.withhold_dropped_hidden = withhold_dropped_hidden
+        self.penalty_counts_demoted = penalty_counts_demoted
         self._rho_override, self.cost_model = rho, cost_model
         self.decay, self.default_slo, self.price_switches = decay, default_slo, price_switches
         self.rho = 0.0  # the ρ in use (set on the first step that offers HIDDEN)
@@ -86,11 +91,15 @@ class AptServePolicy(SchedulingPolicy):
         self.kv_chosen = 0
         self.conversions = 0  # running requests converted (freed to re-prefill in the other form)
         self.hidden_withheld = 0  # HIDDEN options not offered: the next decode iteration would drop them
+        # `hidden_kept_next_decode`'s answers within one schedule call, by its inputs (N, ρ and
+        # the capacity are the call's: most requests share a few block counts; the hot spot)
+        self._kept_memo: dict[tuple, bool] = {}
 
     def schedule(self, state: SchedulerState) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._kept_memo.clear()
         hidden = self._hidden(state)
-        outstanding = len(state.waiting) + len(state.running)
+        outstanding = self._penalty_scale(state)
         free = state.kv.pool.num_free
         waiting = [self._candidate(state, r, hidden, outstanding, extra=0) for r in state.waiting]
         # "fits" means an option the knapsack would take fits the free blocks: a HIDDEN form that
@@ -160,6 +169,15 @@ class AptServePolicy(SchedulingPolicy):
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def _penalty_scale(self, state: SchedulerState) -> int:
+        """N of the penalty `N·ρ·m̄`: every outstanding request, or (the paper's code) those not
+        yet past their SLO."""
+        n = len(state.waiting) + len(state.running)
+        if self.penalty_counts_demoted:
+            return n
+        late = sum(1 for r in (*state.waiting, *state.running) if slo_violated(r, state.now, self.default_slo))
+        return n - late
+
     def _hidden(self, state: SchedulerState) -> HiddenBlocks | None:
         """The hybrid cache's component where HIDDEN saves memory; None: KV only."""
         try:
@@ -217,10 +235,15 @@ class AptServePolicy(SchedulingPolicy):
         the same blocks and penalty, and, where conversions are priced, the re-prefill that
         keeping HIDDEN avoids; kept iff its HIDDEN option survives `knapsack.options` (not
         worthless, not below the hull) in the whole pool."""
-        bonus = self.reprefill_seconds(r.num_tokens) if self.price_switches else 0.0
-        holds = True if self.price_switches else None
-        after = make_candidate(FRESH_VALUE, kv_blocks, hidden_blocks, outstanding, self.rho, holds, bonus)
-        return any(choice.hidden for _, _, choice in options(after, capacity))
+        tokens = r.num_tokens if self.price_switches else None  # the bonus's only input
+        key = (kv_blocks, hidden_blocks, outstanding, capacity, self.rho, tokens)
+        kept = self._kept_memo.get(key)
+        if kept is None:
+            bonus = self.reprefill_seconds(tokens) if self.price_switches else 0.0
+            holds = True if self.price_switches else None
+            after = make_candidate(FRESH_VALUE, kv_blocks, hidden_blocks, outstanding, self.rho, holds, bonus)
+            kept = self._kept_memo[key] = any(choice.hidden for _, _, choice in options(after, capacity))
+        return kept
 
     def reprefill_seconds(self, tokens: int) -> float:
         """What re-prefilling `tokens` adds to a step: the prefill fit's price of one more row

@@ -227,7 +227,8 @@ def choose(
     floor = 0
     if final_contexts is not None:
         finals = np.asarray(final_contexts[:max_batch], dtype=np.int64)
-        price = HoldPrice(cost, sources, s, finals, capacity_tokens, bs)
+        top = int(batch.max())  # no ratio admits more: the price never looks past the first `top`
+        price = HoldPrice(cost, sources, s[:top], finals[:top], capacity_tokens, bs, tpot_s)
         batch, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running, price.pays)
         floor = floor if hold_running else 0
     d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
@@ -332,21 +333,26 @@ class ELLMPolicy(SchedulingPolicy):
         start, start_cpu = time.perf_counter(), time.thread_time()
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
-        candidates = list(candidates)
+        tokens, finals, pending = [], [], []
+        for r in candidates:  # one pass: each is read once per step
+            n = r.num_tokens
+            tokens.append(n)
+            pending.append(n - r.num_computed_tokens)
+            finals.append(final_length(r))
         before = {r.request_id for r in state.running}
         self._committed &= before  # finished or preempted requests hold nothing any more
         choice = choose(
-            [r.num_tokens for r in candidates],
+            tokens,
             state.kv.capacity_tokens(),
             state.kv.block_size,
             self.cost_model,
             self.tpot_s,
             state.limits.max_num_seqs,
             self._sources(state),
-            [final_length(r) for r in candidates] if self.admission_hysteresis else None,
+            finals if self.admission_hysteresis else None,
             len(state.running),
             bool(self._committed),  # the floor guards only commitments
-            [r.num_tokens - r.num_computed_tokens for r in candidates],
+            pending,
             state.limits.max_num_batched_tokens,
         )
         wall, cpu = time.perf_counter() - start, time.thread_time() - start_cpu

@@ -10,6 +10,7 @@ they apply."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,13 +109,37 @@ def peak_need(contexts: np.ndarray, finals: np.ndarray, bs: int) -> tuple[np.nda
     whole-block need, which rounds the prefix down and the rest up to a block).
     Unlike "every request at its end at once" this counts that the long requests outlive
     the short ones."""
-    rem = np.maximum(finals - contexts, 1)
-    t = np.unique(rem) - 1
-    live = rem[None, :] > t[:, None]
-    rows = live.sum(axis=1)
-    tokens = (live * (contexts[None, :] + t[:, None])).sum(axis=1)
+    rows, tokens = PrefixFutures(contexts, finals).of(len(contexts))
+    return rows, tokens, peak_points(rows, tokens, bs)
+
+
+def peak_points(rows: np.ndarray, tokens: np.ndarray, bs: int) -> np.ndarray:
+    """Per ratio of `RATIO_GRID`, the point of the largest resident need (`peak_need`)."""
     need = (1 - _RATIOS[:, None]) * tokens[None, :] + 2 * bs * rows[None, :]
-    return rows, tokens, need.argmax(axis=1)
+    return need.argmax(axis=1)
+
+
+class PrefixFutures:
+    """`peak_need`'s points for every FCFS prefix of the candidates at once (the sets the
+    search admits are the first `b` candidates, a different `b` per ratio): one pass over the
+    departure points of all of them, cumulative along the candidates. For the first `b` the
+    points of the others are extra; they never move the peak, because between two of the set's
+    own departures its need rises strictly (every live row grows by a token a step, and
+    `1 − r > 0`) and after its last departure it is 0, so the largest need lies on one of its
+    own points, and the first such in time is the first either way (the points are sorted).
+    So `peak_need` of the first `b` and this one's `of(b)` pick the same (rows, tokens) per
+    ratio (a test checks it); the search pays one matrix instead of one per distinct `b`."""
+
+    def __init__(self, contexts: np.ndarray, finals: np.ndarray) -> None:
+        rem = np.maximum(finals - contexts, 1)
+        t = np.unique(rem) - 1
+        live = rem[None, :] > t[:, None]
+        self._rows = np.cumsum(live, axis=1)
+        self._tokens = np.cumsum(live * (contexts[None, :] + t[:, None]), axis=1)
+
+    def of(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(live rows, live context tokens) per point for the first `b` candidates."""
+        return self._rows[:, b - 1], self._tokens[:, b - 1]
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,15 @@ class HoldPrice:
     the step, or a rebuild), paid at every step for the set's mean remaining output; the
     *preemption* it protects against is a prefill of the contexts the pool at `r` would not
     hold at that peak (the victims' prompts and outputs so far, computed again). Admit when
-    the hold costs no more than the preemption."""
+    the hold costs no more than the preemption.
+
+    The held rows' own decode time counts too (ninth session): admitting past the bound is a
+    commitment the per-step search cannot undo (its `b` bounds admission; running requests are
+    not preempted to reach it), so the set is admitted only where its peak step, every live
+    row decoding over its whole context plus the prefixes at the holding ratio, meets the TPOT
+    target (`tpot_s`). Without it, at a 50 ms SLO where a full pool's step is already at the
+    target, sets whose hold was free made the later steps miss it (docs/ellm.md, "Ninth
+    session")."""
 
     cost: CostModel
     sources: PrefixSources
@@ -135,29 +168,74 @@ class HoldPrice:
     finals: np.ndarray  # ... and at their projected end
     capacity_tokens: int
     block_size: int
-    _peaks: dict = field(default_factory=dict)  # b -> peak_need of the first b (ratios share their b)
+    tpot_s: float = math.inf  # the TPOT target the held set's peak step must meet
+    _plans: dict = field(default_factory=dict)  # b -> _SetPlan of the first b (ratios share their b)
+    _futures: list = field(default_factory=list)  # [PrefixFutures of every candidate], made on first use
 
     def pays(self, i: int, b: int) -> bool:
-        s, f = self.contexts[:b], self.finals[:b]
-        if b not in self._peaks:
-            self._peaks[b] = peak_need(s, f, self.block_size)
-        rows, tokens, peak = self._peaks[b]
-        ratios = np.array(RATIO_GRID[i:])
-        at = peak[i:]
-        fits = (1 - ratios) * tokens[at] + 2 * self.block_size * rows[at] <= self.capacity_tokens
-        if self.sources.host:
-            fits &= ratios * tokens[at] <= self.sources.host_capacity_tokens
-        if not fits.any():
+        plan = self._plans.get(b)
+        if plan is None:
+            plan = self._plans[b] = _SetPlan.of(self, b)
+        j = plan.holds_from[i]  # the least ratio index >= i that holds the set at its peak
+        if j < 0:
             return False  # no ratio holds it: a preemption will come
-        j = int(np.flatnonzero(fits)[0])
-        if j == 0:
+        step, exec_s = plan.step(self, j)
+        if step > self.tpot_s:
+            return False  # the held rows' steps would miss the target for the set's future
+        if j == i:
             return True  # r itself holds it: the end-of-life bound was only conservative
-        r, n, work = ratios[j], int(rows[at[j]]), int(tokens[at[j]])
-        prefix = int(r * work) // self.block_size * self.block_size
-        per_row = prefix // max(n, 1)
-        step = step_seconds(self.cost, self.sources, n, work, n if prefix else 0, prefix, per_row * prefix)
-        hold = (step - self.cost.estimate_sums(0, 0, n, work)) * float((f - s).mean())
-        r_i, k = RATIO_GRID[i], int(peak[i])
-        over = max(0.0, (1 - r_i) * tokens[k] + 2 * self.block_size * rows[k] - self.capacity_tokens) / (1 - r_i)
-        recompute = self.cost.prefill.predict(over, tokens[k] / max(rows[k], 1) / 2) if over else 0.0
-        return hold <= recompute
+        hold = (step - exec_s) * plan.mean_remaining
+        return hold <= plan.recompute(self, i)
+
+
+@dataclass
+class _SetPlan:
+    """What `HoldPrice.pays` needs about one admitted set (the first `b` candidates), computed
+    once per set and shared by every ratio that admits it: the set's future peaks per ratio
+    (`peak_need`), for each ratio index the least index from it up whose ratio holds the set
+    at its peak (pool and host space; -1 if none), and the peak steps priced so far. The
+    per-ratio answers are the same arithmetic as one call per ratio did before (ninth
+    session: the decision-time tail), done as one vector op per set."""
+
+    rows: np.ndarray
+    tokens: np.ndarray
+    peak: np.ndarray
+    holds_from: list[int]
+    mean_remaining: float
+    _steps: dict = field(default_factory=dict)  # ratio index -> (peak step, same rows fully resident)
+
+    @classmethod
+    def of(cls, price: HoldPrice, b: int) -> _SetPlan:
+        s, f = price.contexts[:b], price.finals[:b]
+        if not price._futures:
+            price._futures.append(PrefixFutures(price.contexts, price.finals))
+        rows, tokens = price._futures[0].of(b)
+        peak = peak_points(rows, tokens, price.block_size)
+        t, n = tokens[peak], rows[peak]
+        fits = (1 - _RATIOS) * t + 2 * price.block_size * n <= price.capacity_tokens
+        if price.sources.host:
+            fits &= _RATIOS * t <= price.sources.host_capacity_tokens
+        holds_from, nxt = [-1] * len(RATIO_GRID), -1
+        for k in range(len(RATIO_GRID) - 1, -1, -1):
+            nxt = k if fits[k] else nxt
+            holds_from[k] = nxt
+        return cls(rows, tokens, peak, holds_from, float((f - s).mean()))
+
+    def step(self, price: HoldPrice, j: int) -> tuple[float, float]:
+        """(the peak step at ratio index `j` with its prefixes from the cheaper source, the
+        same rows fully resident)."""
+        if j not in self._steps:
+            r, k = _RATIOS[j], self.peak[j]
+            n, work = int(self.rows[k]), int(self.tokens[k])
+            prefix = int(r * work) // price.block_size * price.block_size
+            per_row = prefix // max(n, 1)
+            step = step_seconds(price.cost, price.sources, n, work, n if prefix else 0, prefix, per_row * prefix)
+            self._steps[j] = (step, price.cost.estimate_sums(0, 0, n, work))
+        return self._steps[j]
+
+    def recompute(self, price: HoldPrice, i: int) -> float:
+        """A prefill of the contexts the pool at ratio index `i` would not hold at its peak."""
+        r_i, k = RATIO_GRID[i], int(self.peak[i])
+        tokens, rows = self.tokens[k], self.rows[k]
+        over = max(0.0, (1 - r_i) * tokens + 2 * price.block_size * rows - price.capacity_tokens) / (1 - r_i)
+        return price.cost.prefill.predict(over, tokens / max(rows, 1) / 2) if over else 0.0

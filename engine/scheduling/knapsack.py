@@ -72,24 +72,38 @@ class Choice:
 
 
 SKIP = Choice()
+KV = Choice(True, False)
+HIDDEN = Choice(True, True)
 
 
 def options(c: Candidate, capacity: int) -> tuple[tuple[int, float, Choice], ...]:
     """The candidate's useful options as (blocks, value, choice), increasing in blocks and in
     value with non-increasing value per block: what cannot fit alone, what is worth nothing
-    and what lies below the upper concave hull of (0, 0), HIDDEN and KV is dropped."""
-    points = [(c.kv_blocks, option_value(c, False), Choice(True, False))]
-    if c.hidden_blocks is not None:
-        points.append((c.hidden_blocks, option_value(c, True), Choice(True, True)))
-    points = sorted((p for p in points if p[0] <= capacity and p[1] > 0), key=lambda p: (p[0], -p[1]))
-    out: list[tuple[int, float, Choice]] = []
-    for point in points:
-        if out and point[1] <= out[-1][1]:
-            continue  # more blocks for no more value
-        if out and _below_chord(out[-1], point, out[-2] if len(out) > 1 else (0, 0.0)):
-            out.pop()  # the previous option lies below the chord to this one
-        out.append(point)
-    return tuple(out)
+    and what lies below the upper concave hull of (0, 0), HIDDEN and KV is dropped.
+
+    Written out for its two points (KV, HIDDEN) rather than as a general hull: the simulator
+    calls it for every request of every iteration, and it was a third of a probe's time
+    (docs/aptserve.md, "The simulator's hot spot"); `tests/engine/scheduling/test_knapsack.py`
+    checks it against the general hull."""
+    kv_value = c.value + c.keep_bonus if c.holds_hidden is False else c.value
+    kv = (c.kv_blocks, kv_value, KV) if c.kv_blocks <= capacity and kv_value > 0 else None
+    if c.hidden_blocks is None or c.hidden_blocks > capacity:
+        return (kv,) if kv is not None else ()
+    hidden_value = c.value - c.hidden_penalty
+    if c.holds_hidden is True:
+        hidden_value += c.keep_bonus
+    if hidden_value <= 0:
+        return (kv,) if kv is not None else ()
+    hidden = (c.hidden_blocks, hidden_value, HIDDEN)
+    if kv is None:
+        return (hidden,)
+    # fewer blocks first, then the larger value; a full tie keeps KV first (a stable sort)
+    a, b = (kv, hidden) if (kv[0], -kv[1]) <= (hidden[0], -hidden[1]) else (hidden, kv)
+    if b[1] <= a[1]:
+        return (a,)  # more blocks for no more value
+    if _below_chord(a, b, (0, 0.0)):
+        return (b,)  # a lies below the chord from (0, 0) to b
+    return (a, b)
 
 
 def _below_chord(mid, last, first) -> bool:
@@ -99,14 +113,15 @@ def _below_chord(mid, last, first) -> bool:
 
 def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
     """Algorithm 1 with the decisions above: a choice per candidate, in order."""
-    steps = []  # (-θ, step rank, request, blocks after, value after, choice, Δblocks, Δvalue)
-    for i, c in enumerate(candidates):
+    opts = [options(c, capacity) for c in candidates]
+    steps = []  # (-θ, step rank, request, choice, Δblocks, Δvalue)
+    for i, chain in enumerate(opts):
         prev_blocks, prev_value = 0, 0.0
-        for rank, (blocks, value, choice) in enumerate(options(c, capacity)):
+        for rank, (blocks, value, choice) in enumerate(chain):
             dm, dv = blocks - prev_blocks, value - prev_value
             steps.append((-dv / dm, rank, i, choice, dm, dv))
             prev_blocks, prev_value = blocks, value
-    steps.sort(key=lambda s: (s[0], s[1], s[2]))
+    steps.sort(key=_step_order)
     chosen = [SKIP] * len(candidates)
     taken = [0] * len(candidates)  # increments taken per request: a chain is taken in order
     used, total = 0, 0.0
@@ -115,7 +130,7 @@ def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
             continue  # past the critical increment: skip, keep filling (module docstring)
         used, total, taken[i] = used + dm, total + dv, rank + 1
         chosen[i] = choice
-    best = _best_single(candidates, capacity)
+    best = _best_single(opts)
     if best is not None and best[1] > total:
         single = [SKIP] * len(candidates)
         single[best[0]] = best[2]
@@ -123,10 +138,15 @@ def solve(candidates: Sequence[Candidate], capacity: int) -> list[Choice]:
     return chosen
 
 
-def _best_single(candidates: Sequence[Candidate], capacity: int) -> tuple[int, float, Choice] | None:
+def _step_order(step: tuple) -> tuple:
+    return step[0], step[1], step[2]
+
+
+def _best_single(opts: Sequence[tuple[tuple[int, float, Choice], ...]]) -> tuple[int, float, Choice] | None:
+    """The best single request in its best feasible form, from each candidate's options."""
     best = None
-    for i, c in enumerate(candidates):
-        for _, value, choice in options(c, capacity):
+    for i, chain in enumerate(opts):
+        for _, value, choice in chain:
             if best is None or value > best[1]:
                 best = (i, value, choice)
     return best

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json  # noqa: E402
-from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids  # noqa: E402
+from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids, warmup_prompt  # noqa: E402
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
@@ -123,7 +123,7 @@ def bench_hf(args: argparse.Namespace) -> dict:
         top_k=None,
     )
     with torch.inference_mode():
-        ids, mask = batch_tensors([prompts[0][:16]])
+        ids, mask = batch_tensors([warmup_prompt(prompts)])
         model.generate(input_ids=ids, attention_mask=mask, **{**gen_kw, "max_new_tokens": 4, "min_new_tokens": 4})
 
         ttfts: list[float] = []

@@ -46,7 +46,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from loadgen.baselines import llamacpp_build  # noqa: E402
 from loadgen.bench.common import TreeRssSampler, format_table, summarize, write_json  # noqa: E402
 from loadgen.provenance import physical_cores  # noqa: E402
+from loadgen.workloads.random_tokens import warmup_prompt  # noqa: E402
 from services import lifeline  # noqa: E402
+from services.broker import free_port  # noqa: E402
 
 CTX_ROUND = 256
 F16_BYTES = 2
@@ -249,19 +251,12 @@ async def _run_all(port: int, prompts: list[list[int]], max_tokens: int) -> tupl
     url = f"http://127.0.0.1:{port}/completion"
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await _one(client, url, request_body(prompts[0][:16], 4), time.perf_counter())  # warm-up
+        # warm-up, on a prompt outside the workload (no prompt-cache hit for prompt 0)
+        await _one(client, url, request_body(warmup_prompt(prompts), 4), time.perf_counter())
         start = time.perf_counter()
         outs = await asyncio.gather(*(_one(client, url, request_body(p, max_tokens), start) for p in prompts))
         elapsed = time.perf_counter() - start
     return elapsed, [t for t, _ in outs], [n for _, n in outs]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bench(args: argparse.Namespace) -> dict:

@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json  # noqa: E402
-from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids  # noqa: E402
+from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids, warmup_prompt  # noqa: E402
 
 BINDINGS = ("default", "all-cores")
 DEFAULT_KV_CACHE_GIB = 4.0
@@ -230,9 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             exclude_ids=special_token_ids(tokenizer),
         )
 
-    # Warm-up: one tiny request so lazy initialisation is not timed (same as our bench).
+    # Warm-up: one tiny request so lazy initialisation is not timed (same as our bench), on a prompt
+    # outside the workload that seeds no prefix-cache entry it could hit (warmup_prompt).
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:16])], warm, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=warmup_prompt(prompts))], warm, use_tqdm=False)
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -32,8 +32,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 # operator names (lower-cased substrings) by category, first match wins; exact aten names for
 # the generic ones ("to" as a substring would catch "Torch-Compiled Region")
 CATEGORIES = (
@@ -232,6 +230,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def profile(args: argparse.Namespace) -> dict:
     """Both measurements and the stamp (the JSON `tandem bench profile` writes)."""
+    import torch  # here, not at the top: `tandem --help` (every service's start) builds this parser
+
     from loadgen.provenance import decided_dtype, stamp
 
     torch.manual_seed(0)

@@ -4,7 +4,8 @@ on the in-process CPU engine, in alternating rounds within one process, for a bu
 On a shared machine a policy's absolute throughput moves several-fold with the load, and in
 `tandem bench policies` the policy run last in a process did worst (docs/ellm.md). So this
 runs short rounds, each policy once per round on the same arrivals, the order rotated every
-round (round i starts at policy i mod n), and reports per round each policy's figures, the
+round (round i starts at policy i mod n; the rounds runner shared with `tandem bench policies
+--rounds`, `loadgen/bench/rounds.py`), and reports per round each policy's figures, the
 load average before and after its run (`os.getloadavg`), and its ratios to the baseline (the
 first policy) *of the same round*: what can be read on a busy machine is the ratio, never the
 absolute figure. Everything else is `tandem bench policies`'s arguments (`--target inproc`,
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
+
+from loadgen.bench.rounds import RoundRun, run_rounds
 
 METRICS = ("output_tokens_per_s", "throughput_rps", "ttft_p50_s", "tpot_p50_s", "tpot_attainment", "completed")
 
@@ -33,18 +35,14 @@ def _run_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_one(args: argparse.Namespace, policy: str, scale) -> dict:
+    """One policy's run: its RT summary, the engine's counters and (for `ellm`) decisions."""
     from loadgen.metrics import summarize
     from loadgen.orchestrate import run_once
 
-    load_before = os.getloadavg()
     result = run_once(args, policy, scale, args.rate, False)
-    load_after = os.getloadavg()
     rt = summarize(result.records, result.elapsed_s)["rt"]
     target = result.target or {}
     return {
-        "policy": policy,
-        "load_before": [round(x, 2) for x in load_before],
-        "load_after": [round(x, 2) for x in load_after],
         "elapsed_s": result.elapsed_s,
         "rt": {k: rt.get(k) for k in METRICS} | {"requests": len(result.records)},
         "engine_stats": target.get("engine_stats"),
@@ -110,13 +108,21 @@ def measure(args: argparse.Namespace, rounds_n: int, policies: list[str], out: s
         dtype=decided_dtype(args.dtype), extra={"target": args.target}
     ).as_dict()  # the code checked out now
     scale = _SloScale(args)
-    rounds: list[list[dict]] = []
-    for i in range(rounds_n):
-        order = policies[i % len(policies) :] + policies[: i % len(policies)]
-        rounds.append([])
-        for policy in order:
-            rounds[-1].append(run_one(args, policy, scale) | {"round": i})
-            print(json.dumps({k: rounds[-1][-1][k] for k in ("round", "policy", "load_before", "rt")}), flush=True)
+
+    def record(run: RoundRun) -> dict:
+        return {
+            "policy": run.policy,
+            "load_before": [round(x, 2) for x in run.load_before],
+            "load_after": [round(x, 2) for x in run.load_after],
+            **run.result,
+            "round": run.round,
+        }
+
+    def progress(run: RoundRun) -> None:
+        print(json.dumps({k: record(run)[k] for k in ("round", "policy", "load_before", "rt")}), flush=True)
+
+    runs = run_rounds(policies, rounds_n, lambda policy: run_one(args, policy, scale), "rotate", progress)
+    rounds = [[record(run) for run in per_round] for per_round in runs]
     table = ratios(rounds, policies[0])
     doc = {
         "command": command,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loadgen.bench.common import TreeRssSampler, add_workload_args, format_table, summarize, write_json
 from loadgen.bench.timeline import timed_run
-from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids
+from loadgen.workloads.random_tokens import random_token_prompts, special_token_ids, warmup_prompt
 from shared.engine_options import add_cache_form_options
 
 
@@ -151,8 +151,10 @@ def bench_engine(args: argparse.Namespace) -> dict:
         Path(args.dump_prompts).parent.mkdir(parents=True, exist_ok=True)
         Path(args.dump_prompts).write_text(json.dumps(prompts))
 
-    # Warm-up: one tiny request, so lazy initialisation and first-call costs are not timed.
-    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), progress=False)
+    # Warm-up: one tiny request, so lazy initialisation and first-call costs are not timed, on a
+    # prompt outside the workload that seeds no prefix-cache entry it could hit (warmup_prompt).
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([warmup_prompt(prompts)], warm, progress=False)
 
     output_lens = _output_lens(args, len(prompts))
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]

@@ -33,6 +33,10 @@ HOP_ORDER = (
     "gateway.sse_write",
 )
 
+# The worker's hand-off into its engine, in order: `worker.engine_queue` + `worker.first_token`
+# split at the engine thread's stamps (services/worker/requests.py); listed after the path.
+HAND_OFF_HOPS = ("worker.to_engine", "worker.engine_add", "worker.step_wait", "worker.first_step", "worker.to_loop")
+
 # Each Kafka hop of the first token's path: its consume span and the produce span inside it.
 KAFKA_HOPS = (
     ("scheduler.consume", "gateway.produce"),
@@ -50,7 +54,8 @@ def hop_breakdown(spans: list[ReceivedSpan], trace_ids: set[str]) -> dict:
     for s in spans:
         if s.hop is not None and s.trace_id in trace_ids:
             by_hop.setdefault(s.hop, []).append(s.seconds)
-    order = [h for h in HOP_ORDER if h in by_hop] + sorted(set(by_hop) - set(HOP_ORDER))
+    known = HOP_ORDER + HAND_OFF_HOPS
+    order = [h for h in known if h in by_hop] + sorted(set(by_hop) - set(known))
     return {
         h: {"p50_s": percentile(by_hop[h], 50), "p99_s": percentile(by_hop[h], 99), "count": len(by_hop[h])}
         for h in order

@@ -86,9 +86,15 @@ def profile_engine(args: argparse.Namespace, path: Path) -> dict:
 
     from engine import LLMEngine
     from engine.profiling import profile
+    from loadgen.provenance import stamp
 
     config = replace(_engine_config(args, "fcfs", None), num_blocks=max(args.num_blocks, 1200))
+    # stamped like every result file (commit, dirty flag, CPU, threads, load; at the start, as the
+    # run's): a saved profile is reused by later runs (`--cost-model`), apart from the run JSON
+    # whose stamp covered it. CostModel.load keeps unknown `meta` keys.
+    prov = stamp(dtype=args.dtype).as_dict()
     cost = profile(LLMEngine(config).profile_target())
+    cost.meta["provenance"] = prov
     path.parent.mkdir(parents=True, exist_ok=True)
     cost.save(path)
     return _profile_summary(cost, config.block_size, str(path))
@@ -124,6 +130,12 @@ def run_one(
     withhold = POLICIES[policy][1].get("withhold_dropped_hidden")
     if withhold is not None:  # an ablation switch of the policy object, not an engine setting
         engine.scheduler.policy.withhold_dropped_hidden = withhold
+    # aptserve's knapsack inputs per iteration (why HIDDEN is or is not chosen; changes nothing)
+    # imported here, not at the top: the recorder needs engine.kv (torch), and `tandem --help`
+    # builds this command's parser in every service's start (tests/test_cli.py)
+    from loadgen.sim.apt_knapsack_trace import KnapsackRecorder
+
+    recorder = KnapsackRecorder(engine.scheduler.policy) if hasattr(engine.scheduler.policy, "hidden_chosen") else None
     steps: list[dict] = []
     schedule = engine.scheduler.schedule
 
@@ -207,6 +219,7 @@ def run_one(
         # priced from the profile over the steps that rebuild anything (None: no such step)
         "mean_rebuild_s_per_hidden_step": _mean(s["hidden_ctx_tokens"] * per_token for s in rebuilding),
         "schedule_time_s": engine.stats.schedule_time_s,
+        "knapsack": recorder.summary() if recorder is not None else None,
         "kv_blocks": engine.kv.pool.capacity,
         # a busy host slows every step: the load average around each run says how busy
         "load_average_before": load_before,

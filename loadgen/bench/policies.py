@@ -19,8 +19,8 @@ neither policy always gets the later, or the earlier, minutes. The JSON then hol
 round (each run's summary, what it left unfinished, its wall time and the load average before
 and after it) and ``rounds_ratios``: each key ratio per round with its median, min and max.
 Per-request rows are left out of a rounds document (size); one round is the plain document.
-(`tandem bench ellm` rotates rounds the same way for its own comparison; the two could share
-one rounds runner.) Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again
+(One rounds runner, `loadgen/bench/rounds.py`, serves this and `tandem bench ellm`, which
+rotates its order instead.) Rounds need a fixed ``--slo-scale``: ``auto`` would measure the step again
 on every run, and on a busy host every run would be judged against its own SLOs.
 """
 
@@ -89,30 +89,36 @@ ROUND_RATIOS = (("rt", "normalized_latency_s"), ("rt", "ttft_attainment"), ("be"
 
 
 def _run_rounds(args: argparse.Namespace, policies: list[str]) -> int:
-    import os
-    import time
-
+    """The rounds (`loadgen/bench/rounds.py`, shared with `tandem bench ellm`; every other round
+    reversed) and their document: per round its order, each run and the ratios of that round."""
+    from loadgen.bench.rounds import RoundRun, run_rounds
     from loadgen.orchestrate import run_policies
     from loadgen.report import ratios
 
-    rounds, stamp = [], None
-    for i in range(args.rounds):
-        order = policies if i % 2 == 0 else policies[::-1]
-        runs = {}
-        for policy in order:
-            before, start = os.getloadavg(), time.monotonic()
-            doc = run_policies(args, [policy], comparison=True, progress=False)
-            stamp = stamp or doc["provenance"]  # the first run's: the code checked out at the start
-            runs[policy] = {
-                "summary": doc["summary"][policy],
-                "unfinished": unfinished(doc["summary"])[policy],
-                "wall_s": time.monotonic() - start,
-                "load_before": list(before),
-                "load_after": list(os.getloadavg()),
+    def run_one(policy: str) -> dict:
+        return run_policies(args, [policy], comparison=True, progress=False)
+
+    def progress(run: RoundRun) -> None:
+        print(
+            f"round {run.round + 1} {run.policy}: load {run.load_before[0]:.1f} -> {run.load_after[0]:.1f}", flush=True
+        )
+
+    rounds = []
+    done = run_rounds(policies, args.rounds, run_one, "reverse", progress)
+    stamp = done[0][0].result["provenance"]  # the first run's: the code checked out at the start
+    for per_round in done:
+        runs = {
+            run.policy: {
+                "summary": run.result["summary"][run.policy],
+                "unfinished": unfinished(run.result["summary"])[run.policy],
+                "wall_s": run.wall_s,
+                "load_before": list(run.load_before),
+                "load_after": list(run.load_after),
             }
-            print(f"round {i + 1} {policy}: load {before[0]:.1f} -> {runs[policy]['load_after'][0]:.1f}", flush=True)
+            for run in per_round
+        }
         summaries = {p: runs[p]["summary"] for p in policies}
-        rounds.append({"order": order, "runs": runs, "ratios": ratios(summaries)})
+        rounds.append({"order": [run.policy for run in per_round], "runs": runs, "ratios": ratios(summaries)})
     out = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "rounds": rounds}
     out["rounds_ratios"] = rounds_ratios(rounds, policies)
     out["provenance"] = stamp

@@ -21,11 +21,18 @@ Modes, compared in one run:
 `--plan issue20` is the measurement plan of issue 20 (users 2, 4, 8, 16; all five modes;
 5 minutes per cell); `--dry-run` prints a plan's cells and their time without running them.
 
+`--stack-env`, `--scale-hint-timers` and `--hint-arrival` shape every mode's stack and hints
+alike (`sessions_stack.py`; the `issue20-tiny-moves` plan uses them to make turns move).
+
+`--passes "16,8;4;2"` runs the grid in passes, every mode at each pass's user counts (one
+stack per mode and pass), so a grid stopped at a deadline has the most informative cells
+(the contended user counts, in every mode) rather than every user count of the first modes.
+
 Reported per mode and user count: the load generator's summary, next-turn (turn >= 1) TTFT
 p50/p99 and TPOT, prompt tokens recomputed vs reused (from the OpenAI `usage` the gateway
 returns), KV bytes moved between tiers and workers (the workers' session stats), and load
 imbalance (max/mean of prefill tokens computed per worker). Then, per mode, the most users
-whose next-turn p99 TTFT stays within `--ttft-p99-target`.
+whose next-turn p99 TTFT stays within `--ttft-p99-target`, every smaller count's too.
 """
 
 from __future__ import annotations
@@ -33,32 +40,20 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from dataclasses import dataclass, field
+import time
 
-from loadgen.bench.common import percentile, write_json
+from loadgen.bench.common import write_json
 from loadgen.bench.gateway import _tiny_model
+from loadgen.bench.sessions_figures import (
+    _one_line,
+    compare_modes,
+    format_result,
+    max_users_at,
+    session_figures,
+    stats_delta,
+)
+from loadgen.bench.sessions_stack import MODES, Mode, parse_stack_env, stack_env
 from loadgen.provenance import decided_dtype, stamp
-
-# a p99 from fewer turns than this is the maximum of a handful, not a tail (issue 20: the
-# earlier runs' p99s came from 7-25 samples); such cells are flagged, not dropped
-MIN_P99_SAMPLES = 100
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    session_ids: bool  # send X-Session-Id
-    hints: bool  # send typing hints
-    env: dict = field(default_factory=dict)  # settings for every service of the stack
-
-
-MODES = {
-    "recompute": Mode("recompute", False, False, {"TANDEM_ENABLE_PREFIX_CACHING": "false"}),
-    "sticky": Mode("sticky", True, False, {"TANDEM_SESSION_ROUTING": "sticky"}),
-    "hints": Mode("hints", True, True, {}),
-    "load-aware": Mode("load-aware", True, False, {"TANDEM_SESSION_ROUTING": "advisory"}),
-    "recompute-cached": Mode("recompute-cached", False, False, {}),
-}
 
 # named measurement plans: option overrides (issue 20: p99s need more than 7-25 samples, and
 # the hint's effect must be separated from load-aware routing's)
@@ -84,6 +79,27 @@ PLANS = {
         "turns_mean": 8.0,
     },
 }
+# issue 20 part C (session 9): the tiny plan at the issue's 5 minutes per cell and all four user
+# counts, in passes (16 and 8 users in every mode first, then 4, then 2): 16 cells take 80
+# minutes of load plus 12 stack starts, and a run cut at its deadline keeps the contended cells
+PLANS["issue20-tiny-5min"] = {**PLANS["issue20-tiny"], "users": "2,4,8,16", "duration": 300.0, "passes": "16,8;4;2"}
+# issue 20 part C, step 2: the hint's effect made measurable (docs/sessions.md, "Making the hint
+# measurable"). Load-aware routing near the advisory target's own rule (the holder unless a
+# peer is strictly less loaded; slack 1, not 0: the scheduler's score adds half the KV use,
+# which at slack 0 moves turns on equal request counts) moves turns at arrival and pulls their
+# KV then; hints decide the same way while the user types and prefetch. The hint path's timers
+# scaled to the 50x people, and each hint saying when its turn comes, so every turn's hint is a
+# fresh placement (unscaled, the first placement outlives the session and hints are sticky)
+PLANS["issue20-tiny-moves"] = {
+    **PLANS["issue20-tiny"],
+    "users": "8,16",
+    "modes": "load-aware,hints",
+    "duration": 300.0,
+    "passes": "16;8",
+    "stack_env": ["TANDEM_HOLDER_SLACK=1"],
+    "scale_hint_timers": True,
+    "hint_arrival": True,
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -107,6 +123,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="keep each stack's log here")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument(
+        "--passes",
+        default=None,
+        help="run the grid in passes, e.g. '16,8;4;2': every mode at 16 and 8 users, then every mode at 4, "
+        "then at 2 (one stack per mode and pass; replaces --users); default one pass of --users",
+    )
+    p.add_argument(
+        "--stack-env",
+        action="append",
+        default=None,
+        metavar="TANDEM_KEY=VALUE",
+        help="a setting for every mode's stack (repeatable), e.g. TANDEM_HOLDER_SLACK=1; not a mode's own keys",
+    )
+    p.add_argument(
+        "--scale-hint-timers",
+        action="store_true",
+        help="divide the hint path's human-time constants (placement TTL and cap, typing debounce) by --speedup",
+    )
+    p.add_argument(
+        "--hint-arrival",
+        action="store_true",
+        help="each typing hint says when its turn will arrive (expected_arrival_s = the typing time)",
+    )
     p.add_argument("--plan", default=None, choices=sorted(PLANS), help="a named measurement plan (overrides options)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their time, run nothing")
     p.set_defaults(func=run)
@@ -122,25 +161,52 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     modes = [_mode(m) for m in args.modes.split(",") if m]
-    levels = sorted({int(u) for u in args.users.split(",") if u})
-    if not modes or not levels or min(levels) < 1:
-        raise ValueError("need at least one mode and user counts >= 1")
+    passes = user_passes(args)
+    levels = sorted(u for p in passes for u in p)
+    if not modes or not levels:
+        raise ValueError("need at least one mode and one user count")
+    parse_stack_env(getattr(args, "stack_env", None))  # a bad pair fails here, before any stack starts
     provenance = stamp(dtype=decided_dtype(args.dtype)).as_dict()
     with tempfile.TemporaryDirectory(prefix="tandem-sessions-model-") as tmp:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model
-        result = uvloop.run(_bench(args, modes, levels, provenance, model))
+        result = uvloop.run(_bench(args, modes, levels, provenance, model, passes))
     print(format_result(result))
     write_json(result, args.json)
     return 0
 
 
+def user_passes(args: argparse.Namespace) -> list[list[int]]:
+    """The user counts of each pass, in run order: `--passes` ('16,8;4;2'), else one pass of
+    `--users` ascending. A user count may appear once in the whole grid (a cell is one
+    (mode, users) pair)."""
+    spec = getattr(args, "passes", None)
+    if spec:
+        passes = [[int(u) for u in part.split(",") if u.strip()] for part in spec.split(";")]
+        passes = [p for p in passes if p]
+    else:
+        passes = [sorted({int(u) for u in args.users.split(",") if u})]
+    flat = [u for p in passes for u in p]
+    if not flat or min(flat) < 1:
+        raise ValueError("user counts must be >= 1")
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"a user count appears in two passes: {spec!r}")
+    return passes
+
+
 def plan_text(args: argparse.Namespace) -> str:
-    """The (mode, users) cells a run would measure, and the time they take (plus stack starts)."""
+    """The (mode, users) cells a run would measure in run order, and the time they take (plus
+    one stack start per mode and pass, whose time depends on the host's load)."""
     modes = [_mode(m).name for m in args.modes.split(",") if m]
-    levels = sorted({int(u) for u in args.users.split(",") if u})
-    cells = [f"  {m:17s} users {u:3d}  {args.duration:.0f} s" for m in modes for u in levels]
+    passes = user_passes(args)
+    cells = [f"  {m:17s} users {u:3d}  {args.duration:.0f} s" for p in passes for m in modes for u in p]
     total = len(cells) * args.duration / 60
-    return "\n".join([f"{len(cells)} cells, {total:.0f} minutes of load (one stack per mode):", *cells])
+    starts = len(modes) * len(passes)
+    head = f"{len(cells)} cells, {total:.0f} minutes of load, {starts} stack starts (one per mode and pass):"
+    shared = {k: v for k, v in mode_stack_env(args, Mode("", False, False)).items()}
+    notes = [f"every stack: {' '.join(f'{k}={v}' for k, v in shared.items())}"] if shared else []
+    if getattr(args, "hint_arrival", False):
+        notes.append("typing hints carry their turn's expected arrival")
+    return "\n".join([head, *cells, *notes])
 
 
 def _mode(name: str) -> Mode:
@@ -155,21 +221,33 @@ async def _bench(
     levels: list[int],
     provenance: dict | None = None,
     model: str | None = None,
+    passes: list[list[int]] | None = None,
 ) -> dict:
     """Runs every (mode, users) cell. The JSON is rewritten after each cell with `complete`
     false: a 5-minute-per-cell grid takes hours on a shared host, and a run stopped part-way
     (SIGTERM, a deadline) must still leave every finished cell on disk. `model`: the path or name
-    the stacks serve (default `args.model`; `run` builds the tiny model's folder)."""
+    the stacks serve (default `args.model`; `run` builds the tiny model's folder). `passes`:
+    the user counts of each pass (default one pass of `levels`); every mode runs each pass on
+    a fresh stack, and a mode's cells from all passes are kept in user order."""
     out: dict = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "complete": False, "modes": {}}
     if provenance is not None:
         out["provenance"] = provenance
+    finished: dict[str, list[dict]] = {}  # a mode's cells from earlier passes
+
+    def mode_entry(name: str, runs: list[dict]) -> dict:
+        cells = sorted(finished.get(name, []) + runs, key=lambda lv: lv["users"])
+        return {"levels": cells, "max_users_at_target": max_users_at(cells, args.ttft_p99_target)}
 
     def save_partial(name: str, runs: list[dict]) -> None:
-        out["modes"][name] = {"levels": runs, "max_users_at_target": max_users_at(runs, args.ttft_p99_target)}
+        out["modes"][name] = mode_entry(name, runs)
         write_json(out, getattr(args, "json", None))
 
-    for mode in modes:
-        out["modes"][mode.name] = await _run_mode(args, mode, levels, save_partial, model=model)
+    out["stack_settings"] = {m.name: mode_stack_env(args, m) for m in modes}
+    for pass_levels in passes or [levels]:
+        for mode in modes:
+            result = await _run_mode(args, mode, pass_levels, save_partial, model=model)
+            out["modes"][mode.name] = mode_entry(mode.name, result["levels"])
+            finished[mode.name] = out["modes"][mode.name]["levels"]
     out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
     out["complete"] = True
     return out
@@ -181,8 +259,8 @@ async def _run_mode(
     from loadgen.bench.stack import running_stack
 
     with tempfile.TemporaryDirectory(prefix=f"tandem-sessions-{mode.name}-") as data_dir:
-        env = {**mode.env, "TANDEM_DATA_DIR": data_dir}
-        log = os.path.join(args.log_dir, f"sessions-{mode.name}.log") if args.log_dir else None
+        env = {**mode_stack_env(args, mode), "TANDEM_DATA_DIR": data_dir}
+        log = stack_log_path(args.log_dir, mode.name, levels)
         async with running_stack(model or args.model, args.dtype, args.kv_cache_gib, log, args.workers, env) as (
             url,
             name,
@@ -192,8 +270,24 @@ async def _run_mode(
                 runs.append(await _run_level(args, mode, url, name, users))
                 if on_cell is not None:
                     on_cell(mode.name, runs)
-                print(f"  {mode.name:9s} users={users:3d}  {_one_line(runs[-1])}", flush=True)
+                stamp_utc = time.strftime("%H:%M:%S", time.gmtime())
+                print(f"  {stamp_utc} {mode.name:9s} users={users:3d}  {_one_line(runs[-1])}", flush=True)
     return {"levels": runs, "max_users_at_target": max_users_at(runs, args.ttft_p99_target)}
+
+
+def stack_log_path(log_dir: str | None, mode: str, levels: list[int]) -> str | None:
+    """One log per stack: per mode *and* its user counts, so a grid in passes (a stack per mode
+    and pass) keeps every pass's log rather than overwriting the mode's first one."""
+    if not log_dir:
+        return None
+    return os.path.join(log_dir, f"sessions-{mode}-u{'-'.join(str(u) for u in levels)}.log")
+
+
+def mode_stack_env(args: argparse.Namespace, mode: Mode) -> dict[str, str]:
+    """The settings `mode`'s stack runs with (besides its data folder), from the bench options."""
+    extra = parse_stack_env(getattr(args, "stack_env", None))
+    scale = bool(getattr(args, "scale_hint_timers", False))
+    return stack_env(mode, extra, getattr(args, "speedup", 1.0), scale)
 
 
 async def _run_level(args: argparse.Namespace, mode: Mode, url: str, name: str, users: int) -> dict:
@@ -219,7 +313,15 @@ async def _run_level(args: argparse.Namespace, mode: Mode, url: str, name: str, 
     before = await worker_stats(client.client)
     load_before = os.getloadavg()  # the host is shared: every cell says how busy it was
     try:
-        res = await HttpRun(client, workload, cfg.seed, None, False, send_hints=mode.hints).run()
+        res = await HttpRun(
+            client,
+            workload,
+            cfg.seed,
+            None,
+            False,
+            send_hints=mode.hints,
+            hint_arrival=bool(getattr(args, "hint_arrival", False)),
+        ).run()
         after = await worker_stats(client.client)
     finally:
         await client.close()
@@ -237,127 +339,3 @@ async def worker_stats(client) -> dict:
         return r.json() if r.status_code == 200 else {}
     except Exception:  # noqa: BLE001 (older gateways: the bench still reports everything the client measures)
         return {}
-
-
-def stats_delta(before: dict, after: dict) -> dict:
-    """Counter growth during a run, summed over workers."""
-    total: dict[str, float] = {}
-    for worker, counters in (after.get("workers") or {}).items():
-        base = (before.get("workers") or {}).get(worker, {})
-        for key, value in counters.items():
-            if isinstance(value, (int, float)):
-                total[key] = total.get(key, 0) + value - base.get(key, 0)
-    return total
-
-
-def session_figures(records) -> dict:
-    """Next-turn latency, recomputed vs reused prompt tokens, migrations and per-worker balance."""
-    from loadgen.metrics import tpot, ttft
-
-    done = [r for r in records if r.completed]
-    later = [r for r in done if r.turn >= 1]
-    prev = _previous_turn_workers(done)
-    moved = [r for r in later if prev.get(r.request_id) not in (None, r.worker)]
-    stayed = [r for r in later if prev.get(r.request_id) == r.worker]
-    prompt = sum(r.usage_prompt_tokens or 0 for r in done)
-    cached = sum(r.cached_tokens or 0 for r in done)
-    return {
-        "next_turn_requests": len(later),  # the turns behind the p99 below
-        "p99_samples_ok": len(later) >= MIN_P99_SAMPLES,
-        "next_turn_ttft_p50_s": percentile([ttft(r) for r in later], 50),
-        "next_turn_ttft_p99_s": percentile([ttft(r) for r in later], 99),
-        "next_turn_tpot_p50_s": percentile([v for v in (tpot(r) for r in later) if v is not None], 50),
-        "first_turn_ttft_p50_s": percentile([ttft(r) for r in done if r.turn == 0], 50),
-        "next_turn_same_worker": {"count": len(stayed), "ttft_p50_s": percentile([ttft(r) for r in stayed], 50)},
-        "next_turn_moved_worker": {"count": len(moved), "ttft_p50_s": percentile([ttft(r) for r in moved], 50)},
-        "failed": failures(records),
-        "prompt_tokens": prompt,
-        "prompt_tokens_reused": cached,
-        "prompt_tokens_recomputed": prompt - cached,
-        "per_worker": per_worker(done),
-    }
-
-
-def failures(records) -> dict[str, int]:
-    """Turns that ended without completing, by cause: an overloaded stack answers 503
-    `no_capacity` when no worker accepts a turn within the gateway's `first_event_timeout_s`
-    (60 s), and a cell where every turn did has no latency to report, only this."""
-    out: dict[str, int] = {}
-    for r in records:
-        if r.error is not None:
-            cause = r.error.split(":", 1)[0] if r.error.startswith("HTTP ") else "error"
-            if "no_capacity" in r.error:
-                cause += " no_capacity"
-            out[cause] = out.get(cause, 0) + 1
-    return out
-
-
-def _previous_turn_workers(records) -> dict[str, str | None]:
-    """request id -> the worker that served the same session's previous turn."""
-    by_turn = {(r.session_id, r.turn): r.worker for r in records if r.session_id}
-    return {r.request_id: by_turn.get((r.session_id, r.turn - 1)) for r in records if r.session_id}
-
-
-def per_worker(records) -> dict:
-    work: dict[str, dict] = {}
-    for r in records:
-        w = work.setdefault(r.worker or "?", {"requests": 0, "prefill_tokens": 0})
-        w["requests"] += 1
-        w["prefill_tokens"] += (r.usage_prompt_tokens or 0) - (r.cached_tokens or 0)
-    loads = [w["prefill_tokens"] for w in work.values()]
-    mean = sum(loads) / len(loads) if loads else 0
-    return {"workers": work, "imbalance": (max(loads) / mean) if mean else None}
-
-
-def max_users_at(levels: list[dict], target_s: float) -> int | None:
-    """The most users whose next-turn p99 TTFT is within the target (None: not even the fewest)."""
-    ok = [lv["users"] for lv in levels if (lv["next_turn_ttft_p99_s"] or float("inf")) <= target_s]
-    return max(ok) if ok else None
-
-
-def compare_modes(modes: dict, target_s: float) -> dict:
-    """The issue's two goals: hinted next-turn TTFT vs on-device (sticky at the lowest load), and
-    sessions held at the latency bar relative to recompute-every-turn."""
-    out: dict = {"ttft_p99_target_s": target_s}
-    hints, sticky, rec = modes.get("hints"), modes.get("sticky"), modes.get("recompute")
-    if hints and sticky:
-        h, s = hints["levels"][0]["next_turn_ttft_p50_s"], sticky["levels"][0]["next_turn_ttft_p50_s"]
-        out["hint_vs_on_device_ttft_p50"] = (h / s) if h and s else None
-    for name, mode in modes.items():
-        out[f"{name}_max_users"] = mode["max_users_at_target"]
-    if rec and hints and rec["max_users_at_target"] and hints["max_users_at_target"]:
-        out["hints_vs_recompute_users"] = hints["max_users_at_target"] / rec["max_users_at_target"]
-    return out
-
-
-def _one_line(lv: dict) -> str:
-    f = lambda v: "-" if v is None else f"{v * 1e3:.0f}ms"  # noqa: E731
-    return (
-        f"next-turn TTFT p50 {f(lv['next_turn_ttft_p50_s'])} p99 {f(lv['next_turn_ttft_p99_s'])}  "
-        f"TPOT {f(lv['next_turn_tpot_p50_s'])}  recomputed {lv['prompt_tokens_recomputed']} / "
-        f"{lv['prompt_tokens']} prompt tokens  imbalance {lv['per_worker']['imbalance'] or 0:.2f}"
-    )
-
-
-def format_result(res: dict) -> str:
-    lines = [
-        "| mode | users | next turns | next-turn TTFT p50 | p99 | TPOT p50 | recomputed / prompt tokens "
-        "| pulled from peers | host/disk to device | written to disk | imbalance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    mib = lambda lv, *keys: f"{sum(lv['kv_moved'].get(k, 0) for k in keys) / 2**20:.1f} MiB"  # noqa: E731
-    ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
-    for name, mode in res["modes"].items():
-        for lv in mode["levels"]:
-            thin = "" if lv.get("p99_samples_ok", True) else " (<100)"
-            lines.append(
-                f"| {name} | {lv['users']} | {lv['next_turn_requests']}{thin} | {ms(lv['next_turn_ttft_p50_s'])} | "
-                f"{ms(lv['next_turn_ttft_p99_s'])} | {ms(lv['next_turn_tpot_p50_s'])} | "
-                f"{lv['prompt_tokens_recomputed']} / {lv['prompt_tokens']} | {mib(lv, 'bytes_pulled')} | "
-                f"{mib(lv, 'bytes_host_to_gpu', 'bytes_disk_to_gpu')} | {mib(lv, 'bytes_written_disk')} | "
-                f"{lv['per_worker']['imbalance'] or 0:.2f} |"
-            )
-    lines.append("")
-    lines.append(f"(<100): p99 from fewer than {MIN_P99_SAMPLES} next turns, the maximum of a handful, not a tail")
-    lines.append(" ".join(f"{k}={v}" for k, v in res.get("comparison", {}).items()))
-    return "\n".join(lines)

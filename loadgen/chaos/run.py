@@ -193,7 +193,20 @@ def _error_kinds(records: list[clients.RTRecord]) -> dict[str, int]:
 
 
 def _lost_record(r: clients.RTRecord, faults: list[FaultRecord]) -> dict:
-    """A lost (or garbled) request with the faults whose kill fell while it was being tried, so a
+    """A lost (or garbled) request with the faults whose kill fell while it was being tried, and
+    `in_round`: the round whose stack was not ready again yet when the request started. A kill
+    just before the request is not in `faults`: three of the eighth session's five losses under
+    load (chaos-s8-r2.json) had it empty, sent 3.5 s after an advisory+scheduler kill. So every
     loss can be put down to the fault that caused it."""
     during = [f"{f.fault}#{f.repeat}" for f in faults if r.started - 1.0 <= f.killed_at <= r.finished]
-    return {**asdict(r), "faults": during}
+    return {**asdict(r), "faults": during, "in_round": _round_at(r.started, faults)}
+
+
+def _round_at(t: float, faults: list[FaultRecord]) -> str | None:
+    """The round in effect at `t`: killed at or before it and not ready again by then (a round
+    that never got ready again counts until the next kill)."""
+    for f in sorted(faults, key=lambda f: f.killed_at, reverse=True):
+        if f.killed_at <= t:
+            ready = f.ready_again_s
+            return f"{f.fault}#{f.repeat}" if ready is None or t <= f.killed_at + ready else None
+    return None

@@ -1,6 +1,6 @@
 """Symphony (session-aware KV placement): users served at a similar latency, vs recompute.
 
-Simulator at Symphony's scale: Llama-3-8B on the H100 roofline profile, closed-loop sessions
+Simulator at Symphony's scale: Llama-3-8B on H100 and A100 roofline profiles, closed-loop sessions
 (ShareGPT turns, reading at 250 wpm, typing calibrated to the paper's 11.3 s mean hint lead:
 `SYMPHONY_TYPING_WPM`). Four ways to serve a session's next turn
 (`loadgen/sim/session_routing.py`): `recompute` (vLLM, no prefix caching: the paper's baseline),
@@ -15,9 +15,15 @@ Two choices follow from issue 20's analysis (docs/sessions.md, "Why not 8x"):
 - cells measure the steady state: a closed loop starts every user on a fresh conversation, so
   the first `WARMUP_S` seconds (about ten turn cycles) are dropped (`--warmup-s`); a 300 s run
   without it is 39% first turns and halves the history recompute pays for.
-Two cell groups: the paper's 8 workers at 256 to 16384 users, and 2 workers at 64 to 4096 users,
-where each worker carries 4x the load; both reach the count where hints break as well. The full
-grid (4 modes x 13 counts x 3 seeds) takes hours on one core: `tandem repro symphony --only GLOB
+Three cell groups: the paper's 8 workers at 256 to 16384 users, and 2 workers at 64 to 4096
+users, where each worker carries 4x the load, both on H100s (where hints break is measured
+there); and `a8`, 8 workers on the paper's own GPU (A100-80GB) from the paper's 64 users up,
+with its 2-worker twin `a2` from 16.
+The GPU is not a detail here: a reused history saves its prefill (compute-bound) but not the
+K/V read of every decode step over it (bandwidth-bound), so the same-bound ratio follows the
+GPU's FLOPs per byte, about half as large on the A100 (docs/sessions.md, "What stops hints at
+~2x"). The full
+grid (4 modes x 25 counts x 3 seeds) takes hours on one core: `tandem repro symphony --only GLOB
 --seeds N --keep` runs it in parts into the same folder. This module says what to run; reading
 the cells into users-per-bound tables is `symphony_figures.py`'s job.
 """
@@ -38,14 +44,20 @@ from loadgen.workloads.sources import SYMPHONY_TYPING_WPM
 POLICY = "fcfs-prefill-first"
 WARMUP_S = 500
 MEASURE_S = 200
-# cell name prefix -> (workers, users). Each group runs up to where hints break too (issue 20:
-# a "carries at least N" figure needs the count where it stops holding): 2 workers carry 4x the
-# per-worker load of the same user count on 8, so the w2 group reaches hints' limit cheaply.
+H100 = "llama-3-8b-h100"
+A100 = "llama-3-8b-a100-80gb"  # the paper's GPU (8 A100-80GB)
+# cell name prefix -> (workers, users, cost model). The H100 groups run up to where hints break
+# too (issue 20: a "carries at least N" figure needs the count where it stops holding): 2 workers
+# carry 4x the per-worker load of the same user count on 8, so the w2 group reaches hints' limit
+# cheaply. The A100 group starts at the paper's own anchor, vLLM at 64 users.
 GROUPS = {
     # 16384: hints held at 8192-equivalent load (2 workers at 2048) and broke at the
     # 16384-equivalent (2 workers at 4096, session 7), so the 8-worker break lies in between
-    "w8": (8, ("256", "512", "1024", "2048", "4096", "8192", "16384")),
-    "w2": (2, ("64", "128", "256", "512", "1024", "2048", "4096")),
+    "w8": (8, ("256", "512", "1024", "2048", "4096", "8192", "16384"), H100),
+    "w2": (2, ("64", "128", "256", "512", "1024", "2048", "4096"), H100),
+    "a8": (8, ("64", "128", "256", "512", "1024", "2048"), A100),
+    # its 2-worker twin (per-worker load sets the figures: session 7), a quarter of the CPU time
+    "a2": (2, ("16", "32", "64", "128", "256", "512"), A100),
 }
 
 
@@ -55,12 +67,12 @@ class SymphonyRepro(Repro):
 
     def cells(self, *, quick: bool, engine: bool) -> list[Cell]:
         cells = []
-        for group, (workers, users) in GROUPS.items():
+        for group, (workers, users, profile) in GROUPS.items():
             if quick:
                 users = (users[0], users[-1])
             for u in users:
                 for m in MODES:
-                    argv = (*_base(quick, workers), "--users", u, "--session-mode", m)
+                    argv = (*_base(quick, workers, profile), "--users", u, "--session-mode", m)
                     cells.append(Cell(f"sim-{group}-{m}-u{u}", argv, (POLICY,)))
         return cells
 
@@ -69,11 +81,11 @@ class SymphonyRepro(Repro):
 
     def figure(self, docs: dict[str, dict]) -> list[str]:
         lines = []
-        for group, (workers, _) in GROUPS.items():
+        for group, (workers, _, profile) in GROUPS.items():
             part = {k.removeprefix(f"sim-{group}-"): v for k, v in docs.items() if k.startswith(f"sim-{group}-")}
             if part:
                 lines += [
-                    f"# {workers} workers",
+                    f"# {workers} workers, {profile} (`sim-{group}-*`)",
                     "",
                     *headline(part),
                     *users_table(part),
@@ -103,7 +115,8 @@ class SymphonyRepro(Repro):
         return [
             "Paper figure (Fig. 12c/13c): vLLM 64 users -> 18 ms avg TPOT; Symphony 512 users -> 20.5 ms "
             "(8 A100-80GB, Llama-3.1-8B).",
-            "Ours: simulated H100 workers (llama-3-8b-h100 roofline profile, 8K context), every mode on "
+            "Ours: simulated H100 workers (`w8`, `w2`: llama-3-8b-h100 roofline profile, 8K context) and "
+            "the paper's A100-80GB (`a8`, `a2`: llama-3-8b-a100-80gb), every mode on "
             f"`{POLICY}` (the paper's vLLM), hints 11.3 s ahead on average (typing at "
             f"{SYMPHONY_TYPING_WPM:.0f} wpm, reading at 250 wpm), PCIe 25 GB/s, network 12.5 GB/s, "
             "64 GiB host and an unbounded disk tier (3 GB/s) per worker; "
@@ -111,7 +124,7 @@ class SymphonyRepro(Repro):
         ]
 
 
-def _base(quick: bool, workers: int) -> tuple[str, ...]:
+def _base(quick: bool, workers: int, profile: str) -> tuple[str, ...]:
     duration = 60 if quick else WARMUP_S + MEASURE_S
     return (
         "--workload",
@@ -125,7 +138,7 @@ def _base(quick: bool, workers: int) -> tuple[str, ...]:
         "--workers",
         str(workers),
         "--cost-model",
-        "llama-3-8b-h100",
+        profile,
         "--typing-wpm",
         str(SYMPHONY_TYPING_WPM),
         "--users-ramp-s",

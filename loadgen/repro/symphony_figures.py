@@ -347,7 +347,8 @@ def limits_table(docs: dict[str, dict]) -> list[str]:
         rows.append(
             f"| {u} | {w['first_turn_share']:.0%} | {w['mean_history_later_turns']:.0f} | {w['mean_new_tokens']:.0f} | "
             f"{w['redundant_prefill_share']:.0%} | {w['prefill_ratio']:.2f} | {w['work_ratio']:.2f} | "
-            f"{work['batch_8']['work_ratio']:.2f} | {waited} | {ev.get('hint_no_copy', 0) if hinted else '—'} |"
+            f"{work['batch_8']['work_ratio']:.2f} | {_ratio(w.get('marginal_ratio'))} | {waited} | "
+            f"{ev.get('hint_no_copy', 0) if hinted else '—'} |"
         )
     if not rows:
         return []
@@ -355,16 +356,23 @@ def limits_table(docs: dict[str, dict]) -> list[str]:
         "## What bounds reuse here (first seed's turns, measured window)",
         "",
         "| users | first turns | history / later turn | new tokens / turn | recompute's prefill that is history "
-        "| prefill ratio | work ratio (batch 128) | work ratio (batch 8) | hinted turns waiting for their prefetch "
-        "| hints with no copy left |",
-        "|---" * 10 + "|",
+        "| prefill ratio | work ratio (batch 128) | work ratio (batch 8) | marginal ratio "
+        "| hinted turns waiting for their prefetch | hints with no copy left |",
+        "|---" * 11 + "|",
         *rows,
         "",
         "Prefill ratio: recompute's prefill tokens over a reusing mode's (what prefill-first TPOT scales "
         "with). Work ratio: a turn's worker time either way at a saturated decode batch (the bound on "
-        "users at saturation). Both are ceilings on the users hints can add.",
+        "users at saturation). Marginal ratio: the same without the decode step's fixed cost, what one "
+        "more user adds (the users carried at one TPOT bound a little over the unloaded step: the "
+        "same-bound ceiling). All three are ceilings on the users hints can add.",
         "",
     ]
+
+
+def _ratio(value: float | None) -> str:
+    """A ratio column's cell ("—" for cells written before the column existed)."""
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _target(doc: dict) -> dict:

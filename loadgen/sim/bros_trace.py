@@ -65,6 +65,13 @@ class StepLog:
     blocks_be_parked: int = 0
     blocks_be_idle: int = 0
     blocks_rt_idle: int = 0
+    # what the step's RT decode rows waited for: the cost model's time of the step with its RT
+    # rows alone, and with the BE decode rows added (the rest of `exec_s` is BE prefill chunks)
+    rt_decode_rows: int = 0
+    exec_rt_s: float = 0.0
+    exec_rt_be_decode_s: float = 0.0
+    be_checkpointed_slots: int = 0  # BE slots RT growth copied to host (lazy checkpointing)
+    be_head_host_blocks: int = 0  # host blocks of the oldest outstanding BE request
 
 
 def trace(args: argparse.Namespace, policy: str) -> dict:
@@ -123,6 +130,9 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
                 sum(kv.device_blocks(r) for r in scheduler.running if r.req_class is be and not kv.is_resident(r)),
                 sum(kv.device_blocks(r) for r in idle if r.req_class is be and kv.is_resident(r)),
                 sum(kv.device_blocks(r) for r in idle if r.req_class is not be),
+                *_rt_wait(items, worker.cost),
+                sum(len(c.src_slots) for c in worker.batch.copies if c.reason == "checkpoint"),
+                _head_host_blocks(kv, live),
             )
         )
         return duration
@@ -136,6 +146,7 @@ def trace(args: argparse.Namespace, policy: str) -> dict:
         "policy": policy,
         "rt_normalized_latency_s": summary["rt"]["normalized_latency_s"],
         "rt_latency_parts": rt_latency_parts(result.records),
+        "rt_step_parts": rt_step_parts(logs),
         "be_throughput_rps": summary["be"]["throughput_rps"],
         **_account(logs, args.be_batch or 16, worker.cost),
         # tokens finished requests took from the prefix cache: at their first admission (0 for
@@ -158,6 +169,43 @@ def rt_latency_parts(records) -> dict:
         "gap_mean_s": _mean(gaps),
         "gap_p90_s": gaps[int(0.9 * (len(gaps) - 1))] if gaps else 0.0,
     }
+
+
+def _rt_wait(items, cost) -> tuple[int, float, float]:
+    """`StepLog.rt_decode_rows`, `exec_rt_s` and `exec_rt_be_decode_s` of one step's items."""
+    from engine.scheduling import RequestClass
+    from loadgen.sim.step_time import batch_rows
+
+    rt = [it for it in items if it.request.req_class is not RequestClass.BE]
+    be_decode = [it for it in items if it.request.req_class is RequestClass.BE and it.num_new_tokens == 1]
+    rt_rows = sum(1 for it in rt if it.num_new_tokens == 1)
+    return rt_rows, cost.estimate(*batch_rows(rt), 0), cost.estimate(*batch_rows(rt + be_decode), 0)
+
+
+def _head_host_blocks(kv, live) -> int:
+    from engine.scheduling import RequestClass
+
+    be = [r for r in live if r.req_class is RequestClass.BE and kv.holds(r)]
+    return kv.num_host_blocks(min(be, key=lambda r: r.arrival_time)) if be else 0
+
+
+def rt_step_parts(logs: list[StepLog]) -> dict:
+    """The step an RT decode row waits for, averaged per RT decode row (seconds): its whole
+    duration and that split by the cost model into the step RT's rows alone would take, what
+    BE's decode rows add and what BE's prefill chunks add (scaled to the step's duration, so
+    the parts add up to it: noise and copies are shared out in proportion). Which of BE's work
+    RT's decode part is made of (docs/bros.md, "Seventh pass")."""
+    rows = sum(s.rt_decode_rows for s in logs) or 1
+    parts = dict.fromkeys(("step_s", "rt_alone_s", "be_decode_rows_s", "be_prefill_s"), 0.0)
+    for s in logs:
+        if not s.rt_decode_rows or s.exec_s <= 0:
+            continue
+        w, scale = s.rt_decode_rows / rows, s.duration_s / s.exec_s
+        parts["step_s"] += w * s.duration_s
+        parts["rt_alone_s"] += w * scale * s.exec_rt_s
+        parts["be_decode_rows_s"] += w * scale * (s.exec_rt_be_decode_s - s.exec_rt_s)
+        parts["be_prefill_s"] += w * scale * (s.exec_s - s.exec_rt_be_decode_s)
+    return parts
 
 
 def _rows(batch) -> tuple[list, list]:
@@ -212,6 +260,8 @@ def _account(logs: list[StepLog], be_batch: int, cost) -> dict:
         "be_swapped_out": sum(s.be_swapped_out for s in logs),
         "be_dropped_tokens_per_s": sum(s.be_dropped_tokens for s in logs) / span,
         "rt_dropped_tokens_per_s": sum(s.rt_dropped_tokens for s in logs) / span,
+        "be_checkpointed_slots_per_s": sum(s.be_checkpointed_slots for s in logs) / span,
+        "time_be_head_on_host": sum(s.duration_s for s in logs if s.be_head_host_blocks),
         **out,
     }
 

@@ -9,7 +9,9 @@ arrivals. `--rho` overrides aptserve's ρ (a sensitivity check: the paper's code
 measured ρ by 5). Variants of `aptserve` by name: `aptserve-priced` (conversions priced,
 `price_switches=True`), `aptserve-kv` (ρ = 1e9: HIDDEN never pays, "KV only") and
 `aptserve-priced-kv` (both: only a preemption's re-prefill is priced), `aptserve-paper-hidden`
-(HIDDEN offered by the paper's rule alone, also where the next decode iteration drops it).
+(HIDDEN offered by the paper's rule alone, also where the next decode iteration drops it),
+`aptserve-paper-n` (that, and the penalty's N less the requests past their SLO, as the paper's
+code), `aptserve-no-demotion` (decay 1: no SLO demotion).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -26,6 +28,9 @@ VARIANTS = {
     "aptserve-kv": ("aptserve", {"rho": 1e9}),
     "aptserve-priced-kv": ("aptserve", {"price_switches": True, "rho": 1e9}),
     "aptserve-paper-hidden": ("aptserve", {"withhold_dropped_hidden": False}),
+    # the paper's code: HIDDEN by its rule alone, N less the requests past their SLO
+    "aptserve-paper-n": ("aptserve", {"withhold_dropped_hidden": False, "penalty_counts_demoted": False}),
+    "aptserve-no-demotion": ("aptserve", {"decay": 1.0}),  # a late request keeps its full value
 }
 
 
@@ -39,7 +44,11 @@ def trace(
     workload: str = "sharegpt",
     slo: tuple[float, float] = (1.0, 1.0),
     cv: float = 1.0,
+    on_worker=None,
+    max_num_seqs: int | None = None,
 ) -> dict:
+    """One run; `on_worker(worker)` sees the simulated worker before the run (a recorder's
+    hook, e.g. `apt_knapsack_trace`); `max_num_seqs` overrides the simulator's default."""
     from engine.kv.hidden import CacheForm
     from engine.scheduling.request import SLO
     from loadgen.arrivals import ArrivalSpec
@@ -53,7 +62,9 @@ def trace(
     from loadgen.workloads.build import WorkloadConfig, build_workload
 
     cost = load_cost_model(profile)
-    none = argparse.Namespace(num_blocks=None, max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None)
+    none = argparse.Namespace(
+        num_blocks=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=None, max_model_len=None
+    )
     spec = worker_spec(none, cost.meta)
     name, variant = VARIANTS.get(policy, (policy, {}))
     options = {"cost_model": cost, "default_slo": SLO(*slo)} if name == "aptserve" else {}
@@ -61,6 +72,8 @@ def trace(
         options["rho"] = rho
     options |= variant
     worker = SimWorker("w0", spec, cost, name, options)
+    if on_worker is not None:
+        on_worker(worker)
     steps, idle = [], 0
     start_step = worker.start_step
 
@@ -189,8 +202,6 @@ def _mean(values: list[float]) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadgen.provenance import stamp
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -214,10 +225,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(runs[-1]), flush=True)
     if args.out:
-        doc = {"config": vars(args), "runs": runs, "provenance": stamp().as_dict()}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2))
+        write_runs(args.out, vars(args), runs)
     return 0
+
+
+def write_runs(out: str, config: dict, runs: list[dict]) -> None:
+    """A trace command's document (this module's and `apt_knapsack_trace`'s): its config, its
+    runs and the provenance stamp."""
+    from loadgen.provenance import stamp
+
+    doc = {"config": config, "runs": runs, "provenance": stamp().as_dict()}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

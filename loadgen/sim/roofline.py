@@ -206,6 +206,9 @@ SHIPPED = {
     "opt-13b-a100-40gb": ("opt-13b", "a100-40gb"),
     "llama-3-8b-h100": ("llama-3-8b", "h100"),
     "llama-2-13b-a100-80gb": ("llama-2-13b", "a100-80gb"),  # eLLM's setup (issue 18)
+    # Symphony's GPU (8 A100-80GB) for its Llama-3.1-8B: its ratio turns on the GPU's FLOP/byte
+    # balance (docs/sessions.md, "What stops hints at ~2x"); the paper does not say PCIe or SXM
+    "llama-3-8b-a100-80gb": ("llama-3-8b", "a100-80gb"),
 }
 
 

@@ -17,8 +17,16 @@ from a run's own records (`results.json`'s `requests`) and the cost model that s
   pass per turn) and its output tokens' share of decode steps (`decode` fit at the turn's mean
   context). Attention over the history costs the same whichever way the KV got there, so only
   the prefill differs.
+- `marginal_ratio`: the same with the decode step's fixed cost left out, i.e. what one more
+  user adds to the workers' time (a turn's prefill pass plus its output tokens' per-sequence
+  decode cost, `alpha0 + alpha1 * context`). Near an idle worker every user stretches the
+  decode stream by that amount, so this is the ratio of users the two modes carry at one TPOT
+  bound a little over the unloaded step (the paper's "similar latency", +14%): the ceiling of
+  the same-bound reading. Its limit for long histories is set by the GPU's balance of compute
+  (the history's prefill) to bandwidth (the history's K/V read by every decode step of the
+  answer): docs/sessions.md, "What stops hints at ~2x".
 
-Both ratios are upper bounds for the mode's gain: placement, copies and queueing only take from
+The ratios are upper bounds for the mode's gain: placement, copies and queueing only take from
 them. The history of turn k is turn k-1's prompt plus its output (the driver resends the whole
 conversation), so nothing here depends on the mode that produced the records.
 """
@@ -68,6 +76,7 @@ class SessionWork:
     prefill_ratio: float
     work_ratio: float  # at `batch` sequences per decode step
     batch: int
+    marginal_ratio: float  # per-user worker time, the decode step's fixed cost left out
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,9 +109,11 @@ def session_work(tally: SessionTally, cost: CostModel, batch: int = 128) -> Sess
     mean_out = tally.output_tokens / n
     context = mean_prompt + mean_out / 2  # a decode step's mean context over the answer
     decode_s = mean_out * cost.decode.predict(batch, context) / batch
+    # one more sequence in a decode step: its token and its K/V read, not the step's fixed cost
+    marginal_decode_s = mean_out * (cost.decode.alpha0 + cost.decode.alpha1 * context)
 
-    def turn_s(prefill_tokens: float) -> float:  # attention over the whole prompt either way
-        return cost.prefill.predict(prefill_tokens, mean_prompt) + decode_s
+    def turn_s(prefill_tokens: float, decode: float = decode_s) -> float:  # attention over the whole prompt
+        return cost.prefill.predict(prefill_tokens, mean_prompt) + decode
 
     return SessionWork(
         turns=n,
@@ -115,4 +126,5 @@ def session_work(tally: SessionTally, cost: CostModel, batch: int = 128) -> Sess
         prefill_ratio=tally.prompt_tokens / tally.new_tokens,
         work_ratio=turn_s(mean_prompt) / turn_s(mean_new),
         batch=batch,
+        marginal_ratio=turn_s(mean_prompt, marginal_decode_s) / turn_s(mean_new, marginal_decode_s),
     )

@@ -147,9 +147,12 @@ class HttpClient:
                     apply_chunk(res, item, time.perf_counter())
         return res
 
-    async def typing(self, session_id: str) -> None:
+    async def typing(self, session_id: str, expected_arrival_s: float | None = None) -> None:
+        """A typing hint; `expected_arrival_s`: in how many seconds the turn will be sent (the
+        gateway takes 0..3600), or None to let the placement last its TTL from now."""
+        body = {} if expected_arrival_s is None else {"expected_arrival_s": min(3600.0, max(0.0, expected_arrival_s))}
         try:
-            r = await self.client.post(f"/v1/sessions/{session_id}/typing", json={})
+            r = await self.client.post(f"/v1/sessions/{session_id}/typing", json=body)
             if r.status_code == 404:
                 self.typing_unsupported += 1
         except Exception:  # noqa: BLE001 (a hint is advisory: never fail a run for it)
@@ -212,8 +215,13 @@ class HttpRun:
         progress: bool,
         be_via_batch_api: bool = False,
         send_hints: bool = True,
+        hint_arrival: bool = False,
     ) -> None:
-        self.be_via_batch_api, self.send_hints = be_via_batch_api, send_hints
+        """`hint_arrival`: each typing hint carries the time until its turn (the user's typing
+        time, which a front-end estimates from the typing speed and the loadgen knows), so the
+        advisory's placement lasts until the turn plus its TTL; without it the TTL runs from the
+        hint (`tandem bench sessions --hint-arrival`, docs/sessions.md)."""
+        self.be_via_batch_api, self.send_hints, self.hint_arrival = be_via_batch_api, send_hints, hint_arrival
         self.client, self.workload, self.seed = client, workload, seed
         self.duration_s = workload.config.duration_s
         self.drain_timeout_s = max(30.0, self.duration_s) if drain_timeout_s is None else drain_timeout_s
@@ -286,15 +294,16 @@ class HttpRun:
     def _push(self, sub: Submission, src: Source | None) -> None:
         heapq.heappush(self._due, (sub.at_s, next(self._seq), sub, src))
         if sub.typing_at_s is not None and sub.spec.session_id and self.send_hints:
+            ahead = max(0.0, sub.at_s - sub.typing_at_s) if self.hint_arrival else None
             asyncio.get_running_loop().call_later(
-                max(0.0, sub.typing_at_s - self.now()), self._hint, sub.spec.session_id
+                max(0.0, sub.typing_at_s - self.now()), self._hint, sub.spec.session_id, ahead
             )
         self._wake.set()
 
-    def _hint(self, session_id: str) -> None:
+    def _hint(self, session_id: str, expected_arrival_s: float | None = None) -> None:
         if self.now() < self.duration_s:
             self.hints += 1
-            asyncio.ensure_future(self.client.typing(session_id))
+            asyncio.ensure_future(self.client.typing(session_id, expected_arrival_s))
 
     async def _one(self, sub: Submission, src: Source | None) -> None:
         spec = sub.spec

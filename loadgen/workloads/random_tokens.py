@@ -6,7 +6,7 @@ Pure Python + NumPy on purpose: this module is imported from the vLLM virtualenv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -53,3 +53,19 @@ def special_token_ids(tokenizer, extra: Iterable[int | None] = ()) -> list[int]:
             ids.add(v)
     ids.update(int(i) for i in extra if i is not None)
     return sorted(ids)
+
+
+def warmup_prompt(prompts: Sequence[Sequence[int]], length: int = 16) -> list[int]:
+    """A `length`-token prompt for a benchmark's untimed warm-up that is not in the workload and
+    shares no prefix with any of its prompts: one token id repeated, taken from the workload
+    (so it is a valid, non-special id) and unequal to every prompt's first token.
+
+    Why: the benches used to warm up on `prompts[0][:16]`, which left prompt 0's first block in
+    every prefix cache (ours, vLLM's, llama.cpp's token-level prompt cache), so the timed run
+    began with a 16-token hit nobody asked for. A prompt differing at its first token can seed
+    no cache entry any workload prompt reuses, in any of the three engines."""
+    firsts = {p[0] for p in prompts if p}
+    token = next((t for p in prompts for t in p if t not in firsts), None)
+    if token is None:  # every token of the workload starts some prompt: any other id will do
+        token = next(t for t in range(max(firsts, default=0) + 2) if t not in firsts)
+    return [int(token)] * length

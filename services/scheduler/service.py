@@ -187,10 +187,8 @@ class SchedulerService:
             self.offsets.done(tp, offset)  # redelivered after a restart: already placed
             return
         read_ns, trace = time.time_ns(), context_of(m.headers)
-        sent = sent_ns(m.headers)
-        if sent is not None:
-            self.tracing.hop("scheduler.consume", trace, sent, read_ns)
-        self.pending[req.req_class].append(Pending(req, tp, offset, trace, read_ns))
+        # its spans are recorded once it is dispatched (dispatch.py), off the request's path
+        self.pending[req.req_class].append(Pending(req, tp, offset, trace, read_ns, sent_ns(m.headers)))
         log.log(self.broker_watch.recovery.level(), "received", extra={"request_id": req.request_id})
 
     async def _heartbeat_loop(self) -> None:

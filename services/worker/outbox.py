@@ -29,6 +29,8 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable
 
+from aiokafka.structs import RecordMetadata
+
 from shared.kafka import KafkaClient
 from shared.schemas.base import WireModel
 from shared.schemas.results import ResultBatch, ResultEvent
@@ -48,11 +50,12 @@ class PartitionOrderedSender:
 
     async def send(
         self, topic: str, message: WireModel, *, partition: int, headers: KafkaHeaders | None = None
-    ) -> None:
-        """Send and wait for the broker's ack (raises what the producer raises)."""
+    ) -> RecordMetadata:
+        """Send and wait for the broker's ack (raises what the producer raises); returns where the
+        record landed."""
         async with self._turns[topic, partition]:
             ack = await self._kafka.send_nowait(topic, message, partition=partition, headers=headers)
-        await ack
+        return await ack
 
 
 class ResultOutbox:
@@ -65,6 +68,10 @@ class ResultOutbox:
         self._flush_scheduled = False
         self._hold: asyncio.TimerHandle | None = None  # the flush of held events (put_held)
         self._inflight: set[asyncio.Task] = set()
+        # The level of the per-batch "acknowledged at" line: the worker sets its broker watch's
+        # recovery window (INFO for a while after a broker restart, DEBUG otherwise), so where
+        # each result batch landed can be matched with the gateway reader's position then.
+        self.ack_level: Callable[[], int] = lambda: logging.DEBUG
 
     def put(self, partition: int, event: ResultEvent, on_ack: Callable[[], None] | None = None) -> None:
         """Queue `event` for this step's batch to `partition`; `on_ack` runs once the broker has
@@ -99,12 +106,24 @@ class ResultOutbox:
         try:
             # One batch serves many requests: it carries only its send time, for the gateway's
             # `gateway.consume` hop (shared/tracing.py).
-            await self._kafka.send(self._topic, batch, partition=partition, headers=Tracing.kafka_headers(None))
+            landed = await self._kafka.send(
+                self._topic, batch, partition=partition, headers=Tracing.kafka_headers(None)
+            )
         except Exception:  # noqa: BLE001 (a lost batch must not kill the worker; the client times out)
             # named by request: a lost batch is a request whose client waits out its timeout
-            requests = ", ".join(sorted({f"{e.request_id}:{e.attempt}" for e in events}))
-            log.exception("failed to publish %d result events (requests %s)", len(events), requests)
+            log.exception("failed to publish %d result events (requests %s)", len(events), _named(events))
             return
+        level = self.ack_level()
+        if log.isEnabledFor(level):
+            log.log(
+                level,
+                "%d result events acknowledged at %s[%d]@%d (requests %s)",
+                len(events),
+                landed.topic,
+                landed.partition,
+                landed.offset,
+                _named(events),
+            )
         for cb in on_ack:
             cb()
 
@@ -114,3 +133,8 @@ class ResultOutbox:
             self._flush()
         while self._inflight:
             await asyncio.gather(*list(self._inflight), return_exceptions=True)
+
+
+def _named(events) -> str:
+    """The requests (id:attempt) a batch of result events serves, for its log lines."""
+    return ", ".join(sorted({f"{e.request_id}:{e.attempt}" for e in events}))

@@ -11,11 +11,26 @@ replaces the old one.
 
 The engine is reached only through `AsyncLLM`; its thread owns the tokenizer, so prompts travel
 to it as text or chats and are tokenized in the hop that queues them.
+
+**Hop spans are recorded off the first token's path** (issue 21, ninth session). A span costs
+the event loop ~50-120 us (the OpenTelemetry SDK, the hop histogram, the exporter's queue), and
+the worker used to record `worker.consume` before queueing the request, `worker.engine_queue`
+while the engine computed the first step (competing for the GIL with it) and
+`worker.first_token` before handing the token to the outbox. Now the times are only stamped on
+the path and every span of the request's hand-off is recorded once the first token's batch is
+acknowledged (`_Trace.record`), beside the stages of the hand-off the engine thread stamps
+(`engine/engine_thread.py`): `worker.to_engine` (dispatch read → the engine thread took it:
+the admission, the request's task, the thread hop), `worker.engine_add` (tokenize, validate,
+queue), `worker.step_wait` (queued → its first step started: a step in progress),
+`worker.first_step` (that step) and `worker.to_loop` (the step's end → its delta on the
+event loop: the thread hop back). A request whose first batch is never acknowledged records no
+spans (its client sees an error anyway); one the engine refuses records `worker.consume` only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import OrderedDict, deque
@@ -24,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from opentelemetry.context import Context
 
-from engine.async_llm import AsyncLLM, RequestStream
+from engine.async_llm import AsyncLLM, RequestStream, StreamDelta
 from services.worker.adapter import EngineRequest, to_engine_request
 from services.worker.outbox import ResultOutbox
 from services.worker.sessions import WorkerSessions
@@ -42,11 +57,33 @@ _FINISHED_WINDOW_S = 60.0  # how long a finished request is listed in heartbeats
 
 @dataclass
 class _Trace:
-    """A dispatched request's trace context and the worker-side times its hop spans start from."""
+    """A dispatched request's trace context and the worker-side times of its hand-off (wall-clock
+    ns), recorded as spans off the token's path (module docstring)."""
 
     context: Context | None
     read_ns: int  # the worker read the dispatch record
-    queued_ns: int = 0  # the engine queued it
+    sent_ns: int | None = None  # the scheduler sent it (from the record's headers)
+    accepted_ns: int = 0  # the event loop had the engine's acceptance
+    picked_ns: int = 0  # the engine thread took the request (engine thread's stamp)
+    queued_ns: int = 0  # the engine had it queued (engine thread's stamp)
+
+    def record_consume(self, tracing: Tracing) -> None:
+        if self.sent_ns is not None:
+            tracing.hop("worker.consume", self.context, self.sent_ns, self.read_ns)
+
+    def record(self, tracing: Tracing, first: StreamDelta, first_ns: int) -> None:
+        """Every span of the hand-off, once the first token has left (module docstring)."""
+        self.record_consume(tracing)
+        ctx = self.context
+        tracing.hop("worker.engine_queue", ctx, self.read_ns, self.accepted_ns)
+        tracing.hop("worker.first_token", ctx, self.accepted_ns, first_ns)
+        if not (self.picked_ns and first.step_started_ns and first.posted_ns):
+            return  # an engine that did not stamp its hand-off
+        tracing.hop("worker.to_engine", ctx, self.read_ns, self.picked_ns)
+        tracing.hop("worker.engine_add", ctx, self.picked_ns, self.queued_ns)
+        tracing.hop("worker.step_wait", ctx, self.queued_ns, first.step_started_ns)
+        tracing.hop("worker.first_step", ctx, first.step_started_ns, first.posted_ns)
+        tracing.hop("worker.to_loop", ctx, first.posted_ns, first_ns)
 
 
 class RequestRunner:
@@ -127,10 +164,7 @@ class RequestRunner:
         req = decode_record(GenerateRequest, record)
         if req is None:
             return  # malformed: logged and skipped
-        hop = _Trace(context_of(record.headers), read_ns)
-        sent = sent_ns(record.headers)
-        if sent is not None:
-            self.tracing.hop("worker.consume", hop.context, sent, read_ns)
+        hop = _Trace(context_of(record.headers), read_ns, sent_ns(record.headers))  # spans: module doc
         key = f"{req.request_id}:{req.attempt}"
         log.log(
             self.receipt_level(),
@@ -178,9 +212,10 @@ class RequestRunner:
                 else:
                     stream = await self._enter(er, req)
                     self._accepted(req, stream.num_prompt_tokens)
-                hop.queued_ns = time.time_ns()
-                self.tracing.hop("worker.engine_queue", hop.context, hop.read_ns, hop.queued_ns)
+                hop.accepted_ns = time.time_ns()
+                hop.picked_ns, hop.queued_ns = stream.picked_ns, stream.queued_ns
             except ValueError as exc:
+                hop.record_consume(self.tracing)
                 failed = Failed(request_id=req.request_id, attempt=req.attempt, message=str(exc))
                 self.outbox.put(req.reply_partition, failed)
                 return
@@ -232,10 +267,8 @@ class RequestRunner:
         async for d in stream:
             on_ack = None
             if index == len(er.resumed_output_ids):
-                log.debug("first delta", extra={"request_id": req.request_id})
                 first_ns = time.time_ns()
-                self.tracing.hop("worker.first_token", hop.context, hop.queued_ns, first_ns)
-                on_ack = lambda: self.tracing.hop("worker.result_produce", hop.context, first_ns)  # noqa: B023, E731
+                on_ack = functools.partial(self._first_token_left, hop, d, first_ns)
             self.telemetry.add_tokens(len(d.token_ids))
             final = d.metrics
             self.outbox.put(
@@ -257,6 +290,11 @@ class RequestRunner:
             index += len(d.token_ids)
             if final is not None:
                 self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
+
+    def _first_token_left(self, hop: _Trace, first: StreamDelta, first_ns: int) -> None:
+        """The first token's batch was acknowledged: its produce, then the hand-off's spans."""
+        self.tracing.hop("worker.result_produce", hop.context, first_ns)
+        hop.record(self.tracing, first, first_ns)
 
     def _forget(self, req: GenerateRequest) -> None:
         if self._tasks.get(req.request_id) is asyncio.current_task():

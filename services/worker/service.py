@@ -107,6 +107,7 @@ class WorkerService:
             self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
         )
         self.runner.receipt_level = self.broker_watch.recovery.level
+        self.outbox.ack_level = self.broker_watch.recovery.level
 
     async def _on_broker_restart(self, restart: BrokerRestart) -> None:
         """Lease terms are counted on the broker's `leases` topic, which a restart empties: a

@@ -225,13 +225,13 @@ class WorkerSessions:
             pulled = await self.puller.fetch(url)
         except PullError as exc:
             self.counters["pulls_failed"] += 1
-            log.warning("pull of session %s failed: %s", session_id, exc)
+            log.warning("pull of session %s failed: %r", session_id, exc)
             return False
         try:  # the full check reads the whole file in a helper thread: the engine keeps stepping
             info = await self.llm.sessions.adopt_file(pulled.path)
         except (KVFormatError, OSError) as exc:
             self.counters["pulls_refused"] += 1
-            log.warning("pulled KV of session %s refused: %s", session_id, exc)
+            log.warning("pulled KV of session %s refused: %r", session_id, exc)
             return False
         finally:
             pulled.path.unlink(missing_ok=True)  # adopted files were moved away already

@@ -56,14 +56,19 @@ def test_prompts_are_tokenized_on_the_engine_thread(tiny_model_dir):
         deltas = await _collect(stream)
         text_stream = await llm.add_request("text", TextPrompt("The river flows"), GREEDY)
         await _collect(text_stream)
-        return stream.num_prompt_tokens, text_stream.num_prompt_tokens, deltas
+        return stream.num_prompt_tokens, text_stream.num_prompt_tokens, deltas, stream
 
-    n_chat, n_text, deltas = _run(_config(path), body)
+    n_chat, n_text, deltas, stream = _run(_config(path), body)
     assert (n_chat, n_text) == (len(chat_ids), len(text_ids))
     assert [t for d in deltas for t in d.token_ids] == offline.token_ids
     assert "".join(d.text for d in deltas) == offline.text
     assert deltas[-1].finished and deltas[-1].metrics.num_prompt_tokens == len(chat_ids)
     assert all(d.token_texts is None for d in deltas)  # no logprobs asked for
+    # The hand-off's stamps (the worker's stage spans): taken, queued, then stepped, in order.
+    stamps = [stream.picked_ns, stream.queued_ns]
+    for d in deltas:
+        stamps += [d.step_started_ns, d.posted_ns]
+    assert 0 < stamps[0] and stamps == sorted(stamps), stamps
 
 
 @pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ import pytest
 
 from engine.cost_model import CostModel, PhaseFit
 from loadgen.metrics import RequestRecord
-from loadgen.sim.bros_trace import StepLog, _account, main, rt_latency_parts, windows
+from loadgen.sim.bros_trace import StepLog, _account, main, rt_latency_parts, rt_step_parts, windows
 
 COST = CostModel(PhaseFit(1e-4, 0.0, 0.01), PhaseFit(1e-4, 0.0, 0.02), swap_bytes_per_s=1e9)
 
@@ -67,6 +67,9 @@ def test_a_short_run_accounts_for_no_more_time_than_it_simulated(tmp_path, capsy
     assert sum(w["steps"] for w in run["windows"]) == run["steps_count"] == len(run["steps"])
     parts = run["rt_latency_parts"]
     assert parts["ttft_part_s"] + parts["decode_part_s"] == pytest.approx(run["rt_normalized_latency_s"])
+    waits = run["rt_step_parts"]  # the parts of the step RT's decode rows wait for add up to it
+    assert waits["step_s"] > 0 and waits["rt_alone_s"] > 0
+    assert waits["rt_alone_s"] + waits["be_decode_rows_s"] + waits["be_prefill_s"] == pytest.approx(waits["step_s"])
     # the windows of a --steps file, computed afterwards, are the ones written with the run
     out = tmp_path / "windows.json"
     assert main(["--summarize", str(path), "--windows", "5", "--json", str(out)]) == 0
@@ -92,3 +95,18 @@ def test_rt_latency_parts_split_normalised_latency():
     parts = rt_latency_parts([rt, be])  # BE does not count
     assert parts["ttft_part_s"] == pytest.approx(1.0 / 4) and parts["decode_part_s"] == pytest.approx(2.0 / 4)
     assert parts["gap_mean_s"] == pytest.approx(2.0 / 3) and parts["gap_p90_s"] == pytest.approx(0.5)
+
+
+def test_rt_step_parts_weigh_steps_by_rt_decode_rows():
+    # two steps: 3 RT decode rows in a 0.1 s step (0.05 s RT alone, +0.01 s BE decode rows, +0.04 s
+    # BE prefill), 1 row in a 0.04 s step whose pass the noise stretched from 0.02 s (RT alone)
+    a = _step(0.1, 2, 2)
+    a.rt_decode_rows, a.exec_s, a.exec_rt_s, a.exec_rt_be_decode_s = 3, 0.1, 0.05, 0.06
+    b = _step(0.04, 0, 0)
+    b.rt_decode_rows, b.exec_s, b.exec_rt_s, b.exec_rt_be_decode_s = 1, 0.02, 0.02, 0.02
+    no_rt = _step(5.0, 1, 1)  # a step without RT decode rows does not count
+    parts = rt_step_parts([a, b, no_rt])
+    assert parts["step_s"] == pytest.approx(0.75 * 0.1 + 0.25 * 0.04)
+    assert parts["rt_alone_s"] == pytest.approx(0.75 * 0.05 + 0.25 * 0.04)
+    assert parts["be_decode_rows_s"] == pytest.approx(0.75 * 0.01)
+    assert parts["be_prefill_s"] == pytest.approx(0.75 * 0.04)

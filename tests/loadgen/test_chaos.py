@@ -92,6 +92,29 @@ def test_judging_counts_losses_mismatches_and_retries():
     ]
 
 
+def test_a_loss_sent_just_after_a_kill_names_the_round_it_fell_in():
+    """The eighth session's busy run lost three requests sent 3.5 s after an advisory+scheduler
+    kill whose stack was never ready again: `faults` (kills while it was tried) was empty, so the
+    record names the round in effect when it started too."""
+    rounds = [
+        FaultRecord(
+            "advisory+scheduler", 0, killed_at=100.0, killed=[], recovery_s=None, ready_again_s=None, crashed=[]
+        ),
+        FaultRecord("queue", 0, killed_at=400.0, killed=[], recovery_s=2.0, ready_again_s=4.0, crashed=[]),
+    ]
+    records = [
+        RTRecord(prompt=0, started=103.5, finished=236.0, attempts=5, outcome="lost"),  # never ready again
+        RTRecord(prompt=1, started=402.0, finished=530.0, attempts=2, outcome="lost"),  # before ready again
+        RTRecord(prompt=2, started=410.0, finished=540.0, attempts=2, outcome="lost"),  # after: no round
+    ]
+    s = _summary(ChaosConfig(faults=("advisory+scheduler", "queue"), repeats=1), rounds, records, [])
+    assert [(r["faults"], r["in_round"]) for r in s["rt_lost"]] == [
+        ([], "advisory+scheduler#0"),
+        ([], "queue#0"),
+        ([], None),
+    ]
+
+
 def test_fault_names_are_checked():
     assert targets("broker+scheduler") == ["broker", "scheduler"]
     with pytest.raises(ValueError, match="unknown fault kind 'disk'"):

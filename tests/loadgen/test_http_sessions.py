@@ -74,12 +74,18 @@ def _workload(tag: str) -> Workload:
     return Workload(cfg, [], sessions)
 
 
-def _run(url: str, mode: Mode, tag: str):
+def _run(url: str, mode: Mode, tag: str, hint_arrival: bool = False):
     async def main():
         client = HttpClient(url, "tiny", send_session_ids=mode.session_ids)
         try:
             return await HttpRun(
-                client, _workload(tag), seed=3, drain_timeout_s=60.0, progress=False, send_hints=mode.hints
+                client,
+                _workload(tag),
+                seed=3,
+                drain_timeout_s=60.0,
+                progress=False,
+                send_hints=mode.hints,
+                hint_arrival=hint_arrival,
             ).run()
         finally:
             await client.close()
@@ -200,10 +206,26 @@ def test_hints_and_session_ids_reach_the_server(stacks):
     assert res.typing_hints == SESSIONS * TURNS  # one per turn, each while its user types
     hints = _hints(stack, "hints", res.typing_hints)
     assert len(hints) == res.typing_hints and {h.source for h in hints} == {"http"}
+    assert all(h.expected_arrival_s is None for h in hints)  # the default: no arrival time (test below)
     created = _check_conversations(_server_requests(stack, "hints"), res, with_ids=True)
     _check_hint_order(hints, created)
     assert _wait_session_turns(stack, turns_before + len(res.records)) == turns_before + len(res.records)
     _check_kv_reused(res)
+
+
+def test_a_hint_can_say_when_its_turn_will_arrive(stacks):
+    """`--hint-arrival`: each hint carries its user's typing time (every prompt here is
+    PROMPT_WORDS long, so TYPING_S), which the advisory adds to the placement's TTL; without
+    the option hints name none (the test above)."""
+    stack = stacks["default"]
+    turns_before = _session_turns(stack)
+    res = _run(stack.url, MODES["hints"], "arrive", hint_arrival=True)
+    _check_records(res, "arrive")
+    hints = _hints(stack, "arrive", SESSIONS * TURNS)
+    assert len(hints) == SESSIONS * TURNS
+    assert all(h.expected_arrival_s == pytest.approx(TYPING_S, rel=1e-3) for h in hints), hints
+    # the next test counts its own turns on this stack: ours must all be counted first
+    assert _wait_session_turns(stack, turns_before + len(res.records)) == turns_before + len(res.records)
 
 
 def test_sticky_mode_sends_session_ids_and_no_hints(stacks):

@@ -109,13 +109,16 @@ def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
     from loadgen.repro.symphony import GROUPS, MODES, POLICY, WARMUP_S, SymphonyRepro
 
     cells = SymphonyRepro().cells(quick=False, engine=False)
-    want = {f"sim-{g}-{m}-u{u}" for g, (_, users) in GROUPS.items() for m in MODES for u in users}
+    want = {f"sim-{g}-{m}-u{u}" for g, (_, users, _) in GROUPS.items() for m in MODES for u in users}
     assert {c.name for c in cells} == want
-    for group in GROUPS:
+    for group, (workers, _, profile) in GROUPS.items():
         argvs = {c.argv[: c.argv.index("--users")] for c in cells if c.name.startswith(f"sim-{group}-")}
         assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
         argv = argvs.pop()
         assert argv[argv.index("--warmup-s") + 1] == str(WARMUP_S) and argv[argv.index("--seeds") + 1] == "3"
+        assert argv[argv.index("--workers") + 1] == str(workers) and argv[argv.index("--cost-model") + 1] == profile
+    # the paper's setup: 8 A100-80GB from its own anchor, vLLM at 64 users
+    assert GROUPS["a8"][0] == 8 and GROUPS["a8"][1][0] == "64" and "a100-80gb" in GROUPS["a8"][2]
     assert {c.policies for c in cells} == {(POLICY,)}  # the paper's vLLM scheduler for every mode
     assert not any("advisory path" in s for s in SymphonyRepro().not_implemented())
 
@@ -152,13 +155,13 @@ def test_limits_table_reads_the_recompute_cells_tally_and_the_hints_prefetch_wai
     from loadgen.repro.symphony_figures import limits_table
 
     work = {"first_turn_share": 0.25, "mean_history_later_turns": 1400.0, "mean_new_tokens": 215.0}
-    work |= {"redundant_prefill_share": 0.86, "prefill_ratio": 7.1, "work_ratio": 2.0}
+    work |= {"redundant_prefill_share": 0.86, "prefill_ratio": 7.1, "work_ratio": 2.0, "marginal_ratio": 2.4}
     recompute = {"summary": {"rt": {"ttft_p99_s": 0.1}}, "targets": {"p": {"session_work": {"batch_128": work}}}}
     recompute["targets"]["p"]["session_work"]["batch_8"] = {**work, "work_ratio": 1.2}
     hints = {"summary": {"rt": {"ttft_p99_s": 0.05}}}
     hints["targets"] = {"p": {"session_events": {"turn_hinted": 200, "turn_waited_for_prefetch": 3, "hint_no_copy": 7}}}
     lines = limits_table({"recompute-u512": recompute, "hints-u512": hints})
-    assert "| 512 | 25% | 1400 | 215 | 86% | 7.10 | 2.00 | 1.20 | 1.5% | 7 |" in lines
+    assert "| 512 | 25% | 1400 | 215 | 86% | 7.10 | 2.00 | 1.20 | 2.40 | 1.5% | 7 |" in lines
 
 
 def test_users_ramp_spreads_first_turns_without_changing_what_users_send():
@@ -214,8 +217,30 @@ def test_session_work_counts_history_and_bounds_the_gain_of_reuse():
     # decode dominates: the same history buys almost nothing at saturation
     heavy = CostModel(PhaseFit(1e-6, 0.0, 0.0), PhaseFit(1e-3, 0.0, 0.0), 1e9)
     assert session_work(tally, heavy).work_ratio < 1.05 < w.work_ratio
+    # a decode step of fixed cost only: one more user adds its prefill alone, so at one TPOT
+    # bound near idle the users carried scale by the prefill ratio, whatever the batch
+    fixed_step = CostModel(PhaseFit(1e-3, 0.0, 0.0), PhaseFit(0.0, 0.0, 5e-3), 1e9)
+    fw = session_work(tally, fixed_step)
+    assert fw.marginal_ratio == pytest.approx(550 / 300) and fw.work_ratio < fw.marginal_ratio
+    # every decode step reads each context token's K/V: that read is the same either way
+    kv_read = CostModel(PhaseFit(1e-3, 0.0, 0.0), PhaseFit(0.0, 1e-5, 5e-3), 1e9)
+    assert 1.0 < session_work(tally, kv_read).marginal_ratio < fw.marginal_ratio
     with pytest.raises(ValueError, match="no completed session turns"):
         session_work(tally_records([]), cost)
+
+
+def test_the_papers_gpu_makes_a_reused_history_worth_more_than_ours():
+    """Symphony's A100 has about half the H100's FLOPs per byte of HBM: a history's prefill
+    (compute) costs relatively more there against the K/V read every decode step pays anyway
+    (bandwidth), so the same workload's same-bound ceiling is higher on the paper's GPU."""
+    from loadgen.factory import load_cost_model
+    from loadgen.sim.session_work import SessionTally, session_work
+
+    tally = SessionTally(turns=100, first_turns=28, prompt_tokens=139_400, new_tokens=21_500, output_tokens=22_200)
+    h100 = session_work(tally, load_cost_model("llama-3-8b-h100"))
+    a100 = session_work(tally, load_cost_model("llama-3-8b-a100-80gb"))
+    assert h100.prefill_ratio == a100.prefill_ratio  # the workload is the same
+    assert 2.0 < h100.marginal_ratio < 2.5 < 2.8 < a100.marginal_ratio < 3.2
 
 
 def test_the_simulator_tallies_what_each_turn_asks(modes):

@@ -134,6 +134,21 @@ def test_jsonl_dataset(tmp_path):
         load_jsonl(bad)
 
 
+def test_the_warmup_prompt_shares_no_prefix_with_the_workload():
+    """A bench's warm-up prompt starts with no token any workload prompt starts with (so no
+    prefix cache, block or token granular, can serve the timed run from it) and uses a token of
+    the workload (a valid, non-special id)."""
+    from loadgen.workloads.random_tokens import random_token_prompts, warmup_prompt
+
+    prompts = random_token_prompts(64, (1, 40), vocab_size=50, seed=3, exclude_ids=[0, 1])
+    warm = warmup_prompt(prompts)
+    assert len(warm) == 16 and len(set(warm)) == 1
+    assert warm[0] not in {p[0] for p in prompts}
+    assert any(warm[0] in p for p in prompts)
+    # every workload token starts a prompt: it falls back to an id no prompt starts with
+    assert warmup_prompt([[1, 2], [2, 1]], length=4) == [0] * 4
+
+
 def test_unknown_workload_is_a_value_error():
     with pytest.raises(ValueError, match="unknown workload"):
         build_workload(WorkloadConfig("nope"))

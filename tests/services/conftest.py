@@ -62,6 +62,9 @@ START_TIMEOUT_S = 300.0
 # services need well under a second of CPU. The margin over that is for a CPU-starved machine:
 # only a stop that hangs (a task that never ends, a client never closed) should exceed it.
 STOP_TIMEOUT_S = 40.0
+# The line each child logs once it serves: every service's "<role> ready" (services/runtime.py),
+# uvicorn's for the gateway. A start that misses its deadline names the children without it.
+READY_LINES = {"gateway": "Application startup complete"}
 
 
 class Stack:
@@ -69,6 +72,10 @@ class Stack:
         self.bootstrap, self.model_dir, self.log_dir, self.prefix = bootstrap, model_dir, log_dir, prefix
         self.procs: dict[str, subprocess.Popen] = {}
         self.roles: dict[str, str] = {}  # child name -> its subcommand (worker, scheduler, gateway, ...)
+        self.spawned_at: dict[str, float] = {}  # child name -> time.monotonic() of its (latest) spawn
+        self.log_start: dict[str, int] = {}  # child name -> its log's size at its (latest) spawn
+        self.rebinds: dict[str, Callable[[], object]] = {}  # child name -> spawns it again on a fresh port
+        self.rebound: dict[str, int] = {}  # child name -> times it was spawned again for a lost port
         self.env = {
             **os.environ,
             "KAFKA_BOOTSTRAP": bootstrap,
@@ -87,6 +94,7 @@ class Stack:
 
     def spawn(self, name: str, *argv: str, **env) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "ab")
+        self.log_start[name] = log.tell()
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *argv],
             stdout=log,
@@ -96,6 +104,7 @@ class Stack:
         )
         self.procs[name] = proc
         self.roles[name] = argv[0]
+        self.spawned_at[name] = time.monotonic()
         self.stopped.discard(name)  # a child started again under the same name (a restart)
         return proc
 
@@ -104,6 +113,7 @@ class Stack:
         (of the one started last, unless a test points `scheduler_url` at another: the active of
         a pair). Returns its metrics URL."""
         port = free_port()
+        self.rebinds[name] = lambda: self.scheduler(name, **env)
         self.spawn(name, "scheduler", TANDEM_METRICS_PORT=port, TANDEM_SCHEDULER_ID=name, **env)
         self.scheduler_url = f"http://127.0.0.1:{port}"
         return self.scheduler_url
@@ -129,6 +139,7 @@ class Stack:
 
     def gateway(self, name: str = "gateway", **env) -> str:
         port = free_port()
+        self.rebinds[name] = lambda: self.gateway(name, **env)
         self.spawn(name, "gateway", "--port", str(port), "--gateway-id", f"{self.prefix}-{name}", **env)
         self.gateway_urls[name] = f"http://127.0.0.1:{port}"
         return self.gateway_urls[name]
@@ -143,14 +154,22 @@ class Stack:
 
     def start(self, workers: tuple[str, ...] = ("w0",), *, queue: bool = False) -> Stack:
         """The usual test stack: scheduler, tiny-model workers, gateway (and the batch queue),
-        returned once the gateway and the scheduler see every worker."""
-        self.scheduler()
-        for worker_id in workers:
-            self.worker(worker_id)
-        self.gateway()
-        if queue:
-            self.queue()
-        self.wait_workers(len(workers))
+        returned once the gateway and the scheduler see every worker. A start that does not
+        finish (a timeout, a KeyboardInterrupt during the minute a loaded start can take) stops
+        what it started before it raises: the fixture's teardown never runs for a set-up that
+        failed, the error already holds the children's logs, and a half-started stack left running
+        would take the CPU the next tests' stacks need."""
+        try:
+            self.scheduler()
+            for worker_id in workers:
+                self.worker(worker_id)
+            self.gateway()
+            if queue:
+                self.queue()
+            self.wait_workers(len(workers))
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     @property
@@ -168,8 +187,28 @@ class Stack:
             if ready():
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: not within {timeout:.0f}s\n{self.logs()}")
+                raise TimeoutError(f"{what}: not within {timeout:.0f}s\n{self.start_report()}\n{self.logs()}")
             time.sleep(0.1)
+
+    def start_report(self) -> str:
+        """Where each running child's start stands: ready or not (its ready line logged), seconds
+        since its spawn, the CPU seconds it has used, and its last log line. A start that missed
+        its deadline names the child that did not come up, and whether it was starved (few CPU
+        seconds in a long wall time: a busy host) or busy (a warm-up, a hang in a loop)."""
+        lines = []
+        for name, proc in self.procs.items():
+            if name in self.stopped or proc.poll() is not None:
+                continue
+            role = self.roles[name]
+            log = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+            ready = any(READY_LINES.get(role, f"{role} ready") in ln for ln in log)
+            age = time.monotonic() - self.spawned_at[name]
+            last = log[-1][:160] if log else "(nothing logged yet)"
+            lines.append(
+                f"{'ready' if ready else 'NOT READY'}: {name} ({role}), spawned {age:.0f}s ago, "
+                f"{_cpu_seconds(proc.pid)} CPU-s; last: {last}"
+            )
+        return "start-up of each child:\n" + "\n".join(lines)
 
     def running_workers(self) -> set[str]:
         """Ids of the worker processes this stack runs (started and not stopped by the test)."""
@@ -224,8 +263,25 @@ class Stack:
 
     def check_alive(self) -> None:
         dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and n not in self.stopped}
+        for name in [n for n in dead if self._lost_its_port(n)]:
+            self.rebinds[name]()  # spawned again under the same name, on another port
+            del dead[name]
         if dead:
             raise RuntimeError(f"children died: {dead}\n{self.logs()}")
+
+    def _lost_its_port(self, name: str) -> bool:
+        """Whether a dead child died because its port was taken between `free_port`'s probe and
+        its own bind (another process's listener: free_port keeps out of the kernel's range for
+        outgoing connections, so only a listener can). That is the machine, not the code under
+        test: the child is started again on another port, at most twice."""
+        if name not in self.rebinds or self.rebound.get(name, 0) >= 2:
+            return False
+        with open(self.log_dir / f"{name}.log", "rb") as f:
+            f.seek(self.log_start[name])
+            lost = b"address already in use" in f.read()
+        if lost:
+            self.rebound[name] = self.rebound.get(name, 0) + 1
+        return lost
 
     def spurious_losses(self) -> list[str]:
         """The schedulers' warnings that they declared a live worker lost (its heartbeats came
@@ -288,6 +344,15 @@ class Stack:
     def log_tail(self, name: str, tail: int = 30) -> str:
         lines = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-tail:]
         return f"--- {name}.log\n" + "\n".join(lines)
+
+
+def _cpu_seconds(pid: int) -> str:
+    """User + system CPU seconds a process has used (Linux /proc; "?" elsewhere or once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return f"{(int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK'):.1f}"
+    except (OSError, IndexError, ValueError):
+        return "?"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,14 @@ pytestmark = pytest.mark.timeout(300)
 HOPS = {
     "gateway": {"gateway.accept", "gateway.produce", "gateway.consume", "gateway.sse_write"},
     "scheduler": {"scheduler.consume", "scheduler.place", "scheduler.produce"},
-    "worker": {"worker.consume", "worker.engine_queue", "worker.first_token", "worker.result_produce"},
+    "worker": {
+        "worker.consume",
+        "worker.engine_queue",
+        "worker.first_token",
+        "worker.result_produce",
+        # the hand-off's stages (services/worker/requests.py), recorded once the first token left
+        *("worker.to_engine", "worker.engine_add", "worker.step_wait", "worker.first_step", "worker.to_loop"),
+    },
 }
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 

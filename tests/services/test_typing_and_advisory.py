@@ -93,12 +93,14 @@ def stack(make_stack):
     asyncio.run(_publish_locations(s, ["s1", "s2", "s5"]))  # before the advisory service starts
     fakes = FakeWorkers(s.bootstrap, topics)
     fakes.start()
-    s.gateway()
-    s.advisory()
-    s.wait_log("advisory", "advisory active (term")  # ready to act: it holds the lease
-    s.wait_gateway()
-    yield s
-    fakes.stop()
+    try:  # the fake workers stop also when the start fails (the stack itself: make_stack)
+        s.gateway()
+        s.advisory()
+        s.wait_log("advisory", "advisory active (term")  # ready to act: it holds the lease
+        s.wait_gateway()
+        yield s
+    finally:
+        fakes.stop()
 
 
 async def _publish_locations(stack, sids: list[str]) -> None:

@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from services import lifeline
 from services.broker import free_port
 from shared.kafka import KafkaClient
 from shared.schemas.lease import LeaseRecord
@@ -21,6 +22,26 @@ from shared.topics import Topics
 from tests.services.conftest import LEASE_S
 
 pytestmark = pytest.mark.timeout(300)
+
+# Every `up` this module started: stopped after each test whatever ended it, a KeyboardInterrupt
+# included (pytest tears fixtures down on the way out), and tied to the test process
+# (`lifeline.tied_env`), so even a test process that dies outright leaves no stack running
+# (an interrupted run once left one re-parented to PID 1 for over a minute, session 8).
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_started_stacks():
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # up's clean stop, children in reverse order
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _start(
@@ -34,8 +55,9 @@ def _start(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**_env(), **(env or {})},
+        env=lifeline.tied_env({**_env(), **(env or {})}),
     )
+    _STARTED.append(proc)
     lines: list[str] = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -209,6 +231,47 @@ def test_a_killed_up_takes_its_whole_stack_with_it(tiny_model_dir):
     # a child that never notices into a failure.
     left = _gone(children, 120)
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+_PARENT = """
+import os, subprocess, sys
+from services import lifeline
+with open(sys.argv[1], "w") as log:
+    up = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT, env=lifeline.tied_env(dict(os.environ)))
+    print(up.pid, flush=True)
+    up.wait()
+"""
+
+
+def test_up_stops_its_stack_when_the_process_that_started_it_dies(tiny_model_dir, tmp_path):
+    """A parent that is not a shell session (a test run, a benchmark) starts `up` tied to itself
+    (`TANDEM_PARENT_PID`) and dies without a word (SIGKILL: no Ctrl-C reaches `up`). `up` notices
+    (the kernel's parent-death signal, or its re-parenting), takes its clean stop and every child
+    of the stack exits; a `make up` stack is not tied and keeps running (docs/reliability.md)."""
+    port = free_port()
+    log_path = tmp_path / "up.log"
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(tiny_model_dir("llama"))]
+    argv += ["--dtype", "float32", "--kv-cache-gib", "0.05", "--port", str(port)]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(log_path), *argv], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        up = psutil.Process(int(parent.stdout.readline()))
+        deadline = time.monotonic() + 180
+        while "ready: http://" not in log_path.read_text():
+            assert time.monotonic() < deadline and up.is_running(), log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        stack = [up, *up.children(recursive=True)]
+        names = " ".join(" ".join(p.cmdline()) for p in stack)
+        assert "tansu" in names and "worker" in names and "gateway" in names, names
+        parent.kill()
+        parent.wait(timeout=10)
+        left = _gone(stack, 120)  # a safety net: the clean stops take seconds
+        assert not left, [" ".join(p.cmdline()) for p in left]
+        assert "shutting down" in log_path.read_text()  # up's own clean stop, not its children's lifelines
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def _status(lines: list[str], prefix: str = "tandem", broker: str | None = None) -> dict:

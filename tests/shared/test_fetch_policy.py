@@ -9,17 +9,17 @@ from shared.quiet_consumer import QuietConsumer
 from shared.settings import ServiceSettings
 
 
-def test_tansu_hot_reader_fetches_with_the_token_path_wait_and_keeps_its_window():
+def test_tansu_hot_reader_fetches_with_the_token_path_wait_and_sleeps_on_the_rung_records_answer():
     p = fetch_policy(ServiceSettings(kafka_fetch_wait_ms=2, kafka_awake_ms=50), hot=True)
     assert p.consumer_class is QuietConsumer
     assert p.options["fetch_max_wait_ms"] == 2
     assert p.options["awake_s"] == 0.05
-    assert p.options["settle_early"] is False
+    assert p.options["settle_early"] is True  # kafka_hot_settle, on by default (ninth session)
 
 
-def test_hot_settle_makes_a_hot_reader_sleep_on_the_rung_records_answer():
-    p = fetch_policy(ServiceSettings(kafka_fetch_wait_ms=2, kafka_hot_settle=True), hot=True)
-    assert p.options["settle_early"] is True and p.options["fetch_max_wait_ms"] == 2
+def test_hot_settle_off_keeps_a_hot_reader_awake_for_its_window():
+    p = fetch_policy(ServiceSettings(kafka_fetch_wait_ms=2, kafka_hot_settle=False), hot=True)
+    assert p.options["settle_early"] is False and p.options["fetch_max_wait_ms"] == 2
 
 
 def test_tansu_cold_reader_sleeps_early_and_its_window_covers_two_fetch_waits():

@@ -201,3 +201,40 @@ def test_priced_switches_need_a_cost_model():
     scheduler.add(Request("a", list(range(40)), SamplingParams(max_tokens=4), arrival_time=0.0))
     with pytest.raises(ValueError, match="price_switches=False"):
         scheduler.schedule(0.0)
+
+
+@pytest.mark.parametrize("counts_demoted", [True, False])
+def test_the_penalty_scale_with_and_without_the_demoted(counts_demoted):
+    """The paper's code takes N of the penalty `N·ρ·m̄` less the requests past their SLO
+    (`penalty_counts_demoted=False`); ours counts them. `b` (waited 0.4 s, fits only in HIDDEN:
+    10 of 19 blocks) beside `a` and three requests 5 s late: with N = 2 its HIDDEN option is
+    on the hull (0.4 s >= 2·2·0.005·19 = 0.38 s) and it is admitted in HIDDEN; with N = 5 it is
+    not (0.95 s) and `a` decodes. The late ones fit only in HIDDEN too and are worth ~0 either way."""
+    from engine.bookkeeping import EngineStats, StepBookkeeping
+    from engine.kv import BlockPool, KVCacheManager
+    from engine.kv.hidden import HiddenBlocks, HiddenLayout
+    from engine.scheduling import BatchLimits, Request, Scheduler
+    from engine.scheduling.aptserve import AptServePolicy
+
+    kv = KVCacheManager(BlockPool(24), 16)
+    kv.attach(HiddenBlocks.factory(HiddenLayout(512, 64, 16, 16, 24)))
+    policy = AptServePolicy(rho=0.005, withhold_dropped_hidden=False, penalty_counts_demoted=counts_demoted)
+    scheduler = Scheduler(kv, BatchLimits(8, 512, True), policy)
+    book = StepBookkeeping(scheduler, EngineStats())
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a = Request("a", list(range(160)), params, arrival_time=0.0)
+    scheduler.add(a)
+    book.advance(scheduler.schedule(0.0).items)
+    book.append_token(a, 7, None, 4.99)
+    late = [Request(f"late{i}", list(range(2000, 2300)), params, arrival_time=0.0) for i in range(3)]
+    b = Request("b", list(range(1000, 1300)), params, arrival_time=4.6)
+    for r in (*late, b):
+        scheduler.add(r)
+    batch = scheduler.schedule(5.0)
+    if counts_demoted:
+        assert [it.request for it in batch.items] == [a] and policy.hidden_chosen == 0
+    else:
+        assert [it.request for it in batch.items] == [b] and b.cache_form is CacheForm.HIDDEN
+        assert policy.hidden_chosen == 1
+    assert all(r in scheduler.waiting for r in late) and not batch.preempted
+    kv.check_invariants()

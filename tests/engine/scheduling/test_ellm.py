@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine.cost_model import CostModel, PhaseFit, PrefixStepFit
 from engine.scheduling.ellm import RATIO_GRID, Choice, DecisionStats, choose
-from engine.scheduling.ellm_admission import peak_need
+from engine.scheduling.ellm_admission import PrefixFutures, peak_need, peak_points
 from engine.scheduling.prefix_pricing import REBUILD_ONLY, PrefixSources, host_step_seconds
 
 BS = 16
@@ -270,12 +270,52 @@ def test_admission_past_the_end_bound_is_priced():
     assert slow.batch == 8 and slow.ratio == 0.85
 
 
+def test_admission_past_the_end_bound_meets_the_tpot_target_at_its_peak():
+    """The setup above with a free link and a per-token decode cost that matters: the eight
+    fit a step of the target now (23.2 ms at 0.6), but held through their future the peak step
+    (the long one alone near 5,000 tokens at 0.85) takes 25.2 ms. With a loose target the free
+    hold admits them at 0.6 as before; with a 24.5 ms target it is refused although it costs no
+    prefix time, at every ratio (0.85 holds them through their future too, at the same peak
+    step), and the end-of-life bound's seven come in."""
+    cost = CostModel(PhaseFit(2e-5, 1e-9, 0.01), PhaseFit(2e-4, 1e-6, 0.02), 1e9, {"model": "test"})
+    contexts, capacity, finals = [200] * 8, 4 * 208, [300] * 4 + [5000] + [300] * 3
+    free = PrefixSources.of(
+        "host", kv_bytes_per_token=1000, swap_bytes_per_s=1e15, overlap=True, host_capacity_tokens=10**5
+    )
+    loose = choose(contexts, capacity, BS, cost, 1.0, 128, free, final_contexts=finals, running=4)
+    assert loose.batch == 8 and 0 < loose.ratio < 0.85
+    tight = choose(contexts, capacity, BS, cost, 0.0245, 128, free, final_contexts=finals, running=4)
+    assert tight.step_s <= 0.0245 and tight.batch == 7
+
+
 def test_peak_need_counts_departures():
     """Two requests of 100 tokens, one leaving after 10 more and one after 1,000: the live
     tokens peak at 1,099 (the long one alone, just before its end), not at their finals' sum."""
     rows, tokens, peak = peak_need(np.array([100, 100]), np.array([110, 1100]), BS)
     assert sorted(zip(rows.tolist(), tokens.tolist())) == [(1, 1099), (2, 218)]
     assert tokens[peak[0]] == 1099 and tokens[peak[-1]] == 1099
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000)), min_size=1, max_size=40))
+def test_prefix_futures_pick_each_prefix_its_own_peak(data):
+    """`PrefixFutures` (one pass for every FCFS prefix of the candidates) picks, per ratio, the
+    same (live rows, live tokens) for the first `b` as the set's own departure points do (the
+    original one-set computation, written out here), for every `b`."""
+    contexts = np.array([c for c, _ in data])
+    finals = contexts + np.array([g for _, g in data])
+    futures = PrefixFutures(contexts, finals)
+    for b in range(1, len(data) + 1):
+        s, f = contexts[:b], finals[:b]
+        rem = np.maximum(f - s, 1)
+        t = np.unique(rem) - 1
+        live = rem[None, :] > t[:, None]
+        rows, tokens = live.sum(axis=1), (live * (s[None, :] + t[:, None])).sum(axis=1)
+        want = (1 - np.array(RATIO_GRID)[:, None]) * tokens[None, :] + 2 * BS * rows[None, :]
+        k = want.argmax(axis=1)
+        got_rows, got_tokens = futures.of(b)
+        j = peak_points(got_rows, got_tokens, BS)
+        assert (got_rows[j] == rows[k]).all() and (got_tokens[j] == tokens[k]).all()
 
 
 def test_engine_under_ellm_and_swap_matches_fcfs(tiny_model_dir, tmp_path):
