@@ -224,52 +224,134 @@ def choose(
     u = prefix_tokens(s, bs)
     need = -(-(s[None, :] - u) // bs) * bs
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
-    floor = 0
+    floor, lo, pays = 0, batch, None
     if final_contexts is not None:
         finals = np.asarray(final_contexts[:max_batch], dtype=np.int64)
         top = int(batch.max())  # no ratio admits more: the price never looks past the first `top`
-        price = HoldPrice(cost, sources, s[:top], finals[:top], capacity_tokens, bs, tpot_s)
-        batch, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running, price.pays)
+        pays = HoldPrice(cost, sources, s[:top], finals[:top], capacity_tokens, bs, tpot_s).pays
+        lo, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running)  # the bound, unpriced
         floor = floor if hold_running else 0
-    d_work = _prefix_at(np.broadcast_to(s, u.shape), batch)
-    p_ln = _prefix_at(u, batch)
-    p_work = _prefix_at(u * u, batch)
-    carriers = _prefix_at((u > 0).astype(np.int64), batch)  # rows with a non-resident prefix
-    chunk_s = chunk_seconds(cost, s, pending, token_budget, batch)
-    # a larger r only adds rebuild cost once every candidate fits: stop at the first such r
-    full = np.flatnonzero(batch == s.size)
-    last = max(int(full[0]) if full.size else len(RATIO_GRID) - 1, floor)
-    best: Choice | None = None
-    fallback: Choice | None = None
-    for i in range(floor, last + 1):
-        b = int(batch[i])
-        if b == 0:
-            continue
-        rows = int(carriers[i])
-        step = rebuild_step_seconds(cost, sources, b, int(d_work[i]), rows, int(p_ln[i]), int(p_work[i]))
-        if i == floor:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
-            fallback = Choice(max(1, min(b, running)) if floor else b, RATIO_GRID[i], step)
-        if step <= tpot_s or sources.host:
-            exec_s = cost.estimate_sums(0, 0, b, int(d_work[i]))
-            step, source, layers = cheaper_source(exec_s, step, int(p_ln[i]), rows, sources)
-            if step <= tpot_s and (best is None or b / step > best.batch / best.step_s):
-                best = Choice(b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers)
-    chosen = best or fallback or Choice(1, 0.0, math.inf)
+    grid = _Grid(s, u, batch, lo, pays, cost, sources, tpot_s)
+    # a larger r only adds rebuild cost once every candidate fits: the search stops at the first such r
+    chosen = grid.best(floor)
+    if chosen is None:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
+        b = grid.admitted(floor)
+        step = grid.rebuild_step(floor, b) if b else math.inf
+        chosen = Choice(max(1, min(b, running)) if floor else b, RATIO_GRID[floor], step) if b else None
+    chosen = chosen or Choice(1, 0.0, math.inf)
     i = RATIO_GRID.index(chosen.ratio)
-    if chunk_s[i] and math.isfinite(chosen.step_s) and chosen.batch == batch[i]:
-        exec_s = cost.estimate_sums(0, 0, chosen.batch, int(d_work[i]))
+    b = chosen.batch
+    chunk_s = chunk_seconds(cost, s, pending, token_budget, np.array([b]))[0]  # the chosen pair's only
+    if chunk_s and math.isfinite(chosen.step_s) and b == grid.admitted(i):
+        exec_s = cost.estimate_sums(0, 0, b, grid.d_work(b))
         rest = chosen.step_s - chosen.rebuild_s  # the step without its prefixes (layer split included)
+        rows, p_ln = grid.sums(i, b)[:2]
         with_chunk, _, _ = cheaper_source(
-            exec_s + chunk_s[i], chosen.step_s - rest + exec_s + chunk_s[i], int(p_ln[i]), int(carriers[i]), sources
+            exec_s + chunk_s, chosen.step_s - rest + exec_s + chunk_s, p_ln, rows, sources
         )
         chosen = replace(chosen, step_s=max(with_chunk, chosen.step_s))
     return chosen
 
 
-def _prefix_at(values: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Row i's sum of its first `counts[i]` values."""
-    sums = np.concatenate([np.zeros((values.shape[0], 1), dtype=np.int64), np.cumsum(values, axis=1)], axis=1)
-    return sums[np.arange(values.shape[0]), counts]
+class _Grid:
+    """`choose`'s search over the ratios, pricing the admission bound lazily (tenth session).
+
+    Per ratio index `i` the search admits `lo[i]` candidates (FCFS's count at `r = 0`, the
+    end-of-life bound at `r > 0`) or, where the priced admission pays (`pays(i, batch[i])`,
+    `HoldPrice`), all `batch[i]` that fit the pool now. Deciding `pays` is most of the search's
+    time (docs/ellm.md, "Tenth session"), and only the ratios that can change the answer need
+    it: each undecided ratio has two candidate values, at `lo[i]` and at `batch[i]`, and the
+    answer is the first ratio of the largest `b / T` among the feasible ones. So `best` takes
+    the first ratio of the largest *optimistic* value (an undecided ratio counts its better
+    candidate); if that ratio is undecided it is decided and the argmax taken again; once the
+    argmax is decided, every other ratio's true value is at most its optimistic one, below it
+    (earlier ratios: strictly, being the first argmax) or equal at a later ratio, so it is the
+    answer the full search gives. The search's range ends at the first ratio whose admitted
+    count is every candidate (`full`), which deciding a ratio can move: a ratio whose place in
+    the range hangs on an undecided earlier one counts optimistically too, and when it is the
+    argmax the first such earlier ratio is decided. Same decisions as deciding every ratio
+    (`tests/engine/scheduling/test_ellm_trace.py`)."""
+
+    def __init__(self, s, u, batch, lo, pays, cost, sources, tpot_s) -> None:
+        self.s, self.batch, self.lo, self.pays = s, batch, lo, pays
+        self.cost, self.sources, self.tpot_s = cost, sources, tpot_s
+        zero = np.zeros((u.shape[0], 1), dtype=np.int64)
+        self._d = np.concatenate([[0], np.cumsum(s)])
+        self._ln = np.concatenate([zero, np.cumsum(u, axis=1)], axis=1)
+        self._pairs = np.concatenate([zero, np.cumsum(u * u, axis=1)], axis=1)
+        self._rows = np.concatenate([zero, np.cumsum(u > 0, axis=1)], axis=1)
+        self._decided: dict[int, int] = {}  # ratio index -> admitted count, where `pays` was asked
+        self._values: dict[tuple[int, int], tuple[float, Choice | None]] = {}
+
+    def undecided(self, i: int) -> bool:
+        return self.pays is not None and i > 0 and self.lo[i] < self.batch[i] and i not in self._decided
+
+    def admitted(self, i: int) -> int:
+        """The admitted count at ratio index `i` (deciding `pays` there if it is open)."""
+        if self.pays is None or i == 0 or self.lo[i] >= self.batch[i]:
+            return int(self.lo[i])
+        if i not in self._decided:
+            self._decided[i] = int(self.batch[i]) if self.pays(i, int(self.batch[i])) else int(self.lo[i])
+        return self._decided[i]
+
+    def d_work(self, b: int) -> int:
+        return int(self._d[b])
+
+    def sums(self, i: int, b: int) -> tuple[int, int, int]:
+        """(rows with a non-resident prefix, their prefix tokens, query-key pairs) of the first `b`."""
+        return int(self._rows[i, b]), int(self._ln[i, b]), int(self._pairs[i, b])
+
+    def rebuild_step(self, i: int, b: int) -> float:
+        rows, p_ln, p_work = self.sums(i, b)
+        return rebuild_step_seconds(self.cost, self.sources, b, self.d_work(b), rows, p_ln, p_work)
+
+    def value(self, i: int, b: int) -> tuple[float, Choice | None]:
+        """(b / T, the choice) of admitting `b` at ratio index `i`; (-inf, None) where it misses
+        the TPOT target or admits nobody."""
+        key = (i, b)
+        if key not in self._values:
+            out: tuple[float, Choice | None] = (-math.inf, None)
+            if b:
+                step = self.rebuild_step(i, b)
+                if step <= self.tpot_s or self.sources.host:
+                    exec_s = self.cost.estimate_sums(0, 0, b, self.d_work(b))
+                    rows, p_ln, _ = self.sums(i, b)
+                    step, source, layers = cheaper_source(exec_s, step, p_ln, rows, self.sources)
+                    if step <= self.tpot_s:
+                        choice = Choice(
+                            b, RATIO_GRID[i], step, rebuild_s=step - exec_s, source=source, host_layers=layers
+                        )
+                        out = (b / step, choice)
+            self._values[key] = out
+        return self._values[key]
+
+    def best(self, first: int) -> Choice | None:
+        """The first ratio index from `first` up to the range's end (`choose`: the first ratio
+        admitting every candidate, or `first` if that comes earlier) of the largest `b / T`
+        (class docstring)."""
+        n, end = self.s.size, len(RATIO_GRID) - 1
+        full = [int(i) for i in np.flatnonzero(self.batch == n)]  # where admitting everyone is possible
+        while True:
+            # the range: up to the first ratio known to admit everyone; past the first one that may
+            # (undecided), a ratio is in it only if every such earlier one turns out not to
+            sure = next((i for i in full if not self.undecided(i) and self.admitted(i) == n), end)
+            maybe = next((i for i in full if self.undecided(i)), end)
+            top, arg = -math.inf, -1
+            for i in range(first, max(min(sure, end), first) + 1):
+                if self.undecided(i):
+                    v = max(self.value(i, int(self.lo[i]))[0], self.value(i, int(self.batch[i]))[0])
+                else:
+                    v = self.value(i, self.admitted(i))[0]
+                if v > top:
+                    top, arg = v, i
+            if arg < 0:
+                return None
+            if self.undecided(arg):
+                self.admitted(arg)  # decide it and look again
+            elif arg > max(maybe, first):
+                self.admitted(maybe)  # whether it is in the range hangs on an earlier ratio
+            else:
+                return self.value(arg, self.admitted(arg))[1]
 
 
 class ELLMPolicy(SchedulingPolicy):
