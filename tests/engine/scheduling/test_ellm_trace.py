@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from engine.cost_model import CostModel
+from engine.scheduling import ellm
 from engine.scheduling.ellm import choose
+from engine.scheduling.ellm_grid import Grid
 from engine.scheduling.prefix_pricing import PrefixSources
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -70,6 +72,61 @@ def test_decisions_on_a_fixed_trace_are_unchanged():
     differing = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     assert not differing, f"{len(differing)} of {len(got)} choices changed, first at call {differing[0]}"
     assert sum(e[1] > 0 for e in expected) > 50  # the trace does exercise r > 0
+
+
+class _EagerGrid(Grid):
+    """The search with every ratio's admission price decided up front (what `choose` did before
+    the tenth session decided them lazily)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        for i in range(len(self.batch)):
+            self.admitted(i)
+
+
+@pytest.mark.skipif(not PROFILE.is_file(), reason="the committed x1000 profile is missing")
+def test_lazily_decided_admission_prices_give_the_eager_choices(monkeypatch):
+    """Deciding `HoldPrice.pays` only where it can change the answer (`Grid.best`) chooses what
+    deciding it for every ratio chooses, on every call of the trace, with host space and
+    without; and the trace does reach ratios whose price the lazy search leaves undecided."""
+    lazy, grids = [], []
+    monkeypatch.setattr(ellm, "Grid", lambda *a: grids.append(Grid(*a)) or grids[-1])
+    for args, kwargs in trace_inputs(200, seed=10):
+        lazy.append(choose(*args, **kwargs))
+    left_open = sum(g.undecided(i) for g in grids for i in range(len(g.batch)))
+    monkeypatch.setattr(ellm, "Grid", _EagerGrid)
+    eager = [choose(*args, **kwargs) for args, kwargs in trace_inputs(200, seed=10)]
+    assert lazy == eager
+    assert left_open > 0
+
+
+def test_a_ratio_past_an_undecided_full_one_waits_for_it():
+    """The search's range ends at the first ratio admitting every candidate, and deciding a price
+    can move that end: a better ratio past an undecided ratio that may admit everyone is taken
+    only once that one turns out not to (the trace never reaches this case, so it is built):
+    4 candidates of 64 tokens, all fit from ratio 2 on, the end-of-life bound admits 1 there
+    (3 at ratio 3), the whole set misses the TPOT target and 3 rows beat 2. Where ratio 2's
+    price pays, the range ends at 2 and the answer is ratio 0's 2 rows, as deciding every ratio
+    gives; where it does not, ratio 3's 3 rows."""
+    from engine.cost_model import CostModel, PhaseFit
+    from engine.scheduling.ellm_admission import prefix_tokens
+    from engine.scheduling.prefix_pricing import REBUILD_ONLY
+
+    cost = CostModel(PhaseFit(0.001, 0.0, 0.05), PhaseFit(0.001, 0.0, 0.05), 1e9)
+    s = np.full(4, 64, dtype=np.int64)
+    batch = np.array([2, 2] + [4] * 17)
+    lo = np.array([2, 2, 1, 3] + [4] * 15)
+    for ratio_2_pays, expected in ((True, (2, 0.0)), (False, (3, 0.15))):
+
+        def pays(i: int, b: int, ratio_2_pays=ratio_2_pays) -> bool:
+            return ratio_2_pays if i == 2 else False
+
+        def grid(cls):
+            return cls(s, prefix_tokens(s, 16), batch, lo, pays, cost, REBUILD_ONLY, 0.0535)
+
+        lazy, eager = grid(Grid).best(0), grid(_EagerGrid).best(0)
+        assert (lazy.batch, lazy.ratio) == expected
+        assert lazy == eager
 
 
 if __name__ == "__main__":  # write the expected choices (only from the commit named above)
