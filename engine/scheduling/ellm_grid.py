@@ -31,9 +31,9 @@ class Grid:
 
     Per ratio index `i` the search admits `lo[i]` candidates (FCFS's count at `r = 0`, the
     end-of-life bound at `r > 0`) or, where the priced admission pays (`pays(i, batch[i])`,
-    `HoldPrice`), all `batch[i]` that fit the pool now. Deciding `pays` is most of the search's
-    time (docs/ellm.md, "Tenth session"), and only the ratios that can change the answer need
-    it: each undecided ratio has two candidate values, at `lo[i]` and at `batch[i]`, and the
+    `HoldPrice`), all `batch[i]` that fit the pool now. Deciding `pays` for every such ratio was
+    ~half of the slow calls' time (docs/ellm.md, "Tenth session"), and only the ratios that can
+    change the answer need it: each undecided ratio has two candidate values, at `lo[i]` and at `batch[i]`, and the
     answer is the first ratio of the largest `b / T` among the feasible ones. So `best` takes
     the first ratio of the largest *optimistic* value (an undecided ratio counts its better
     candidate); if that ratio is undecided it is decided and the argmax taken again; once the
