@@ -11,7 +11,8 @@ measured ρ by 5). Variants of `aptserve` by name: `aptserve-priced` (conversion
 `aptserve-priced-kv` (both: only a preemption's re-prefill is priced), `aptserve-paper-hidden`
 (HIDDEN offered by the paper's rule alone, also where the next decode iteration drops it),
 `aptserve-paper-n` (that, and the penalty's N less the requests past their SLO, as the paper's
-code), `aptserve-no-demotion` (decay 1: no SLO demotion).
+code), `aptserve-no-demotion` (decay 1: no SLO demotion), `aptserve-decay0.4` (the paper's
+"Scheduling*": a late request keeps 0.4 of its value).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -31,6 +32,7 @@ VARIANTS = {
     # the paper's code: HIDDEN by its rule alone, N less the requests past their SLO
     "aptserve-paper-n": ("aptserve", {"withhold_dropped_hidden": False, "penalty_counts_demoted": False}),
     "aptserve-no-demotion": ("aptserve", {"decay": 1.0}),  # a late request keeps its full value
+    "aptserve-decay0.4": ("aptserve", {"decay": 0.4}),  # the paper's "Scheduling*" (its §6.6)
 }
 
 
