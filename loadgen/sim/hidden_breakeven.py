@@ -27,8 +27,8 @@ cost. In roofline terms (`β` ≈ streaming the weights, `12·d²·L` values; `c
 any GPU at fp16, and tens of tokens on a CPU, whatever the model (docs/aptserve.md).
 
 Writes one JSON document with the provenance stamp: per case the fit's terms, `P*` (closed
-form, and the largest pool of a grid at which the priced ratio exceeds 1, which includes the
-knee), the ratio at the setup's own pool, the ρ at which HIDDEN would break even there against
+form, and the largest pool at which the priced ratio exceeds 1, which includes the knee: a
+grid, refined by bisection), the ratio at the setup's own pool, the ρ at which HIDDEN would break even there against
 the ρ measured, and the grid.
 """
 
@@ -98,12 +98,27 @@ def pool_grid(lo: float, hi: float, points: int = 40) -> list[float]:
     return [lo * step**i for i in range(points)]
 
 
+def priced_pool(cost: CostModel, grid: list[DecodePoint], context: float, r: float = 0.5) -> float:
+    """The largest pool of the grid at which HIDDEN wins, refined by bisection up to the next
+    grid point (to 0.1%; 0 where it never wins on the grid)."""
+    last = max((i for i, p in enumerate(grid) if p.ratio > 1), default=None)
+    if last is None:
+        return 0.0
+    lo = grid[last].pool_tokens
+    if last + 1 == len(grid):
+        return lo
+    hi = grid[last + 1].pool_tokens
+    while hi - lo > 1e-3 * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if full_pool_decode(cost, mid, context, r).ratio > 1 else (lo, mid)
+    return lo
+
+
 def analyse(
     label: str, cost: CostModel, pool_tokens: float, context: float, block_size: int = 16, r: float = 0.5
 ) -> dict:
     """One case: the fit's terms, both P* and the setup pool's ratio (module docstring)."""
     grid = [full_pool_decode(cost, p, context, r) for p in pool_grid(2 * block_size, max(pool_tokens, 1e5))]
-    wins = [p.pool_tokens for p in grid if p.ratio > 1]
     setup = full_pool_decode(cost, pool_tokens, context, r)
     return {
         "label": label,
@@ -119,7 +134,7 @@ def analyse(
         "hidden_step_overhead_s": hidden_overhead_s(cost),
         "rho_s_per_block": cost.hidden_rho(block_size),
         "breakeven_pool_tokens_closed_form": closed_form_pool(cost, r),
-        "breakeven_pool_tokens_priced": max(wins, default=0.0),
+        "breakeven_pool_tokens_priced": priced_pool(cost, grid, context, r),
         "setup_pool_tokens": pool_tokens,
         "setup_context_tokens": context,
         "setup": asdict(setup),

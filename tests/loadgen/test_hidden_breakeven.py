@@ -60,6 +60,12 @@ def test_the_verdict_does_not_depend_on_the_lengths():
         assert full_pool_decode(cost, 1.05 * star, context).ratio < 1
 
 
+def test_without_a_knee_the_priced_pool_is_the_closed_form():
+    cost = _model(0.02, 3e-5, 6e-7, 3e-5, overhead=2e-3)
+    row = analyse("knee-less", cost, 4096, 340)
+    assert row["breakeven_pool_tokens_priced"] == pytest.approx(closed_form_pool(cost), rel=2e-3)
+
+
 def test_gqa_never_pays():
     with pytest.raises(ValueError, match="saves no memory"):
         full_pool_decode(_model(0.02, 0, 0, 1e-5), 4096, 340, r=1.5)
