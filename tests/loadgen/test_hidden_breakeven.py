@@ -71,10 +71,11 @@ def test_gqa_never_pays():
         full_pool_decode(_model(0.02, 0, 0, 1e-5), 4096, 340, r=1.5)
 
 
-def test_the_fluid_step_is_the_simulators_step_price():
+@pytest.mark.parametrize("profile", ["opt-13b-a100-40gb", str(CPU_QUIET)])
+def test_the_fluid_step_is_the_simulators_step_price(profile):
     """Whole rows: the module's HIDDEN step is what `step_seconds` charges a decode batch of
-    the same HIDDEN requests (the knee included)."""
-    cost = load_cost_model("opt-13b-a100-40gb")
+    the same HIDDEN requests (the roofline's knee; the CPU profile's fixed extra)."""
+    cost = load_cost_model(profile)
     context, rows = 300, 6
     batch = ScheduledBatch()
     for i in range(rows):
