@@ -143,7 +143,7 @@ def analyse(
     }
 
 
-# The cases of docs/aptserve.md: (label, cost model, pool in KV tokens, mean context, why).
+# The cases of docs/aptserve.md: (label, cost model, pool in KV tokens, mean context).
 # Contexts: BROS's ShareGPT, 223 prompt + half of 235 output tokens mid-decode (~340); x 0.25
 # on the CPU cells (`--length-scale 0.25`).
 CASES = (
