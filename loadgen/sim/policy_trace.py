@@ -11,7 +11,8 @@ measured ρ by 5). Variants of `aptserve` by name: `aptserve-priced` (conversion
 `aptserve-priced-kv` (both: only a preemption's re-prefill is priced), `aptserve-paper-hidden`
 (HIDDEN offered by the paper's rule alone, also where the next decode iteration drops it),
 `aptserve-paper-n` (that, and the penalty's N less the requests past their SLO, as the paper's
-code), `aptserve-no-demotion` (decay 1: no SLO demotion).
+code), `aptserve-no-demotion` (decay 1: no SLO demotion), `aptserve-decay0.4` (the paper's
+"Scheduling*": a late request keeps 0.4 of its value).
 The recompute cost per step is the profile's price of each step's HIDDEN rebuild.
 Writes one JSON document with the provenance stamp.
 """
@@ -31,6 +32,7 @@ VARIANTS = {
     # the paper's code: HIDDEN by its rule alone, N less the requests past their SLO
     "aptserve-paper-n": ("aptserve", {"withhold_dropped_hidden": False, "penalty_counts_demoted": False}),
     "aptserve-no-demotion": ("aptserve", {"decay": 1.0}),  # a late request keeps its full value
+    "aptserve-decay0.4": ("aptserve", {"decay": 0.4}),  # the paper's "Scheduling*" (its §6.6)
 }
 
 
@@ -46,9 +48,12 @@ def trace(
     cv: float = 1.0,
     on_worker=None,
     max_num_seqs: int | None = None,
+    num_blocks: int | None = None,
 ) -> dict:
     """One run; `on_worker(worker)` sees the simulated worker before the run (a recorder's
-    hook, e.g. `apt_knapsack_trace`); `max_num_seqs` overrides the simulator's default."""
+    hook, e.g. `apt_knapsack_trace`); `max_num_seqs` overrides the simulator's default and
+    `num_blocks` the profile's KV pool (a memory-starved deployment: docs/aptserve.md, "When
+    can HIDDEN pay")."""
     from engine.kv.hidden import CacheForm
     from engine.scheduling.request import SLO
     from loadgen.arrivals import ArrivalSpec
@@ -63,7 +68,7 @@ def trace(
 
     cost = load_cost_model(profile)
     none = argparse.Namespace(
-        num_blocks=None, max_num_seqs=max_num_seqs, max_num_batched_tokens=None, max_model_len=None
+        num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=None, max_model_len=None
     )
     spec = worker_spec(none, cost.meta)
     name, variant = VARIANTS.get(policy, (policy, {}))
@@ -132,6 +137,9 @@ def trace(
         "slo_attainment": rt["slo_attainment"],
         "ttft_attainment": rt["ttft_attainment"],
         "tbt_p99_attainment": rt["tbt_p99_attainment"],
+        "completed": rt["completed"],
+        "output_tokens_per_s": rt["output_tokens_per_s"],
+        "num_blocks": spec.num_blocks,
         "steps": len(steps),
         "prefill_steps": len(steps) - len(decode),
         "mean_batch": statistics.mean(s[0] for s in steps),
@@ -215,13 +223,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, s (the paper's Table 3)")
     ap.add_argument("--slo-tpot", type=float, default=1.0, help="P99 TBT target, s")
     ap.add_argument("--cv", type=float, default=1.0, help="Gamma arrivals' CV (1: Poisson; the paper's Table 4)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV pool in blocks (default: the profile's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     runs = []
     for policy in args.policies.split(","):
         slo = (args.slo_ttft, args.slo_tpot)
         runs.append(
-            trace(policy, args.rate, args.seed, args.duration, args.cost_model, args.rho, args.workload, slo, args.cv)
+            trace(
+                policy,
+                args.rate,
+                args.seed,
+                args.duration,
+                args.cost_model,
+                args.rho,
+                args.workload,
+                slo,
+                args.cv,
+                num_blocks=args.num_blocks,
+            )
         )
         print(json.dumps(runs[-1]), flush=True)
     if args.out:

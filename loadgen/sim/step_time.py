@@ -13,7 +13,9 @@ whole extra of such a step), prefill rows otherwise.
 The hybrid cache (Apt-Serve): a HIDDEN row is priced as the same row in KV form (its attention
 over the context is the same work) plus the rebuild of K/V from every stored context token,
 `CostModel.hidden_seconds` of the HIDDEN requests' context tokens (`hidden_context_tokens`)
-given the step's new tokens, which come first in the shared K/V projection (the knee).
+given the step's new tokens, which come first in the shared K/V projection (the knee), plus
+the profile's measured fixed extra of a step that rebuilds (`meta.hidden_step_overhead_s`:
+on the CPU engine such a step leaves the compiled decode layer; a roofline has none).
 
 Host-kept prefixes (eLLM's host source): no rows; the step reads their K/V of every layer
 from host, priced like a swap (`CostModel.swap_bytes_per_s`, overlapped with the step where
@@ -77,7 +79,10 @@ def step_seconds(
     prefill, decode = batch_rows(batch.items)
     rebuilt = rebuilt_rows(batch.items, kv) if kv is not None else []
     new_tokens = sum(it.num_new_tokens for it in batch.items)
-    rebuild = cost.hidden_seconds(hidden_context_tokens(batch.items), step_rows=new_tokens)
+    rebuilt_tokens = hidden_context_tokens(batch.items)
+    rebuild = cost.hidden_seconds(rebuilt_tokens, step_rows=new_tokens)
+    if rebuilt_tokens:  # a measured profile's fixed extra of a step that rebuilds (op by op on a CPU)
+        rebuild += float(cost.meta.get("hidden_step_overhead_s", 0.0) or 0.0)
     host_rows = host_prefix_rows(batch.items, kv) if kv is not None else []
     if not host_rows:
         return _with_rebuilt(cost, prefill, decode, rebuilt, swap_bytes(batch, bytes_per_token)) + rebuild
