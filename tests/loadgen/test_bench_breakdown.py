@@ -8,7 +8,15 @@ import time
 
 import psutil
 
-from loadgen.bench.hop_path import HOP_ORDER, KAFKA_HOPS, SERVICE_HOPS, first_token_path, hop_breakdown
+from loadgen.bench.hop_path import (
+    HOP_ORDER,
+    KAFKA_HOPS,
+    KAFKA_HOPS_GRANTED,
+    SERVICE_HOPS,
+    SERVICE_HOPS_GRANTED,
+    first_token_path,
+    hop_breakdown,
+)
 from loadgen.bench.idle import process_label
 from loadgen.otlp_sink import ReceivedSpan
 
@@ -44,6 +52,24 @@ def test_first_token_path_adds_up_per_request_and_splits_each_kafka_hop():
     for consume, _produce in KAFKA_HOPS:
         expected |= {f"{consume}.ack_s": 0.001, f"{consume}.wake_s": 0.002}
     assert {k: round(got[k]["p50_s"], 9) for k in expected} == expected
+
+
+def test_first_token_path_of_granted_requests_has_two_kafka_hops():
+    # "a" and "c" were sent by grant (no scheduler spans), "b" through the scheduler: the parts
+    # are the granted path's (most requests took it), with both paths counted.
+    spans = []
+    for trace in ("a", "c"):
+        spans += [_span(trace, h, 1.0) for h in SERVICE_HOPS_GRANTED]
+        spans += [s for c, p in KAFKA_HOPS_GRANTED for s in (_span(trace, c, 3.0), _span(trace, p, 1.0))]
+    spans += [_span("b", h, 1.0) for h in SERVICE_HOPS]
+    spans += [s for c, p in KAFKA_HOPS for s in (_span("b", c, 3.0), _span("b", p, 1.0))]
+    got = first_token_path(spans, {"a": 0.020, "b": 0.030, "c": 0.020})
+    assert got["paths"] == {"three_hop": 1, "two_hop": 2}
+    assert got["requests"] == 2 and got["kafka_hops"] == 2
+    expected = {"kafka_s": 0.006, "services_s": 0.004, "untraced_s": 0.010, "ttft_s": 0.020}
+    expected |= {"worker.consume.ack_s": 0.001, "gateway.consume.wake_s": 0.002}
+    assert {k: round(got[k]["p50_s"], 9) for k in expected} == expected
+    assert "scheduler.consume.ack_s" not in got
 
 
 def test_idle_bench_names_processes_by_their_role():

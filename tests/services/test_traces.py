@@ -20,7 +20,7 @@ HOPS = {
         "worker.engine_queue",
         "worker.first_token",
         "worker.result_produce",
-        # the hand-off's stages (services/worker/requests.py), recorded once the first token left
+        # the hand-off's stages (services/worker/requests.py), recorded once the last token left
         *("worker.to_engine", "worker.engine_add", "worker.step_wait", "worker.first_step", "worker.to_loop"),
     },
 }
