@@ -175,7 +175,9 @@ class GatewayCore:
                 for g in grant.workers:
                     if g.worker_id not in known:  # its topic's metadata now, not on the first request's path
                         known.add(g.worker_id)
-                        await self._warm(self.topics.dispatch(g.worker_id).name)
+                        dispatch = self.topics.dispatch(g.worker_id)
+                        self.kafka.remember(dispatch)  # one partition: sent to 0 even after a broker restart
+                        await self._warm(dispatch.name)
 
     async def _warm(self, topic: str) -> None:
         try:
