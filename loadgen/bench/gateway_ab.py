@@ -35,6 +35,7 @@ class Variant:
     checkout: str | None = None
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # requests that failed or timed out (not in the figures)
 
 
 def parse_variant(text: str) -> Variant:
@@ -50,6 +51,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", help="'tiny' (random 2-layer Llama), 'default', or a path")
     p.add_argument("--rounds", type=int, default=50, help="measured rounds (one request per variant each)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take (then counted an error)")
+    p.add_argument("--logs", default=None, help="a folder for each stack's `tandem up` log (NAME.log)")
     p.add_argument("--json", default=None, help="write results here")
     p.set_defaults(func=run)
 
@@ -85,7 +88,9 @@ async def _bench(args, model: str, variants: list[Variant]) -> None:
         # started one after another: starts are CPU-heavy and would starve each other's waits
         urls = []
         for v in variants:
-            urls.append(await stacks.enter_async_context(running_stack(model, env=v.env, checkout=v.checkout)))
+            log = os.path.join(args.logs, f"{v.name}.log") if args.logs else None
+            stack = running_stack(model, env=v.env, checkout=v.checkout, log_path=log)
+            urls.append(await stacks.enter_async_context(stack))
         body = {
             "model": urls[0][1],
             "messages": [{"role": "user", "content": PROMPT}],
@@ -94,12 +99,16 @@ async def _bench(args, model: str, variants: list[Variant]) -> None:
             "ignore_eos": True,
             "stream": True,
         }
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=args.timeout) as client:
             for i in range(args.rounds + 3):  # 3 warm-up rounds
                 order = list(range(len(variants)))
                 order = order[i % len(order) :] + order[: i % len(order)]
                 for k in order:
-                    times = await _stream_times(client, urls[k][0], body)
+                    try:
+                        times = await _stream_times(client, urls[k][0], body)
+                    except httpx.HTTPError as exc:  # reported, not hidden: a stalled stream is a finding
+                        variants[k].errors.append(f"round {i}: {exc!r}")
+                        continue
                     if i >= 3 and times:
                         variants[k].ttfts.append(times[0])
                         variants[k].itls += [b - a for a, b in zip(times, times[1:])]
@@ -113,6 +122,7 @@ def summarise(variants: list[Variant], args) -> dict:
             "env": v.env,
             "checkout": v.checkout,
             "requests": len(v.ttfts),
+            "errors": v.errors,
             "ttft_p50_s": percentile(v.ttfts, 50),
             "ttft_p99_s": percentile(v.ttfts, 99),
             "itl_p50_s": percentile(v.itls, 50),
@@ -140,4 +150,4 @@ def _print(r: dict) -> None:
         vs = next((x for k, x in v.items() if k.startswith("vs_")), None)
         if vs is not None:
             line += f"  TTFT paired {ms(vs['ttft_paired_median_diff_s'])}  ITL p50 {ms(vs['itl_p50_diff_s'])}"
-        print(line)
+        print(line + (f"  ({len(v['errors'])} errors)" if v["errors"] else ""))
