@@ -154,13 +154,13 @@ class GrantedCopies:
         self.queue.clear()
 
     async def settle(self, offsets: OffsetTracker, active_since: float) -> None:
-        """Record or re-route every copy that can be decided now; the rest wait (module docstring)."""
-        waiting: deque[Pending] = deque()
-        while self.queue:
-            p = self.queue.popleft()
+        """Record or re-route every copy that can be decided now; the rest wait (module docstring).
+        A copy whose write fails (the broker briefly away) stays queued for the next round: its
+        request runs on the granted worker, and a copy dropped from memory would leave the
+        scheduler blind to it (no re-placement if that worker dies)."""
+        for p in list(self.queue):
             verdict = self._verdict(p, active_since)
             if verdict is None:
-                waiting.append(p)
                 continue
             a = self._assignment(p)
             if verdict == "adopt":
@@ -169,8 +169,8 @@ class GrantedCopies:
                 self.m.decisions.labels("rt", "granted").inc()
             else:
                 await self.failures.reroute(a, verdict)
+            self.queue.remove(p)
             offsets.done(p.tp, p.offset)  # written and acknowledged
-        self.queue = waiting
 
     def _verdict(self, p: Pending, active_since: float) -> str | None:
         """ "adopt", a re-route's reason, or None: wait for the worker's heartbeats."""
