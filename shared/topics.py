@@ -13,6 +13,7 @@
 | `<p>.scheduler.state`      | 1, compact | request id   | scheduler → scheduler (restart recovery)            |
 | `<p>.scheduler.fences`     | 1, compact | worker id    | scheduler → scheduler, queue, advisory (fences)     |
 | `<p>.be.capacity`          |          1 | scheduler id | scheduler → queue (BE flow control)                 |
+| `<p>.placement.grants`     |          1 | scheduler id | scheduler → gateways (RT slots, two-hop dispatch)   |
 | `<p>.batches`              |          1 | batch id     | gateway → queue (a batch was created or cancelled)  |
 | `<p>.advisory`             |          4 | session id   | gateway → advisory (typing hints)                   |
 | `<p>.sessions.directory`   | 4, compact | session id   | workers → advisory, scheduler                       |
@@ -99,6 +100,10 @@ class Topics:
         return self._t("be.capacity", 1, "scheduler id")
 
     @property
+    def placement_grants(self) -> TopicSpec:
+        return self._t("placement.grants", 1, "scheduler id")
+
+    @property
     def batches(self) -> TopicSpec:
         return self._t("batches", 1, "batch id")
 
@@ -131,6 +136,7 @@ class Topics:
             self.scheduler_state,
             self.scheduler_fences,
             self.be_capacity,
+            self.placement_grants,
             self.batches,
             self.advisory,
             self.sessions_directory,

@@ -23,6 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ellm_sim,
         engine,
         gateway,
+        gateway_ab,
         hybrid,
         idle,
         kafka_path,
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cpu_step_profile.add_parser(bsub)  # tandem bench profile
     policies.add_parser(bsub)
     gateway.add_parser(bsub)
+    gateway_ab.add_parser(bsub)
     idle.add_parser(bsub)
     kafka_path.add_parser(bsub)
     loop_contention.add_parser(bsub)

@@ -36,6 +36,8 @@ from loadgen.bench.inproc import PROMPT
 from loadgen.otlp_sink import OtlpSink
 from loadgen.provenance import stamp
 
+_RECORDED_ENV = ("TANDEM_KAFKA_", "TANDEM_RT_GRANT")  # the settings an A/B of this bench varies
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gateway", help="latency the Kafka path adds, and the gateway's sustained request rate")
@@ -88,9 +90,9 @@ async def _bench(args, model: str) -> dict:
     added = {k: stack["sequential"][k] - inproc[k] for k in inproc if k.endswith("_s")}
     return {
         "model": args.model,
-        # Kafka-layer settings the stack inherits from this environment (an A/B of a setting,
-        # e.g. TANDEM_KAFKA_HOT_SETTLE=true, says which side this was)
-        "kafka_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TANDEM_KAFKA_")},
+        # Kafka-layer and dispatch settings the stack inherits from this environment (an A/B of a
+        # setting, e.g. TANDEM_KAFKA_HOT_SETTLE=true or TANDEM_RT_GRANTS=true, says which side this was)
+        "kafka_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_RECORDED_ENV)},
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "inproc": inproc,

@@ -302,22 +302,21 @@ class _Ctx:
         if d.cached_tokens is not None:
             self.cached_tokens = d.cached_tokens
 
-    def _trace_first_token(self) -> None:
-        """The gateway's result-side hops of the first token: its Kafka hop from the worker and
-        the SSE write (from reading its batch to the chunk sent)."""
-        if self.stream.first_batch_ns is None:
+    def _trace_first_token(self, written_ns: int | None) -> None:
+        """The first token's result-side hops (its Kafka hop from the worker, the SSE write from
+        reading its batch to `written_ns`), at the stream's end: not in the first token gap."""
+        if self.stream.first_batch_ns is None or written_ns is None:
             return
         sent, read = self.stream.first_batch_ns
-        tracing = self.h.core.tracing
         if sent is not None:
-            tracing.hop("gateway.consume", self.stream.trace, sent, read)
-        tracing.hop("gateway.sse_write", self.stream.trace, read)
+            self.h.core.tracing.hop("gateway.consume", self.stream.trace, sent, read)
+        self.h.core.tracing.hop("gateway.sse_write", self.stream.trace, read, written_ns)
 
     def _usage(self) -> dict:
         return usage(self.stream.prompt_tokens or 0, len(self.stream.token_ids), self.cached_tokens)
 
     async def sse(self):
-        completed = False
+        completed, first_written_ns = False, None
         try:
             first = self.shaper.first_chunk()
             if first is not None:
@@ -326,7 +325,7 @@ class _Ctx:
                 async for d in self._deltas():
                     yield sse(self.shaper.delta_chunk(d, d.token_texts))
                     if d.index == 0 and d.token_ids:  # resumed here only once the server sent it
-                        self._trace_first_token()
+                        first_written_ns = time.time_ns()
             except APIError as exc:  # headers are sent: report in-band, as OpenAI does
                 yield sse(exc.body())
                 yield sse("[DONE]")
@@ -337,6 +336,7 @@ class _Ctx:
             yield sse("[DONE]")
             completed = True
         finally:
+            self._trace_first_token(first_written_ns)
             self.close(completed)
 
     async def collect(self, request: Request) -> JSONResponse:

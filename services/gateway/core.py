@@ -10,6 +10,7 @@ import socket
 import time
 import zlib
 
+from services.gateway.grants import GrantBook, Slot
 from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream, StreamRegistry
 from shared.aio import within
@@ -20,6 +21,7 @@ from shared.metrics import ServiceMetrics
 from shared.records import decode_record
 from shared.schemas.batches import BatchNotice
 from shared.schemas.control import Cancel, ControlEnvelope, Fence
+from shared.schemas.grants import PlacementGrant
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Failed, ResultBatch
 from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
@@ -44,9 +46,16 @@ class GatewayCore:
             else zlib.crc32(self.gateway_id.encode()) % partitions
         )
         self.kafka = KafkaClient(settings, self.gateway_id)
-        self.streams = StreamRegistry(self.submit)
         self.workers = LiveWorkers(settings.worker_timeout_s)
+        self.grants = GrantBook(self.workers)  # RT dispatch by grant (grants.py), when `rt_grants`
+        self.streams = StreamRegistry(self.submit, self.grants.release)
         self.metrics = ServiceMetrics("gateway")
+        self.m_dispatch = self.metrics.counter(
+            "gateway_rt_dispatch_total", "RT requests by path: grant (to the worker) or scheduler", ("path",)
+        )
+        self.m_granted = self.metrics.gauge("gateway_granted_workers", "workers in the live RT grant")
+        self.m_granted.set_function(self.grants.granted_workers)  # read at each scrape: a grant lapses unseen
+        self.m_grant_term = self.metrics.gauge("gateway_grant_term", "the scheduler lease term of the RT grant held")
         self.tracing = Tracing("gateway", self.metrics, settings.otlp_endpoint)
         self.broker_watch = BrokerWatch(
             self.kafka, settings.topic_prefix, self._on_broker_restart, interval_s=settings.broker_watch_interval_s
@@ -63,7 +72,11 @@ class GatewayCore:
         await self.kafka.assign_all(heartbeats, self.topics.heartbeats.name, from_end=True)
         control = await self.kafka.consumer(group=None)  # fences: a lost worker is not live
         await self.kafka.assign_all(control, self.topics.control.name, from_end=True)
-        self._tasks = [
+        if self.settings.rt_grants:  # from the end: the active scheduler re-grants every interval
+            grants = await self.kafka.consumer(group=None)
+            await self.kafka.assign_all(grants, self.topics.placement_grants.name, from_end=True)
+            self._tasks.append(asyncio.create_task(self._grants_loop(grants)))
+        self._tasks += [
             asyncio.create_task(self._results_loop(results)),
             asyncio.create_task(self._heartbeat_loop(heartbeats)),
             asyncio.create_task(self._fence_loop(control)),
@@ -114,18 +127,63 @@ class GatewayCore:
 
     async def submit(self, request: GenerateRequest, accepted_ns: int | None = None) -> None:
         """Publish a request (a first attempt, or a resumed one); `accepted_ns`: when the HTTP
-        handler took it, for the `gateway.accept` hop."""
+        handler took it, for the `gateway.accept` hop. An RT request goes straight to a worker
+        when the scheduler's grant has a slot for it (grants.py), else to the scheduler."""
         topic = self.topics.rt_requests if request.req_class == "rt" else self.topics.be_requests
         stream = self.streams.get(request.request_id)
         trace = stream.trace if stream is not None else None
+        slot = self.grants.take(request) if self.settings.rt_grants else None
         send_ns = time.time_ns()
-        await self.kafka.send(topic.name, request, key=request.request_id, headers=Tracing.kafka_headers(trace))
+        if slot is not None:
+            await self._send_granted(request, slot, Tracing.kafka_headers(trace))
+        else:
+            await self.kafka.send(topic.name, request, key=request.request_id, headers=Tracing.kafka_headers(trace))
+        if request.req_class == "rt":
+            self.m_dispatch.labels("grant" if slot is not None else "scheduler").inc()
         # both spans once the request has left: a span costs the loop ~50-120 us (issue 21)
         if accepted_ns is not None:
             self.tracing.hop("gateway.accept", trace, accepted_ns, send_ns)
         self.tracing.hop("gateway.produce", trace, send_ns)
         level = self.broker_watch.recovery.level()  # INFO for a while after a broker restart
         log.log(level, "submitted attempt %d", request.attempt, extra={"request_id": request.request_id})
+
+    async def _send_granted(self, request: GenerateRequest, slot: Slot, headers) -> None:
+        """To the granted worker's dispatch topic, and the flagged copy to `requests.rt` (the
+        scheduler records the placement from it): both queued at once, one round trip; the
+        dispatch first, so a worker never waits on the copy. Stamped like a scheduler's dispatch,
+        so a fenced epoch or a deposed term drops it there (shared/schemas/grants.py)."""
+        rid = request.request_id
+        granted = request.model_copy(
+            update={"worker_epoch": slot.epoch, "scheduler_term": slot.term, "granted_worker": slot.worker_id}
+        )
+        try:
+            dispatch = self.topics.dispatch(slot.worker_id).name
+            to_worker = await self.kafka.send_nowait(dispatch, granted, key=rid, headers=headers)
+            copy = await self.kafka.send_nowait(self.topics.rt_requests.name, granted, key=rid, headers=headers)
+            await asyncio.gather(to_worker, copy)
+        except BaseException:
+            self.grants.release(rid)
+            raise
+
+    async def _grants_loop(self, consumer) -> None:
+        known: set[str] = set()
+        while True:
+            for grant in await fetch_decoded(consumer, PlacementGrant):
+                if not self.grants.on_grant(grant):
+                    continue
+                self.m_grant_term.set(grant.term)
+                for g in grant.workers:
+                    if g.worker_id not in known:  # its topic's metadata now, not on the first request's path
+                        known.add(g.worker_id)
+                        dispatch = self.topics.dispatch(g.worker_id)
+                        self.kafka.remember(dispatch)  # one partition: sent to 0 even after a broker restart
+                        await self._warm(dispatch.name)
+
+    async def _warm(self, topic: str) -> None:
+        try:
+            await within(self.kafka.producer.partitions_for(topic), 5.0)
+        except Exception:  # noqa: BLE001 (the first granted send fetches it instead)
+            log.warning("no metadata for %s yet", topic, exc_info=True)
 
     def cancel_soon(self, request_id: str) -> None:
         """Publish a cancel without awaiting it (called from cleanup paths that may be cancelled)."""
@@ -205,6 +263,7 @@ class GatewayCore:
                 message="the message broker restarted and this request's results were lost; retry it",
             )
 
+        self.grants.clear()  # its scheduler's term and workers' epochs belong to the lost broker
         ended = self.streams.fail_open(failure)
         for request_id in ended:
             self.cancel_soon(request_id)

@@ -25,3 +25,7 @@ class GatewaySettings(BatchStoreSettings):
     # API keys (services/gateway/auth.py): open until the first key exists, unless required.
     auth_required: bool = False  # true: every /v1 request needs a key even when none exists yet
     key_cache_ttl_s: float = 2.0  # how stale a key's record may be (a revoke takes this long at most)
+    # RT dispatch by grant (services/gateway/grants.py; the scheduler's `rt_grants` reads the same
+    # TANDEM_RT_GRANTS): send RT requests straight to a worker within the scheduler's grant (two
+    # hops to the first token); off: every request through the scheduler (three hops).
+    rt_grants: bool = False

@@ -43,9 +43,10 @@ Resubmit = Callable[[GenerateRequest], Awaitable[None]]
 
 
 class StreamRegistry:
-    def __init__(self, resubmit: Resubmit) -> None:
+    def __init__(self, resubmit: Resubmit, on_close: Callable[[str], None] = lambda request_id: None) -> None:
         self._streams: dict[str, RequestStream] = {}
         self._resubmit = resubmit
+        self._on_close = on_close  # the request's grant slot, if it had one, is free again
         self.resumed = 0  # requests re-placed after a worker loss
 
     def open(self, request: GenerateRequest) -> RequestStream:
@@ -54,6 +55,7 @@ class StreamRegistry:
 
     def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._on_close(request_id)
 
     def __len__(self) -> int:
         return len(self._streams)

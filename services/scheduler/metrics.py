@@ -30,7 +30,8 @@ class SchedulerMetrics:
             pending=m.gauge("scheduler_pending", "requests waiting for capacity", ("req_class",)),
             decisions=m.counter(
                 "scheduler_placement_decisions_total",
-                "placements by outcome: meets_slo, over_slo_admitted, rejected, unpredicted (no SLO prediction)",
+                "placements by outcome: meets_slo, over_slo_admitted, rejected, unpredicted (no SLO prediction), "
+                "granted (a gateway placed it in this scheduler's RT grant)",
                 ("req_class", "outcome"),
             ),
             lag=m.gauge("scheduler_consumer_lag", "request records not yet read by the scheduler", ("topic",)),

@@ -13,6 +13,7 @@ out), so the policies stay pure and the cluster simulator feeds them the same ty
 
 from __future__ import annotations
 
+import time
 from collections.abc import Container
 
 from engine.cost_model import CostModel, PhaseFit
@@ -27,6 +28,7 @@ from services.scheduler.placement import (
 from services.scheduler.registry import WorkerInfo
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.slo_predict import PredictorSettings, SessionKV, SLOTarget
+from shared.schemas.capacity import BECapacity
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Failed
 from shared.schemas.telemetry import StepCost
@@ -113,6 +115,25 @@ def worker_load(w: WorkerInfo, counts: dict[tuple[str, str], int]) -> WorkerLoad
         kv_blocks=t.kv_blocks if t else 0,
         block_size=t.block_size if t and t.block_size else 16,
         max_num_batched_tokens=t.max_num_batched_tokens if t else 0,
+    )
+
+
+def be_capacity(
+    source: str,
+    placement: PlacementPolicy,
+    loads: dict[str, list[WorkerLoad]],
+    counts: dict[tuple[str, str], int],
+    pending: int,
+) -> BECapacity:
+    """`be.capacity`'s record: the BE slots per model (`loads`: model -> its live workers' loads)."""
+    by_model = {m: placement.be_slots(w) for m, w in loads.items()}
+    return BECapacity(
+        source=source,
+        sent_at=time.time(),
+        slots=sum(by_model.values()),
+        in_flight=sum(n for (_, cls), n in counts.items() if cls == "be"),
+        pending=pending,
+        by_model=by_model,
     )
 
 

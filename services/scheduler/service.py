@@ -29,9 +29,11 @@ from services.scheduler.affinity import AffinityLimits, SessionAffinity, make_af
 from services.scheduler.assignments import AssignmentTable
 from services.scheduler.dispatch import Dispatcher, Pending
 from services.scheduler.failures import FailureHandler
+from services.scheduler.grants import GrantedCopies, GrantPublisher
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementDecision, WorkerLoad
 from services.scheduler.placement_inputs import (
+    be_capacity,
     build_placement,
     placement_request,
     session_kv,
@@ -88,6 +90,9 @@ class SchedulerService:
         self.failures = FailureHandler(
             self.kafka, settings, self.registry, self.assignments, self.m.rerouted, self.lease.is_active
         )
+        term = lambda: self.lease.term  # noqa: E731
+        self.grants = GrantPublisher(self.kafka, settings, self.placement, term)  # RT dispatch by grant
+        self.granted = GrantedCopies(settings, self.registry, self.failures, self.m, term)
 
     def _init_metrics(self) -> None:
         self.metrics = ServiceMetrics("scheduler")
@@ -160,6 +165,8 @@ class SchedulerService:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._commit()
+        if self.lease.is_active():  # gateways fall back to this path's successor at once
+            await self.grants.revoke()
         await self.lease.stop()  # after the last commit: the successor starts from it
         await self.kafka.stop()
         self.tracing.shutdown()
@@ -188,7 +195,8 @@ class SchedulerService:
             return
         read_ns, trace = time.time_ns(), context_of(m.headers)
         # its spans are recorded once it is dispatched (dispatch.py), off the request's path
-        self.pending[req.req_class].append(Pending(req, tp, offset, trace, read_ns, sent_ns(m.headers)))
+        p = Pending(req, tp, offset, trace, read_ns, sent_ns(m.headers))
+        (self.granted.queue if req.granted_worker else self.pending[req.req_class]).append(p)
         log.log(self.broker_watch.recovery.level(), "received", extra={"request_id": req.request_id})
 
     async def _heartbeat_loop(self) -> None:
@@ -205,6 +213,7 @@ class SchedulerService:
                 log.info("worker %s joined (model %s, epoch %d)", hb.worker_id, hb.model, hb.epoch)
             info = self.registry.workers[hb.worker_id]
             self.m.worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
+            await self._grant()
             try:
                 await self.failures.retire_finished(info)
             except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
@@ -267,6 +276,7 @@ class SchedulerService:
             log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
             return
         self.pending = {"rt": deque(), "be": deque()}
+        self.granted.clear()
         self.offsets = OffsetTracker()  # old offsets mean nothing in the new topics
         self.affinity.forget_terms()  # lease terms start again at 1 on the new broker
         old = [a.request_id for a in self.assignments.by_request.values() if a.assigned_at < restart.last_seen_alive]
@@ -278,6 +288,7 @@ class SchedulerService:
     async def _place_pending(self) -> None:
         if not self.lease.is_active():
             return  # the lease lapsed (a long pause, the broker away): place once it is renewed
+        await self.granted.settle(self.offsets, self.started)  # the gateways' granted placements
         for cls in ("rt", "be"):
             queue = self.pending[cls]
             while queue:
@@ -329,6 +340,13 @@ class SchedulerService:
         counts = self.assignments.counts()
         return [worker_load(w, counts) for w in self.registry.live() if w.heartbeat.model == model]
 
+    async def _grant(self) -> None:
+        """Publish the RT grant if it changed or is due (grants.py); only the active grants."""
+        if self.grants.enabled and self.lease.is_active():
+            counts = self.assignments.counts()
+            live = [(worker_load(w, counts), w.heartbeat.model, w.heartbeat.epoch) for w in self.registry.live()]
+            await self.grants.maybe_publish(live)
+
     async def _commit(self) -> None:
         offsets = self.offsets.committable()
         if offsets and self.lease.is_active():
@@ -359,17 +377,9 @@ class SchedulerService:
                 log.warning("BE capacity not published", exc_info=True)
 
     def _be_capacity(self) -> BECapacity:
-        models = {w.heartbeat.model for w in self.registry.live()}
-        by_model = {m: self.placement.be_slots(self._loads(m)) for m in sorted(models)}
-        in_flight = sum(n for (_, cls), n in self.assignments.counts().items() if cls == "be")
-        return BECapacity(
-            source=self.settings.scheduler_id,
-            sent_at=time.time(),
-            slots=sum(by_model.values()),
-            in_flight=in_flight,
-            pending=len(self.pending["be"]),
-            by_model=by_model,
-        )
+        loads = {m: self._loads(m) for m in sorted({w.heartbeat.model for w in self.registry.live()})}
+        counts, pending = self.assignments.counts(), len(self.pending["be"])
+        return be_capacity(self.settings.scheduler_id, self.placement, loads, counts, pending)
 
     # -- failure handling ------------------------------------------------------------------
 
@@ -381,6 +391,7 @@ class SchedulerService:
             for wid in self.registry.expire():
                 self.m.worker_up.remove(wid)
                 await self.failures.worker_lost(wid)
+            await self._grant()  # a lost worker leaves the grant now; otherwise its refresh
             await self.failures.reroute_unaccounted(self.started)
             self.m.workers.set(len(self.registry.workers))
             for topic, lag in (await consumer_lag(self._req)).items():

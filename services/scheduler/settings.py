@@ -26,3 +26,10 @@ class SchedulerSettings(ServiceSettings):
     kv_high_water: float = 0.9  # workers above this KV use take no BE
     max_pending: int = 10_000  # requests held (no capacity yet) before BE topics are paused
     unknown_request_grace_s: float = 3.0  # an assignment neither running nor finished this long after dispatch is lost
+    # RT dispatch by grant (services/scheduler/grants.py; the gateway's `rt_grants` reads the same
+    # TANDEM_RT_GRANTS): publish RT slots the gateways may fill directly (two hops to the first
+    # token instead of three); `grant_slots` RT requests in flight per gateway and worker; a grant
+    # is good for `grant_ttl_s` after it is read (None: `worker_timeout_s`).
+    rt_grants: bool = False
+    grant_slots: int = 4
+    grant_ttl_s: float | None = None

@@ -17,14 +17,17 @@ the event loop ~50-120 us (the OpenTelemetry SDK, the hop histogram, the exporte
 the worker used to record `worker.consume` before queueing the request, `worker.engine_queue`
 while the engine computed the first step (competing for the GIL with it) and
 `worker.first_token` before handing the token to the outbox. Now the times are only stamped on
-the path and every span of the request's hand-off is recorded once the first token's batch is
-acknowledged (`_Trace.record`), beside the stages of the hand-off the engine thread stamps
+the path and every span of the request's hand-off is recorded once the request's last batch is
+acknowledged (`_Trace.record`; the first batch's ack only stamps its time): recorded at the
+first token's ack (the ninth session), the seven spans (~0.4-0.8 ms of the loop) fell in the
+request's first inter-token gap, the suspect for that session's inter-token figure being ~0.8 ms
+worse. They are recorded beside the stages of the hand-off the engine thread stamps
 (`engine/engine_thread.py`): `worker.to_engine` (dispatch read → the engine thread took it:
 the admission, the request's task, the thread hop), `worker.engine_add` (tokenize, validate,
 queue), `worker.step_wait` (queued → its first step started: a step in progress),
 `worker.first_step` (that step) and `worker.to_loop` (the step's end → its delta on the
-event loop: the thread hop back). A request whose first batch is never acknowledged records no
-spans (its client sees an error anyway); one the engine refuses records `worker.consume` only.
+event loop: the thread hop back). A request whose last batch is never acknowledged (an error,
+a cancel) records no spans; one the engine refuses records `worker.consume` only.
 """
 
 from __future__ import annotations
@@ -66,15 +69,17 @@ class _Trace:
     accepted_ns: int = 0  # the event loop had the engine's acceptance
     picked_ns: int = 0  # the engine thread took the request (engine thread's stamp)
     queued_ns: int = 0  # the engine had it queued (engine thread's stamp)
+    first_acked_ns: int = 0  # the broker acknowledged the first token's batch
 
     def record_consume(self, tracing: Tracing) -> None:
         if self.sent_ns is not None:
             tracing.hop("worker.consume", self.context, self.sent_ns, self.read_ns)
 
     def record(self, tracing: Tracing, first: StreamDelta, first_ns: int) -> None:
-        """Every span of the hand-off, once the first token has left (module docstring)."""
+        """Every span of the hand-off, once the request's last token has left (module docstring)."""
         self.record_consume(tracing)
         ctx = self.context
+        tracing.hop("worker.result_produce", ctx, first_ns, self.first_acked_ns or None)
         tracing.hop("worker.engine_queue", ctx, self.read_ns, self.accepted_ns)
         tracing.hop("worker.first_token", ctx, self.accepted_ns, first_ns)
         if not (self.picked_ns and first.step_started_ns and first.posted_ns):
@@ -264,11 +269,14 @@ class RequestRunner:
 
     async def _stream(self, req: GenerateRequest, er: EngineRequest, stream: RequestStream, hop: _Trace) -> None:
         index = len(er.resumed_output_ids)
+        first: tuple[StreamDelta, int] | None = None
         async for d in stream:
             on_ack = None
-            if index == len(er.resumed_output_ids):
-                first_ns = time.time_ns()
-                on_ack = functools.partial(self._first_token_left, hop, d, first_ns)
+            if first is None:
+                first = (d, time.time_ns())
+                on_ack = functools.partial(_stamp_ack, hop)
+            if d.finished:  # the spans once the last token has left, not in a token gap
+                on_ack = functools.partial(self._last_token_left, hop, *first, stamp=on_ack is not None)
             self.telemetry.add_tokens(len(d.token_ids))
             final = d.metrics
             self.outbox.put(
@@ -291,9 +299,10 @@ class RequestRunner:
             if final is not None:
                 self.telemetry.finished(request_timing(req.request_id, er.req_class, er.slo, final))
 
-    def _first_token_left(self, hop: _Trace, first: StreamDelta, first_ns: int) -> None:
-        """The first token's batch was acknowledged: its produce, then the hand-off's spans."""
-        self.tracing.hop("worker.result_produce", hop.context, first_ns)
+    def _last_token_left(self, hop: _Trace, first: StreamDelta, first_ns: int, stamp: bool) -> None:
+        """The last token's batch was acknowledged (`stamp`: it was the first's too): the spans."""
+        if stamp:
+            _stamp_ack(hop)
         hop.record(self.tracing, first, first_ns)
 
     def _forget(self, req: GenerateRequest) -> None:
@@ -301,3 +310,8 @@ class RequestRunner:
             del self._tasks[req.request_id]
             del self._requests[req.request_id]
         self._finished.append((time.monotonic(), f"{req.request_id}:{req.attempt}"))
+
+
+def _stamp_ack(hop: _Trace) -> None:
+    """The first token's batch was acknowledged: only its time, the spans come at the end."""
+    hop.first_acked_ns = time.time_ns()

@@ -86,6 +86,11 @@ class GenerateRequest(WireModel):
     # dispatch whose term is below one it has already seen (a deposed scheduler woke up and sent
     # it). None: not dispatched yet, or by a scheduler older than HA pairs.
     scheduler_term: int | None = None
+    # Set by a gateway that dispatched this RT request itself, within the scheduler's grant
+    # (shared/schemas/grants.py): the worker it sent it to. The same record goes to that worker's
+    # dispatch topic and to `requests.rt`, where the scheduler records it as its own placement
+    # instead of placing it again.
+    granted_worker: str | None = None
 
     def resumed(self, token_ids: list[int]) -> GenerateRequest:
         return self.model_copy(update={"attempt": self.attempt + 1, "resume_token_ids": list(token_ids)})

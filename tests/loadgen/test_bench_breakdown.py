@@ -8,7 +8,15 @@ import time
 
 import psutil
 
-from loadgen.bench.hop_path import HOP_ORDER, KAFKA_HOPS, SERVICE_HOPS, first_token_path, hop_breakdown
+from loadgen.bench.hop_path import (
+    HOP_ORDER,
+    KAFKA_HOPS,
+    KAFKA_HOPS_GRANTED,
+    SERVICE_HOPS,
+    SERVICE_HOPS_GRANTED,
+    first_token_path,
+    hop_breakdown,
+)
 from loadgen.bench.idle import process_label
 from loadgen.otlp_sink import ReceivedSpan
 
@@ -46,6 +54,24 @@ def test_first_token_path_adds_up_per_request_and_splits_each_kafka_hop():
     assert {k: round(got[k]["p50_s"], 9) for k in expected} == expected
 
 
+def test_first_token_path_of_granted_requests_has_two_kafka_hops():
+    # "a" and "c" were sent by grant (no scheduler spans), "b" through the scheduler: the parts
+    # are the granted path's (most requests took it), with both paths counted.
+    spans = []
+    for trace in ("a", "c"):
+        spans += [_span(trace, h, 1.0) for h in SERVICE_HOPS_GRANTED]
+        spans += [s for c, p in KAFKA_HOPS_GRANTED for s in (_span(trace, c, 3.0), _span(trace, p, 1.0))]
+    spans += [_span("b", h, 1.0) for h in SERVICE_HOPS]
+    spans += [s for c, p in KAFKA_HOPS for s in (_span("b", c, 3.0), _span("b", p, 1.0))]
+    got = first_token_path(spans, {"a": 0.020, "b": 0.030, "c": 0.020})
+    assert got["paths"] == {"three_hop": 1, "two_hop": 2}
+    assert got["requests"] == 2 and got["kafka_hops"] == 2
+    expected = {"kafka_s": 0.006, "services_s": 0.004, "untraced_s": 0.010, "ttft_s": 0.020}
+    expected |= {"worker.consume.ack_s": 0.001, "gateway.consume.wake_s": 0.002}
+    assert {k: round(got[k]["p50_s"], 9) for k in expected} == expected
+    assert "scheduler.consume.ack_s" not in got
+
+
 def test_idle_bench_names_processes_by_their_role():
     child = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; time.sleep(60)", "services.cli", "worker", "--worker-id", "w7"]
@@ -61,3 +87,20 @@ def test_idle_bench_names_processes_by_their_role():
     finally:
         child.kill()
         child.wait()
+
+
+def test_gateway_ab_parses_variants_and_pairs_rounds():
+    from loadgen.bench.gateway_ab import parse_variant, summarise
+
+    a = parse_variant("grants:TANDEM_RT_GRANTS=true,TANDEM_KAFKA_FETCH_WAIT_MS=1")
+    b = parse_variant("main@/tmp/x")
+    assert (a.name, a.checkout) == ("grants", None)
+    assert a.env == {"TANDEM_RT_GRANTS": "true", "TANDEM_KAFKA_FETCH_WAIT_MS": "1"}
+    assert (b.name, b.env, b.checkout) == ("main", {}, "/tmp/x")
+    a.ttfts, a.itls = [0.010, 0.020, 0.030], [0.001, 0.002]
+    b.ttfts, b.itls = [0.012, 0.026, 0.031], [0.002, 0.004]
+    got = summarise([a, b], type("Args", (), {"model": "tiny", "rounds": 3, "max_tokens": 4}))
+    vs = got["variants"]["main"]["vs_grants"]
+    assert round(vs["ttft_paired_median_diff_s"], 9) == 0.002  # per round: +2, +6, +1 ms
+    assert round(vs["itl_p50_diff_s"], 9) == 0.0015
+    assert "vs_grants" not in got["variants"]["grants"]

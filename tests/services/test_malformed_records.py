@@ -27,7 +27,7 @@ GARBAGE = (
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack()
+    s = make_stack(TANDEM_RT_GRANTS="true")  # so that the gateways read placement.grants too
     s.advisory()
     return s.start(("w0",), queue=True)
 

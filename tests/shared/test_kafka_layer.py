@@ -77,6 +77,7 @@ def test_topic_catalogue_is_complete():
         "p.scheduler.state",
         "p.scheduler.fences",
         "p.be.capacity",
+        "p.placement.grants",
         "p.batches",
         "p.advisory",
         "p.sessions.directory",

@@ -1,0 +1,153 @@
+"""`tandem bench gateway-ab`: two or more stacks side by side, requests interleaved one by one.
+
+`tandem bench gateway` runs one stack at a time, so on a shared machine an A/B of two code
+states or settings compares different moments: at a load average of 20-30 its figures moved by
+tens of milliseconds between back-to-back runs of the same code (tenth session). Here every
+variant runs at once (each a `tandem up` stack with its own broker, started from this checkout
+or another, with its own settings), and each round sends one streaming request to each
+variant in turn (the order rotated every round), so they share every moment's load. It reports
+each variant's TTFT and inter-token latency at the client, and against the first variant the
+median of the per-round TTFT differences (paired: the same moment) and the difference of the
+inter-token p50s. No in-process baseline: the "added by the Kafka path" figures are
+`tandem bench gateway`'s, on a quiet machine.
+
+A variant is `NAME[:KEY=VALUE,...][@CHECKOUT]`, e.g. `grants:TANDEM_RT_GRANTS=true`,
+`queue:TANDEM_RT_GRANTS=false`, `main@/work/wt/main-copy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+
+from loadgen.bench.common import percentile, write_json
+from loadgen.bench.inproc import PROMPT
+
+
+@dataclass
+class Variant:
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    checkout: str | None = None
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # requests that failed or timed out (not in the figures)
+
+
+def parse_variant(text: str) -> Variant:
+    spec, _, checkout = text.partition("@")
+    name, _, settings = spec.partition(":")
+    env = dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+    return Variant(name, env, os.path.abspath(checkout) if checkout else None)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway-ab", help="stacks side by side, requests interleaved: a same-moment A/B")
+    p.add_argument("--variant", action="append", required=True, help="NAME[:KEY=VALUE,...][@CHECKOUT]; 2 or more")
+    p.add_argument("--model", default="tiny", help="'tiny' (random 2-layer Llama), 'default', or a path")
+    p.add_argument("--rounds", type=int, default=50, help="measured rounds (one request per variant each)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a request may take (then counted an error)")
+    p.add_argument("--logs", default=None, help="a folder for each stack's `tandem up` log (NAME.log)")
+    p.add_argument("--json", default=None, help="write results here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from loadgen.bench.gateway import _tiny_model
+    from loadgen.provenance import stamp
+
+    variants = [parse_variant(v) for v in args.variant]
+    if len(variants) < 2 or len({v.name for v in variants}) != len(variants):
+        raise SystemExit("give two or more variants with distinct names")
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _tiny_model(tmp) if args.model == "tiny" else args.model
+        uvloop.run(_bench(args, model, variants))
+    result = summarise(variants, args)
+    result["load_average_before"] = [round(x, 2) for x in load_before]
+    result["provenance"] = stamp(dtype="float32").as_dict()
+    _print(result)
+    write_json(result, args.json)
+    return 0
+
+
+async def _bench(args, model: str, variants: list[Variant]) -> None:
+    import httpx
+
+    from loadgen.bench.gateway import _stream_times
+    from loadgen.bench.stack import running_stack
+
+    async with contextlib.AsyncExitStack() as stacks:
+        # started one after another: starts are CPU-heavy and would starve each other's waits
+        urls = []
+        for v in variants:
+            log = os.path.join(args.logs, f"{v.name}.log") if args.logs else None
+            stack = running_stack(model, env=v.env, checkout=v.checkout, log_path=log)
+            urls.append(await stacks.enter_async_context(stack))
+        body = {
+            "model": urls[0][1],
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(timeout=args.timeout) as client:
+            for i in range(args.rounds + 3):  # 3 warm-up rounds
+                order = list(range(len(variants)))
+                order = order[i % len(order) :] + order[: i % len(order)]
+                for k in order:
+                    try:
+                        times = await _stream_times(client, urls[k][0], body)
+                    except httpx.HTTPError as exc:  # reported, not hidden: a stalled stream is a finding
+                        variants[k].errors.append(f"round {i}: {exc!r}")
+                        continue
+                    if i >= 3 and times:
+                        variants[k].ttfts.append(times[0])
+                        variants[k].itls += [b - a for a, b in zip(times, times[1:])]
+
+
+def summarise(variants: list[Variant], args) -> dict:
+    first = variants[0]
+    out = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens, "variants": {}}
+    for v in variants:
+        row = {
+            "env": v.env,
+            "checkout": v.checkout,
+            "requests": len(v.ttfts),
+            "errors": v.errors,
+            "ttft_p50_s": percentile(v.ttfts, 50),
+            "ttft_p99_s": percentile(v.ttfts, 99),
+            "itl_p50_s": percentile(v.itls, 50),
+            "itl_p99_s": percentile(v.itls, 99),
+        }
+        if v is not first and v.ttfts and first.ttfts:
+            paired = [a - b for a, b in zip(v.ttfts, first.ttfts)]
+            row[f"vs_{first.name}"] = {
+                "ttft_paired_median_diff_s": statistics.median(paired),
+                "ttft_p50_diff_s": row["ttft_p50_s"] - percentile(first.ttfts, 50),
+                "itl_p50_diff_s": row["itl_p50_s"] - percentile(first.itls, 50),
+            }
+        out["variants"][v.name] = row
+    return out
+
+
+def _print(r: dict) -> None:
+    def ms(x) -> str:
+        return f"{x * 1000:8.2f}" if x is not None else "       -"
+
+    print(f"{r['rounds']} rounds, one request per variant each, interleaved (load before {r['load_average_before']})")
+    print(f"{'variant':12}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}{'ITL p99':>9}  (ms)  vs the first")
+    for name, v in r["variants"].items():
+        line = f"{name:12}{ms(v['ttft_p50_s'])} {ms(v['ttft_p99_s'])} {ms(v['itl_p50_s'])} {ms(v['itl_p99_s'])}"
+        vs = next((x for k, x in v.items() if k.startswith("vs_")), None)
+        if vs is not None:
+            line += f"  TTFT paired {ms(vs['ttft_paired_median_diff_s'])}  ITL p50 {ms(vs['itl_p50_diff_s'])}"
+        print(line + (f"  ({len(v['errors'])} errors)" if v["errors"] else ""))
