@@ -184,3 +184,45 @@ def test_a_given_profile_is_recorded_as_given(tiny_model_dir, tmp_path):
     assert record["status"] == "given" and record["path"] == str(cm) and record["trusted"] is False
     assert any("no record" in d for d in record["doubts"])
     assert LLMEngine(_config(tiny_model_dir("llama"))).profile_record is None  # fcfs plans from nothing
+
+
+@pytest.mark.timeout(600)
+def test_cli_lists_drops_and_retakes_cached_profiles(tiny_model_dir, tmp_path, monkeypatch, capsys, measured_profile):
+    """`tandem profile --list/--drop/--retake` on a cache holding a profile measured here (trusted
+    under the permissive bounds set) and an older one without a record of its load."""
+    import torch
+
+    from services.cli import main
+
+    path = tiny_model_dir("llama")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    for name, value in (("MAX_LOAD_PER_CPU", QUIET), ("MIN_CPU_SHARE", 0), ("MAX_FIT_ERROR", 1e5)):
+        monkeypatch.setenv(f"TANDEM_PROFILE_{name}", str(value))
+    good = profiling.profile_path(_target(path), resolve_model(str(path)), tmp_path)
+    measured_profile.save(good)
+    _spoiled(measured_profile, "old").save(tmp_path / "profiles" / "old-one.json")
+
+    def listed() -> dict[str, dict]:
+        assert main(["profile", "--list", "--json"]) == 0
+        return {r["key"]: r for r in json.loads(capsys.readouterr().out)["profiles"]}
+
+    rows = listed()
+    assert set(rows) == {good.stem, "old-one"}
+    assert rows[good.stem]["trusted"] and rows[good.stem]["retakeable"] and rows[good.stem]["load_per_cpu_at_fit"] >= 0
+    assert not rows["old-one"]["trusted"] and "no record" in rows["old-one"]["doubts"][0]
+    assert main(["profile", "--list"]) == 0 and "old-one" in capsys.readouterr().out  # the table
+    assert main(["profile", "--retake", "old"]) == 2  # nothing to re-take it with: a clear error
+    assert "records no engine settings" in capsys.readouterr().err
+    assert main(["profile", "--drop", "untrusted"]) == 0 and "dropped old-one" in capsys.readouterr().out
+    assert set(listed()) == {good.stem}
+    threads = torch.get_num_threads()
+    try:
+        assert main(["profile", "--retake", good.stem[:12]]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert f"re-took {good.stem}" in capsys.readouterr().out
+    retaken = CostModel.load(good)
+    assert retaken.meta["conditions"]["taken_at"] >= measured_profile.meta["conditions"]["taken_at"]
+    assert retaken.meta["conditions"] != measured_profile.meta["conditions"]
+    assert main(["profile", "--drop", good.stem]) == 0 and f"dropped {good.stem}" in capsys.readouterr().out
+    assert listed() == {}
