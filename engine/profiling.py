@@ -29,7 +29,9 @@ A cached profile without the term gets it added on first use and is saved again.
 holds for eLLM's host-read prefix step (`calibrate_prefix`, `engine/prefix_profiling.py`).
 
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
-dtype, thread count, block size, the grid limits and the decode attention kernel.
+dtype, thread count, block size, the grid limits and the decode attention kernel. Each records
+how it was measured (host load, CPU share: engine/profile_trust.py), and which one an engine
+plans from, cached, spot-checked or measured again, is engine/profile_cache.py's decision.
 
 The profiler sees a `ProfileTarget`, not an engine: the few things it drives and reads, built
 explicitly by `LLMEngine.profile_target()` once the runner and the KV cache exist (the engine
