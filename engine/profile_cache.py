@@ -146,7 +146,7 @@ def cached_profile(target: profiling.ProfileTarget, source, cache_dir: Path | No
                 f"two decode steps timed now took {spot.ratio:.3g}x its prediction "
                 f"(bound {bounds.spot_check_factor:g}x either way)"
             )
-        quiet, load = host_quiet(bounds)
+        quiet, load = host_quiet(bounds, torch.get_num_threads())
         if not found or not quiet:
             model = _with_missing_terms(target, cached, path)
             record = _record("cached", path, model, bounds, load.per_cpu, spot, extra=found)

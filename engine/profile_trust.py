@@ -17,11 +17,14 @@ What is recorded around a measurement:
   where the load average lags by a minute. Not judged on other devices (the thread waits on
   the GPU there).
 
-Others' load. The load average at the end includes the profiler's own threads: over a
-measurement of T seconds they add up to `threads·(1 − e^(−T/60))` to the 1-minute average (its
-exponential decay); that much is taken off before the bound is applied (generous to the profile
-where its threads slept, which only lets the other checks decide). The start reading is taken as
-it is (it includes the engine's own model loading, a fraction of one core).
+Others' load. The 1-minute load average counts this process too: its profiler threads, and
+whatever it ran just before (a benchmark's previous policy kept both cores busy for a minute, and
+its load then made the next engine's profile look "loaded" on a quiet host). So each reading
+takes off the process's own average CPU rate since it started (CPU seconds over its age, at most
+its threads + 1): about right for a process that kept busy, generous to one that was busy long
+ago and idle since (the CPU share then decides), and small exactly when other work holds the
+cores (this process's threads wait rather than run). `others_load_per_cpu` is the larger of the
+start and end readings so corrected, over the online CPUs.
 
 Bounds (`EngineConfig.profile_*`; unset there, `TANDEM_PROFILE_*` in the environment; then the
 defaults below), chosen from the two profiles of the default model we know: quiet (load < 1)
@@ -37,7 +40,6 @@ untrusted cached profile is measured again or used with a warning (engine/profil
 from __future__ import annotations
 
 import functools
-import math
 import os
 import time
 from collections.abc import Callable
@@ -84,15 +86,17 @@ class TrustBounds:
 
 @dataclass(frozen=True)
 class HostLoad:
-    """One reading of /proc/loadavg (os.getloadavg where it is missing)."""
+    """One reading of /proc/loadavg (os.getloadavg where it is missing) and of this process's
+    own share of it (module docstring)."""
 
     load1: float
     running: int | None  # runnable tasks now (this process's running threads included)
     cpus_online: int
     cpus_usable: int  # this process's affinity
+    own: float  # this process's average CPU rate since it started, in cores
 
     @classmethod
-    def now(cls) -> HostLoad:
+    def now(cls, threads: int = 1) -> HostLoad:
         running = None
         try:
             fields = open("/proc/loadavg").read().split()
@@ -101,11 +105,27 @@ class HostLoad:
             load1 = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         online = os.cpu_count() or 1
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else online
-        return cls(load1, running, online, usable)
+        return cls(load1, running, online, usable, min(float(threads + 1), _own_rate()))
+
+    @property
+    def others(self) -> float:
+        return max(0.0, self.load1 - self.own)
 
     @property
     def per_cpu(self) -> float:
-        return self.load1 / self.cpus_online
+        """Others' load per online CPU."""
+        return self.others / self.cpus_online
+
+
+def _own_rate() -> float:
+    """CPU seconds this process used over the seconds it has lived (0 where unknown)."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return time.process_time() / age if age > 1.0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -119,11 +139,13 @@ class Conditions:
     threads: int  # the measuring process's intra-op threads
     load1_start: float
     load1_end: float
+    own_load_start: float  # this process's own share of the readings (module docstring)
+    own_load_end: float
     running_start: int | None
     running_end: int | None
     wall_s: float
     cpu_share: float  # measuring thread's CPU seconds / wall seconds
-    others_load_per_cpu: float  # max(start, end less our own threads) / online CPUs
+    others_load_per_cpu: float  # max(start, end), each less this process's own, / online CPUs
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,12 +160,10 @@ class Conditions:
 
 def measured(fn: Callable[[], T], threads: int) -> tuple[T, Conditions]:
     """`fn()` and the conditions it ran under (module docstring)."""
-    start_load, t0, c0 = HostLoad.now(), time.perf_counter(), time.thread_time()
+    start_load, t0, c0 = HostLoad.now(threads), time.perf_counter(), time.thread_time()
     out = fn()
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-    end_load = HostLoad.now()
-    own = threads * (1.0 - math.exp(-wall / 60.0))
-    others = max(start_load.load1, end_load.load1 - own, 0.0) / start_load.cpus_online
+    end_load = HostLoad.now(threads)
     return out, Conditions(
         taken_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         cpu_model=_cpu_model(),
@@ -152,11 +172,13 @@ def measured(fn: Callable[[], T], threads: int) -> tuple[T, Conditions]:
         threads=threads,
         load1_start=start_load.load1,
         load1_end=end_load.load1,
+        own_load_start=start_load.own,
+        own_load_end=end_load.own,
         running_start=start_load.running,
         running_end=end_load.running,
         wall_s=wall,
         cpu_share=cpu / wall if wall > 0 else 1.0,
-        others_load_per_cpu=others,
+        others_load_per_cpu=max(start_load.per_cpu, end_load.per_cpu),
     )
 
 
@@ -193,9 +215,9 @@ def doubts(meta: dict, bounds: TrustBounds, device: str = "cpu") -> list[str]:
     return out
 
 
-def host_quiet(bounds: TrustBounds) -> tuple[bool, HostLoad]:
+def host_quiet(bounds: TrustBounds, threads: int = 1) -> tuple[bool, HostLoad]:
     """Whether a measurement started now could be trusted, by the load bound, and the reading."""
-    load = HostLoad.now()
+    load = HostLoad.now(threads)
     return load.per_cpu <= bounds.max_load_per_cpu, load
 
 
