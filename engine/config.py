@@ -85,6 +85,15 @@ class EngineConfig:
     bros_be_order: str = "arrival"  # BE packing order: "arrival" or the paper's "checkpointed" (docs/bros.md)
     # a step-time profile: bros and ellm use it instead of profiling; any policy publishes it
     cost_model_path: str | None = None
+    # when a profiled cost model is trusted (engine/profile_trust.py, docs/engine.md "Cost
+    # profiles"): others' load per CPU while it was measured, the measuring thread's CPU share,
+    # the fit's MAPE per phase, and the factor by which a cached profile may miss a spot timing
+    # of two decode steps at start (0: no spot check). None: `TANDEM_PROFILE_*` in the
+    # environment, else the documented defaults (1.0, 0.5, 0.25, 3.0)
+    profile_max_load_per_cpu: float | None = None
+    profile_min_cpu_share: float | None = None
+    profile_max_fit_error: float | None = None
+    profile_spot_check_factor: float | None = None
     swap_space_gib: float = 1.0  # host space for checkpointed / swapped-out KV
     num_host_blocks: int | None = None  # overrides swap_space_gib when set (tests)
     seed: int = 0

@@ -16,16 +16,15 @@ import torch
 
 from engine.bookkeeping import EngineStats, StepBookkeeping
 from engine.config import EngineConfig, ModelConfig
-from engine.cost_model import CostModel
 from engine.emitter import OutputEmitter
 from engine.engine_setup import (
     aptserve_needs_rho,
     attach_hidden_cache,
     check_partial_residency,
+    cost_model_at_start,
     make_kv_cache,
     max_model_len,
     policy_options,
-    profiled_cost_model,
 )
 from engine.kv import PartialResidency
 from engine.loader.formats import load_architecture, load_weights
@@ -96,10 +95,11 @@ class LLMEngine:
         )
         # A given profile is loaded for every policy (the scheduler's SLO placement reads it from
         # the worker's telemetry); the policies that need one profile at start without it.
-        self.cost_model = CostModel.load(config.cost_model_path) if config.cost_model_path else None
+        # `profile_record` says which profile the policy plans from and how far it is trusted.
         needs_profile = config.policy in ("bros", "ellm") or aptserve_needs_rho(config, self.hidden_blocks)
-        if needs_profile and self.cost_model is None:
-            self.cost_model = profiled_cost_model(config, source, self.profile_target())
+        planned = cost_model_at_start(config, source, needs_profile, self.profile_target)
+        self.cost_model = planned.model if planned else None
+        self.profile_record = planned.record if planned else None
         in_session = lambda r: r.request_id in self.sessions.turns  # noqa: E731 (sessions are built below)
         options = policy_options(config, self.cost_model, self.model_config.num_layers, in_session)
         self.scheduler = Scheduler(self.kv, limits, make_policy(config.policy, **options))

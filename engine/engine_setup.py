@@ -13,13 +13,15 @@ from collections.abc import Callable
 
 import torch
 
+from engine import profile_cache
 from engine.config import EngineConfig, ModelConfig
 from engine.cost_model import CostModel
 from engine.kv import BlockPool, KVCacheManager, KVCacheStorage, num_blocks_for_budget
 from engine.kv.hidden import HiddenBlocks, HiddenLayout
 from engine.kv.partial import check_ratio, check_source
 from engine.kv.storage import bytes_per_block
-from engine.profiling import ProfileTarget, profile, profile_cached
+from engine.profile_cache import Planned
+from engine.profiling import ProfileTarget
 from engine.rebuilt_prefix import reads_host_prefix_in_place
 from engine.scheduling import SLO, Request
 
@@ -144,11 +146,17 @@ def policy_options(
     }
 
 
-def profiled_cost_model(config: EngineConfig, source, target: ProfileTarget) -> CostModel:
-    """The profiled step-time model: a given file, the on-disk cache (keyed by the model's
-    files, `source`), or a fresh profile of `target`."""
+def cost_model_at_start(
+    config: EngineConfig, source, needs_profile: bool, target: Callable[[], ProfileTarget]
+) -> Planned | None:
+    """The step-time model the engine starts with and the record of where it came from
+    (engine/profile_cache.py): a given file for every policy (the scheduler's SLO placement
+    reads it from the worker's telemetry), else, for a policy that needs one, the on-disk cache
+    (keyed by the model's files, `source`) or a fresh profile of `target()`; None otherwise."""
     if config.cost_model_path:
-        return CostModel.load(config.cost_model_path)
+        return profile_cache.given_profile(config.cost_model_path, config)
+    if not needs_profile:
+        return None
     if source is None:  # a built-in architecture has no files to key a cached profile on
-        return profile(target)
-    return profile_cached(target, source)
+        return profile_cache.fresh_profile(target())
+    return profile_cache.cached_profile(target(), source)

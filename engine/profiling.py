@@ -29,7 +29,9 @@ A cached profile without the term gets it added on first use and is saved again.
 holds for eLLM's host-read prefix step (`calibrate_prefix`, `engine/prefix_profiling.py`).
 
 Profiles are cached under `$TANDEM_CACHE_DIR/profiles/`, keyed by the model file, device,
-dtype, thread count, block size, the grid limits and the decode attention kernel.
+dtype, thread count, block size, the grid limits and the decode attention kernel. Each records
+how it was measured (host load, CPU share: engine/profile_trust.py), and which one an engine
+plans from, cached, spot-checked or measured again, is engine/profile_cache.py's decision.
 
 The profiler sees a `ProfileTarget`, not an engine: the few things it drives and reads, built
 explicitly by `LLMEngine.profile_target()` once the runner and the KV cache exist (the engine
@@ -54,7 +56,8 @@ from engine.kv import KVCacheManager
 from engine.kv.copies import CopyKind, KVCopy
 from engine.kv.hidden import CacheForm
 from engine.loader.cache import default_cache_dir, file_cache_key
-from engine.prefix_profiling import prefix_step_current, rebuild_step_missing, with_prefix_step, with_rebuild_step
+from engine.prefix_profiling import with_prefix_step, with_rebuild_step
+from engine.profile_trust import TrustBounds, doubts, measured
 from engine.sampling import SamplingParams
 from engine.scheduling.policy import ScheduledItem
 from engine.scheduling.request import Request
@@ -90,27 +93,10 @@ def profile_path(target: ProfileTarget, source, cache_dir: Path | None = None) -
 
 
 def profile_cached(target: ProfileTarget, source, cache_dir: Path | None = None) -> CostModel:
-    path = profile_path(target, source, cache_dir)
-    if path.exists():
-        try:
-            model = CostModel.load(path)
-        except ValueError:
-            log.warning("ignoring unreadable cost profile %s", path)
-        else:
-            changed = False
-            if target.calibrate_hidden and model.hidden_s_per_token is None:
-                model, changed = with_hidden(target, model), True
-            if target.calibrate_prefix and not prefix_step_current(target, model):
-                model, changed = with_prefix_step(target, model), True
-            if target.calibrate_rebuild and rebuild_step_missing(target, model):
-                model, changed = with_rebuild_step(target, model), True
-            if changed:
-                model.save(path)
-            return model
-    model = profile(target)
-    model.save(path)
-    log.info("cost model profiled in %.1f s, saved to %s", model.meta["profile_seconds"], path)
-    return model
+    """The cached profile if it can be trusted, else a fresh one (engine/profile_cache.py)."""
+    from engine.profile_cache import cached_profile
+
+    return cached_profile(target, source, cache_dir).model
 
 
 def profile_key(target: ProfileTarget, source) -> str:
@@ -134,6 +120,27 @@ def profile_key(target: ProfileTarget, source) -> str:
 
 
 def profile(target: ProfileTarget) -> CostModel:
+    """A fresh profile of `target`, with how it was taken (`meta["conditions"]`: the host's
+    load, the measuring thread's CPU share, wall seconds; engine/profile_trust.py) and the
+    verdict on it under the config's bounds (`meta["trust"]`, informative: every read judges
+    again), and the engine settings that make its cache key (`meta["engine"]`, so `tandem
+    profile --retake` can measure it again)."""
+    model, conditions = measured(lambda: _measure(target), torch.get_num_threads())
+    meta = {**model.meta, "conditions": conditions.as_dict(), "engine": _engine_fields(target)}
+    bounds = TrustBounds.of(target.config)
+    found = doubts(meta, bounds, target.config.device)
+    meta["trust"] = {"trusted": not found, "doubts": found, "bounds": bounds.as_dict()}
+    return replace(model, meta=meta)
+
+
+def _engine_fields(target: ProfileTarget) -> dict:
+    cfg = target.config
+    fields = ("model", "load_format", "device", "dtype", "block_size", "kv_cache_gib", "num_blocks", "max_num_seqs")
+    more = ("max_num_batched_tokens", "max_model_len", "attention", "compile_layers", "kv_heads_expand")
+    return {name: getattr(cfg, name) for name in (*fields, *more)}
+
+
+def _measure(target: ProfileTarget) -> CostModel:
     start = time.perf_counter()
     bench = _Bench(target)
     prefill_rows = [[(n // k, 0)] * k for n, k in _prefill_grid(target)]

@@ -26,10 +26,8 @@ class TargetBundle:
     policy_flags: dict | None = None  # policy options given on the command line
 
 
-def load_cost_model(name_or_path: str):
-    """A cost-model file, or the name of a shipped profile (loadgen/sim/profiles/NAME.json)."""
-    from engine.cost_model import CostModel
-
+def cost_model_file(name_or_path: str) -> Path:
+    """A cost-model file, or the file of a shipped profile (loadgen/sim/profiles/NAME.json)."""
     p = Path(name_or_path)
     if not p.is_file():
         shipped = PROFILE_DIR / f"{name_or_path}.json"
@@ -37,7 +35,14 @@ def load_cost_model(name_or_path: str):
             names = sorted(f.stem for f in PROFILE_DIR.glob("*.json"))
             raise ValueError(f"no cost model file {name_or_path!r} and no shipped profile of that name ({names})")
         p = shipped
-    return CostModel.load(p)
+    return p
+
+
+def load_cost_model(name_or_path: str):
+    """A cost-model file, or the name of a shipped profile (loadgen/sim/profiles/NAME.json)."""
+    from engine.cost_model import CostModel
+
+    return CostModel.load(cost_model_file(name_or_path))
 
 
 # command-line options a policy may accept (BROS's; ellm's prefix source, layer split and layer count;
@@ -91,6 +96,8 @@ def engine_config(args: argparse.Namespace, policy: str):
             cfg[name] = getattr(args, name)
     if getattr(args, "source", None) is not None and policy == "ellm":  # ellm's prefix source
         cfg["uncached_source"] = args.source
+    if getattr(args, "cost_model", None):  # the engine plans from it (and records it) instead of profiling
+        cfg["cost_model_path"] = str(cost_model_file(args.cost_model))
     if getattr(args, "aptserve_price_switches", None) is not None and policy == "aptserve":
         cfg["aptserve_price_switches"] = args.aptserve_price_switches  # the engine profiles its cost model then
     return EngineConfig(**cfg)

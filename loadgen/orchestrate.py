@@ -43,6 +43,10 @@ def run_policies(args: argparse.Namespace, policies: list[str], *, comparison: b
         from loadgen.spread import seed_spread
 
         doc["seeds"] = seed_spread(seeds, per_seed)
+    # which cost profile each policy planned from (engine/profile_cache.py; None: it used none)
+    profiles = {p: (r.target or {}).get("cost_model_profile") for p, r in results.items()}
+    if any(profiles.values()):
+        doc["profiles"] = profiles
     doc["provenance"] = stamp
     return doc
 

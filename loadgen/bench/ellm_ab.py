@@ -62,6 +62,7 @@ def run_one(args: argparse.Namespace, policy: str, scale) -> dict:
         "engine_stats": target.get("engine_stats"),
         "policy_stats": target.get("policy_stats"),
         "cost_model_meta": target.get("cost_model_meta") if policy == "ellm" else None,
+        "profile": target.get("cost_model_profile"),  # which profile it planned from (None: none)
     }
 
 

@@ -109,7 +109,15 @@ def _profile_summary(cost, block_size: int, path: str) -> dict:
         "points": cost.meta.get("hidden_points"),
         "prefill": cost.prefill.to_dict(),
         "decode": cost.decode.to_dict(),
+        # how it was measured and whether it can be trusted (engine/profile_trust.py)
+        "record": _judged(path),
     }
+
+
+def _judged(path: str) -> dict:
+    from engine.profile_cache import given_profile
+
+    return given_profile(path, None).record.as_dict()
 
 
 def run_one(
@@ -189,6 +197,7 @@ def run_one(
         "policy": policy,
         "rate": rate,
         "seed": seed,
+        "profile": engine.profile_record.brief() if engine.profile_record is not None else None,
         "slo_attainment": rt["slo_attainment"],
         "ttft_attainment": rt["ttft_attainment"],
         "tbt_p99_attainment": rt["tbt_p99_attainment"],

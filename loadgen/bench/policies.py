@@ -114,6 +114,7 @@ def _run_rounds(args: argparse.Namespace, policies: list[str]) -> int:
                 "wall_s": run.wall_s,
                 "load_before": list(run.load_before),
                 "load_after": list(run.load_after),
+                "profile": (run.result.get("profiles") or {}).get(run.policy),  # what it planned from
             }
             for run in per_round
         }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from loadgen.repro.base import Cell, Outcome, PaperRow, Repro
 
-_KEEP = ("config", "summary", "ratios", "seeds", "effective_throughput", "provenance")
+_KEEP = ("config", "summary", "ratios", "seeds", "effective_throughput", "profiles", "provenance")
 
 
 def cell_args(cell: Cell) -> argparse.Namespace:

@@ -165,7 +165,14 @@ class InprocTarget(StepTarget):
             "policy_stats": _policy_stats(self.engine),
             "steps_logged": len(self.step_log),
             "cost_model_meta": getattr(getattr(self.engine, "cost_model", None), "meta", None),
+            # which profile the policy planned from, and how far it is trusted (engine/profile_cache.py)
+            "cost_model_profile": _profile_record(self.engine),
         }
+
+
+def _profile_record(engine) -> dict | None:
+    record = getattr(engine, "profile_record", None)
+    return record.as_dict() if record is not None else None
 
 
 def _stats(engine) -> dict | None:

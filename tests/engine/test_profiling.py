@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, profiling
+from engine import EngineConfig, LLMEngine, profile_cache, profiling
 from engine.cost_model import CostModel
 from engine.loader import resolve_model
 from engine.prefix_profiling import with_prefix_step
@@ -32,6 +32,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def trusting(monkeypatch):
+    """These tests are about what is measured and what is cached, not whether a profile can be
+    trusted (tests/engine/test_profile_trust.py): every profile passes, whatever the host's load
+    now or when it was measured, and there is no spot check, so whether a cached profile is
+    reused never depends on the load."""
+    for name, value in (("MAX_LOAD_PER_CPU", "1e9"), ("MIN_CPU_SHARE", "0"), ("MAX_FIT_ERROR", "1e9")):
+        monkeypatch.setenv(f"TANDEM_PROFILE_{name}", value)
+    monkeypatch.setenv("TANDEM_PROFILE_SPOT_CHECK_FACTOR", "0")
 
 
 # How many times a test measures before it judges a fit of timings: see `_accurate`.
@@ -150,7 +161,7 @@ def test_gqa_model_is_not_calibrated_and_aptserve_does_not_profile(tiny_model_di
     """Where the hidden form saves nothing (tiny GQA Llama) ρ is never used: no calibration,
     and aptserve starts without profiling."""
     path = tiny_model_dir("llama")
-    monkeypatch.setattr(profiling, "profile_cached", lambda *a, **k: pytest.fail("profiled"))
+    monkeypatch.setattr(profile_cache, "cached_profile", lambda *a, **k: pytest.fail("profiled"))
     engine = LLMEngine(_config(path, policy="aptserve"))
     assert not engine.profile_target().calibrate_hidden and engine.cost_model is None
 

@@ -48,6 +48,9 @@ def test_hybrid_bench_runs_every_policy_and_splits_hidden_rows(tiny_model_dir, t
         assert len(r["load_average_before"]) == len(r["load_average_after"]) == 3
         assert r["goodput_rps"] == r["slo_attainment"] * r["requests"] / 1.0
     assert doc["profile"]["per_token_s"] == 1e-9 and doc["provenance"]["git"]
+    # which profile each run planned from: the given one, whose file has no record of its load
+    assert doc["profile"]["record"]["status"] == "given" and doc["profile"]["record"]["trusted"] is False
+    assert all(r["profile"]["status"] == "given" and r["profile"]["key"] == "cost" for r in runs.values())
     assert doc["command"].startswith("tandem bench hybrid")
     per_rate = doc["summary"]["per_rate"]["8.0"]
     assert per_rate["aptserve"]["slo_attainment"]["n"] == 1 and "ratio_to_fcfs" in per_rate["aptserve"]
