@@ -148,3 +148,72 @@ def _ids(msgs) -> set[str]:
         batch = decode_record(ResultBatch, m)
         out |= {e.request_id for e in batch.events if isinstance(e, Rerouted)} if batch else set()
     return out
+
+
+def test_a_reroute_the_broker_refuses_is_kept_for_the_next_pass():
+    """A re-route whose `Rerouted` the broker refuses past every re-send (a restarted tansu with
+    more stale slots on the reply partition than a record may try, made here as a restart makes
+    them) neither raises (it used to end the scheduler's housekeeping loop for good) nor forgets
+    the assignment: the next pass sends it, past the remaining stale slots."""
+    import subprocess
+
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    from services.broker import start_broker
+    from shared.produce_resend import RESEND
+
+    topics = Topics("unacc-refused")
+    proc, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stale_slots = RESEND.attempts + 1 + 5  # one more than a send tries, and 5 for the next pass
+
+    async def results_topic(*, delete: bool) -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            if delete:
+                await admin.delete_topics([topics.results.name])
+            else:
+                await admin.create_topics([NewTopic(topics.results.name, topics.results.partitions, 1)])
+        finally:
+            await admin.close()
+
+    async def run() -> tuple[bool, int, bool, int, set[str]]:
+        # tansu's state after a restart, made without one: a producer with cached metadata
+        # writes to a topic the broker does not have (deleted here), one batch per record, each
+        # stored at the next slot; the topic is then created again, its watermark back to 0
+        await results_topic(delete=False)
+        stale = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await stale.start()
+        await stale.partitions_for(topics.results.name)  # metadata cached, nothing written
+        await results_topic(delete=True)
+        for i in range(stale_slots):
+            await stale.send_and_wait(topics.results.name, f"stale-{i}".encode(), partition=REPLY)
+        await stale.stop()
+        await results_topic(delete=False)
+        settings = SchedulerSettings(kafka_bootstrap=bootstrap, topic_prefix=topics.prefix)
+        kafka = KafkaClient(settings, "test-unaccounted-refused")
+        await kafka.start(topics.static())
+        try:
+            table = AssignmentTable(kafka, topics.scheduler_state.name)
+            counter = ServiceMetrics("test-unaccounted-refused").counter("rerouted_total", "x")
+            handler = FailureHandler(kafka, settings, WorkerRegistry(60.0), table, counter, is_active=lambda: True)
+            a = table.by_request["r"] = _assignment("r", 5)
+            await handler.reroute(a, "request unaccounted for")  # every try refused: kept, no raise
+            kept_after_first = "r" in table.by_request
+            first_count = counter._value.get()  # noqa: SLF001 (prometheus_client has no public read)
+            await handler.reroute_unaccounted(active_since=time.monotonic() - 60)  # the next pass
+            reader = await kafka.consumer(group=None)
+            await kafka.assign_all(reader, topics.results.name, from_end=False, partitions=[REPLY])
+            rerouted = await _rerouted(reader, TopicPartition(topics.results.name, REPLY), expected=1)
+            return kept_after_first, first_count, "r" in table.by_request, counter._value.get(), rerouted  # noqa: SLF001
+        finally:
+            await kafka.stop()
+
+    try:
+        kept_after_first, first_count, kept_after_second, count, rerouted = asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert kept_after_first and first_count == 0
+    assert not kept_after_second and count == 1 and rerouted == {"r"}
