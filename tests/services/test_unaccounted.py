@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 from aiokafka import TopicPartition
 
 from services.scheduler.assignments import AssignmentTable
@@ -31,6 +32,7 @@ from shared.schemas.results import Rerouted, ResultBatch
 from shared.schemas.scheduler import Assignment
 from shared.schemas.telemetry import Heartbeat
 from shared.topics import Topics
+from tests.services.conftest import chat_body, worker_heartbeat
 
 PREFIX = "unacc"
 REPLY = 3
@@ -217,3 +219,17 @@ def test_a_reroute_the_broker_refuses_is_kept_for_the_next_pass():
         proc.wait()
     assert kept_after_first and first_count == 0
     assert not kept_after_second and count == 1 and rerouted == {"r"}
+
+
+def test_a_worker_heartbeat_says_how_far_it_has_read_its_dispatch_topic(make_stack):
+    """The real worker fills `dispatch_position`: each request it serves moves it on by one
+    dispatch (its own topic, partition 0), so the scheduler's rule above has its input."""
+    stack = make_stack().start(("w0",))
+    before = asyncio.run(asyncio.wait_for(worker_heartbeat(stack, "w0"), 120)).dispatch_position
+    assert before is not None
+    for i in range(2):
+        r = httpx.post(f"{stack.url}/v1/chat/completions", json=chat_body(f"position {i}", 4), timeout=300)
+        assert r.status_code == 200, r.text
+    moved = lambda hb: hb.dispatch_position is not None and hb.dispatch_position >= before + 2  # noqa: E731
+    after = asyncio.run(asyncio.wait_for(worker_heartbeat(stack, "w0", moved), 120))  # a safety net: beats ~1/s
+    assert after.dispatch_position == before + 2 and not after.running_ids
