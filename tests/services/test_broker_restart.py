@@ -138,7 +138,13 @@ def test_stack_survives_a_broker_restart(stack, broker):
     error = json.loads(stream["events"][-2])["error"]
     assert error["code"] == "broker_restarted", error
 
-    # A new request is served, with the same greedy text as before.
+    # A new request is served, with the same greedy text as before, once the gateway and the
+    # scheduler count the worker again: right after a restart its heartbeats are refused (not
+    # re-sent, by design), the scheduler declares it lost and fences it, and until it rejoins a
+    # request gets 503 `no_workers` at once, which the assertion below would read as a wrong
+    # answer (every broker restart of session 10's chaos runs declared a worker lost so; not seen
+    # failing this test yet). What the test asks is that no request hangs.
+    stack.wait_workers(1)
     # Right after a restart tansu refuses some produces for a while: a clear 503 with Retry-After
     # that a client retries, never a 500 or a hang.
     for _ in range(5):
