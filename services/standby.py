@@ -43,6 +43,7 @@ class ActiveStandby:
         self.role = role
         self.keeper = LeaseKeeper(kafka, topic, role, instance_name(service_id), lease_s, on_deposed=exit_deposed)
         self._activation: asyncio.Task | None = None
+        self._acting = False  # what `is_active` last answered (its changes are logged)
 
     @property
     def term(self) -> int:
@@ -50,8 +51,18 @@ class ActiveStandby:
         return self.keeper.active_term or 0
 
     def is_active(self) -> bool:
-        """Check right before acting: False once the lease's window ran out (a long pause)."""
-        return self.keeper.is_active()
+        """Check right before acting: False once the lease's window ran out (a long pause).
+        A change is logged: an active that stops acting because its renewals are not read back
+        was silent before (a scheduler placed and re-routed nothing for 79 s in a busy `tandem
+        chaos` run, session 10, and its log could not say whether this was why)."""
+        acting = self.keeper.is_active()
+        if acting != self._acting:
+            self._acting = acting
+            if acting:
+                log.info("%s acting (term %d)", self.role, self.term)
+            else:
+                log.warning("%s not acting: its lease window ran out (renewals not read back)", self.role)
+        return acting
 
     def broker_restarted(self) -> None:
         """Call from the service's broker-restart callback: lease terms start again on the new

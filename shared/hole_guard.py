@@ -269,6 +269,12 @@ class HoleGuard:
         return 1
 
 
+def held_position(consumer: AIOKafkaConsumer, tp: TopicPartition) -> int | None:
+    """The next offset `consumer` hands over for `tp`, from what it holds (no request; a sleeping
+    `QuietConsumer`'s paused partition included); None without a valid position."""
+    return _position(consumer, tp, paused_ok=True)
+
+
 def _position(consumer: AIOKafkaConsumer, tp: TopicPartition, *, paused_ok: bool = False) -> int | None:
     """The consumer's position if it has a valid one (without asking the broker); a paused
     partition has none unless `paused_ok`."""

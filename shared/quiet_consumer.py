@@ -60,6 +60,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import IllegalStateError
 from aiokafka.structs import RecordMetadata
 
+from shared import stale_batches
+
 log = logging.getLogger(__name__)
 
 
@@ -119,6 +121,7 @@ class QuietConsumer(AIOKafkaConsumer):
         self.sleep_log_level = lambda: logging.DEBUG
 
     async def start(self) -> None:
+        stale_batches.install()  # once per process: read what a restarted tansu hides (its module doc)
         await super().start()
         self._hook_answers()
         self._watch_task = asyncio.create_task(self._watch(), name="quiet-consumer")
@@ -138,7 +141,8 @@ class QuietConsumer(AIOKafkaConsumer):
             return
 
         async def answered(assignment, node_id, request):
-            brought = await apply_answer(assignment, node_id, request)
+            with stale_batches.answering(assignment):  # the answer's high watermark for its records
+                brought = await apply_answer(assignment, node_id, request)
             try:
                 self._after_answer(assignment, request, brought)
             except Exception:  # noqa: BLE001 (an error here would end aiokafka's fetch routine)

@@ -37,6 +37,10 @@ class AssignmentTable:
         self.by_request: dict[str, Assignment] = {}
         self.term = 0  # the highest lease term among the records applied
         self.stale = 0  # records dropped: written by a deposed scheduler after its successor's
+        # In memory only (failures.py reads them): the request ids whose dispatch is being sent
+        # (re-sends included), and where each acknowledged dispatch landed: (attempt, offset).
+        self.sending: set[str] = set()
+        self.landed: dict[str, tuple[int, int]] = {}
 
     async def load(self) -> None:
         """Rebuild from the state topic (last value per key wins; tombstones delete)."""
@@ -77,7 +81,14 @@ class AssignmentTable:
         self.by_request[a.request_id] = a
         return await self._kafka.send_nowait(self._topic, a, key=a.request_id)
 
+    def dispatched(self, a: Assignment, offset: int) -> None:
+        """`a`'s dispatch was acknowledged at `offset` of its worker's dispatch topic."""
+        if len(self.landed) > 2 * len(self.by_request) + 1000:  # entries of assignments dropped meanwhile
+            self.landed = {k: v for k, v in self.landed.items() if k in self.by_request}
+        self.landed[a.request_id] = (a.attempt, offset)
+
     async def remove(self, request_id: str) -> Assignment | None:
+        self.landed.pop(request_id, None)
         a = self.by_request.pop(request_id, None)
         if a is not None:
             term = str(self._writer_term()).encode()

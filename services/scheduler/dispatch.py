@@ -79,12 +79,19 @@ class Dispatcher:
         # State and dispatch are written concurrently (one round trip, not two); the request's
         # offset is committed only after both are acknowledged, so a crash in between redelivers
         # it, and a restarted scheduler that finds the state record does not place it twice.
-        state_ack = await self.assignments.add_nowait(a)
-        send_ns = time.time_ns()
-        dispatch_ack = await self.kafka.send_nowait(
-            self.topics.dispatch(worker_id).name, req, key=req.request_id, headers=Tracing.kafka_headers(p.trace)
-        )
-        _, landed = await asyncio.gather(state_ack, dispatch_ack)
+        # While it is being sent (a refused one is re-sent for seconds after a broker restart) it
+        # is not "unaccounted" (failures.py): re-routing it then could run it twice.
+        self.assignments.sending.add(req.request_id)
+        try:
+            state_ack = await self.assignments.add_nowait(a)
+            send_ns = time.time_ns()
+            dispatch_ack = await self.kafka.send_nowait(
+                self.topics.dispatch(worker_id).name, req, key=req.request_id, headers=Tracing.kafka_headers(p.trace)
+            )
+            _, landed = await asyncio.gather(state_ack, dispatch_ack)
+        finally:
+            self.assignments.sending.discard(req.request_id)
+        self.assignments.dispatched(a, landed.offset)
         # Spans cost the loop ~50-120 us each: recorded once the dispatch has left, not on its way
         # (issue 21, ninth session; services/worker/requests.py does the same).
         if p.sent_ns is not None:

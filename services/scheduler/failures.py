@@ -95,24 +95,56 @@ class FailureHandler:
                 await self.assignments.remove(a.request_id)
 
     async def reroute_unaccounted(self, active_since: float) -> None:
-        """Assignments the worker neither runs nor finished (lost dispatch, or a worker we never saw)."""
+        """Assignments the worker neither runs nor finished (lost dispatch, or a worker we never
+        saw), `unknown_request_grace_s` after they were made; but not a dispatch still being sent,
+        nor one its worker's heartbeat says it has not read yet (`_unread`)."""
         if time.monotonic() - active_since < self.settings.worker_timeout_s:
             return  # just started or took over: heartbeats are still arriving
         for a in self.assignments.older_than(self.settings.unknown_request_grace_s):
             info = self.registry.workers.get(a.worker_id)
             key = f"{a.request_id}:{a.attempt}"
-            if info is None or (key not in info.running and key not in info.finished):
-                await self.reroute(a, "request unaccounted for")
+            if info is not None and (key in info.running or key in info.finished):
+                continue
+            if a.request_id in self.assignments.sending or self._unread(a, info):
+                continue
+            await self.reroute(a, "request unaccounted for")
+
+    def _unread(self, a: Assignment, info: WorkerInfo | None) -> bool:
+        """The worker has not read `a`'s dispatch yet, by its latest heartbeat, and the dispatch
+        is younger than `unread_dispatch_grace_s`. Why (issue 22, tenth session): under load a
+        worker's dispatch reader can lag more than the 3 s grace behind its heartbeats, and a
+        dispatch merely late was re-routed: the gateway re-submitted it, it ran on both workers
+        (the client's text stayed right: the gateway drops the old attempt's tokens). A worker
+        that has read past it and lists it nowhere dropped it (a fenced epoch, a stale term):
+        re-routed at the grace as before. A worker without the field (older) or a dispatch whose
+        landing is unknown (a gateway's granted copy) keeps the grace alone."""
+        landed = self.assignments.landed.get(a.request_id)
+        position = info.heartbeat.dispatch_position if info is not None else None
+        if landed is None or landed[0] != a.attempt or position is None or position > landed[1]:
+            return False
+        return time.time() - a.assigned_at < self.settings.unread_dispatch_grace_s
 
     async def reroute(self, a: Assignment, reason: str) -> None:
+        """Tell `a`'s owner to re-submit it, then forget it. Never raises: a send the broker
+        refused (after a restart) leaves the assignment in place, and the next pass (a housekeeping
+        tick) tries again. It used to raise out of the housekeeping loop and end it for good: no
+        worker was declared lost and no request re-routed after that (a recovery probe waited out
+        the gateway's 60 s, `tandem chaos --faults broker`, tenth session)."""
         if not self._is_active():
             return  # a deposed scheduler's view is stale: its successor decides
-        await self.assignments.remove(a.request_id)
         event = Rerouted(request_id=a.request_id, attempt=a.attempt, reason=reason)
-        await self.kafka.send(
-            self.topics.results.name,
-            ResultBatch(source=self.settings.scheduler_id, events=[event]),
-            partition=a.reply_partition,
-        )
+        try:
+            await self.kafka.send(
+                self.topics.results.name,
+                ResultBatch(source=self.settings.scheduler_id, events=[event]),
+                partition=a.reply_partition,
+            )
+        except Exception as exc:  # noqa: BLE001 (the broker away or refusing: the next pass tries again)
+            log.warning("rerouting (%s) not sent: %r; trying again", reason, exc, extra={"request_id": a.request_id})
+            return
+        try:
+            await self.assignments.remove(a.request_id)
+        except Exception as exc:  # noqa: BLE001 (forgotten here; only a successor replaying the state would see it)
+            log.warning("tombstone of a re-routed assignment not written: %r", exc, extra={"request_id": a.request_id})
         self._rerouted.inc()
         log.info("rerouting: %s", reason, extra={"request_id": a.request_id})

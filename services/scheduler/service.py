@@ -282,6 +282,7 @@ class SchedulerService:
         old = [a.request_id for a in self.assignments.by_request.values() if a.assigned_at < restart.last_seen_alive]
         for request_id in old:
             self.assignments.by_request.pop(request_id, None)
+        self.assignments.landed.clear()  # offsets on the old topics: no sign on the new (failures.py)
         log.warning("broker restarted: dropped %d assignments and the pending requests", len(old))
         self._wake.set()
 

@@ -22,6 +22,10 @@ class SchedulerSettings(ServiceSettings):
     session_routing: str = "advisory"  # where session turns go: advisory | sticky | none (affinity.py)
     holder_room: float = 0.75  # a session's holder takes its turn below this share of its RT slots
     holder_slack: float = 4.0  # ... and within this many requests' load of the least-loaded worker
+    # A dispatch its worker's heartbeats say it has not read yet is not lost before this much
+    # time (failures.py, `reroute_unaccounted`: a worker slow to read under load is not re-routed
+    # at `unknown_request_grace_s`, which ran the request twice; a reader stuck for good is).
+    unread_dispatch_grace_s: float = 20.0
     be_per_worker: int = 32  # BE requests in flight per worker, at most
     kv_high_water: float = 0.9  # workers above this KV use take no BE
     max_pending: int = 10_000  # requests held (no capacity yet) before BE topics are paused

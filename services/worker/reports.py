@@ -12,11 +12,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
 from engine.async_llm import AsyncLLM
 from services.worker.requests import RequestRunner
 from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow
+from shared.hole_guard import held_position
 from shared.kafka import NO_RESEND, KafkaClient
 from shared.metrics import ServiceMetrics
 from shared.repeat_filter import RepeatFilter
@@ -54,6 +57,7 @@ class WorkerReports:
         self.kafka, self.topics = kafka, topics
         self.llm, self.runner, self.sessions, self.telemetry = llm, runner, sessions, telemetry
         self._init_metrics(metrics)
+        self.dispatch_reader: AIOKafkaConsumer | None = None  # set once it reads (service.py)
         # An unchanged report is left out until the keepalive (shared/repeat_filter.py).
         self.telemetry_filter = RepeatFilter(settings.telemetry_keepalive_s)
 
@@ -87,9 +91,19 @@ class WorkerReports:
             draining=me.draining,
             running_ids=self.runner.running_keys(),
             finished_ids=self.runner.finished_keys(),
+            dispatch_position=self._dispatch_position(),
             kv_url=self.sessions.kv_url,
             session_stats=self.sessions.stats(self.llm.snapshot()),
         )
+
+    def _dispatch_position(self) -> int | None:
+        """The next dispatch offset the reader hands over, read in the same step as the running
+        and finished ids: every dispatch below it has been through `RequestRunner.accept`, which
+        the reader calls for each record before it can read on (service.py, `_dispatch_loop`)."""
+        if self.dispatch_reader is None:
+            return None
+        topic = self.topics.dispatch(self.identity.worker_id).name
+        return held_position(self.dispatch_reader, TopicPartition(topic, 0))
 
     async def send_heartbeat(self) -> None:
         hb = self.heartbeat()

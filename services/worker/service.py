@@ -134,6 +134,7 @@ class WorkerService:
         self._dispatch = await self.kafka.owned_consumer(
             dispatch.name, group=f"tandem-worker-{self.worker_id}", hot=True
         )
+        self.reports.dispatch_reader = self._dispatch  # heartbeats say how far it has read
         self._control = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
         self._owners_in = await self.kafka.consumer(group=None)

@@ -30,6 +30,11 @@ class Heartbeat(WireModel):
     session_stats: dict[str, float] = Field(default_factory=dict)  # kept-KV counters (docs/sessions.md)
     running_ids: list[str] = Field(default_factory=list)  # "request_id:attempt" held by the engine
     finished_ids: list[str] = Field(default_factory=list)  # ... finished in the last minute
+    # The next offset its dispatch reader will read (`dispatch_topic`, partition 0), taken with
+    # the id lists above: a dispatch below it has been read, and is running, finished or dropped;
+    # one at or above it has not been read yet (the scheduler does not call it lost for that:
+    # services/scheduler/failures.py). None: not reading yet, or a worker older than the field.
+    dispatch_position: int | None = None
 
 
 class OwnerHeartbeat(WireModel):

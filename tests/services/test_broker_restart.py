@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import threading
 import time
@@ -100,14 +99,6 @@ def _restart_seen_by(stack: Stack, *names: str) -> None:
         stack.wait_log(name, RESTART_LOGGED)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TANDEM_TEST_BROKER_RESTART") != "1",
-    reason="gated until 15 consecutive passes under load. Session 9 showed the stall's cause (the gateway's "
-    "results reader carried past a re-created br.results' high watermark: asleep at position 20, high watermark "
-    "9, the request's results acknowledged at 9-19) and fixed it in shared/hole_guard.py ('Past the end'), but "
-    "the machine's load (25-43) left time for too few runs to ungate it (docs/reliability.md, session 9 loop). "
-    "Run it with TANDEM_TEST_BROKER_RESTART=1",
-)
 def test_stack_survives_a_broker_restart(stack, broker):
     client = openai_client(stack)
     prompt = chat_body("before and after the restart", max_tokens=12)
@@ -138,7 +129,13 @@ def test_stack_survives_a_broker_restart(stack, broker):
     error = json.loads(stream["events"][-2])["error"]
     assert error["code"] == "broker_restarted", error
 
-    # A new request is served, with the same greedy text as before.
+    # A new request is served, with the same greedy text as before, once the gateway and the
+    # scheduler count the worker again: right after a restart its heartbeats are refused (not
+    # re-sent, by design), the scheduler declares it lost and fences it, and until it rejoins a
+    # request gets 503 `no_workers` at once, which the assertion below would read as a wrong
+    # answer (every broker restart of session 10's chaos runs declared a worker lost so; not seen
+    # failing this test yet). What the test asks is that no request hangs.
+    stack.wait_workers(1)
     # Right after a restart tansu refuses some produces for a while: a clear 503 with Retry-After
     # that a client retries, never a 500 or a hang.
     for _ in range(5):
