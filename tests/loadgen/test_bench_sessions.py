@@ -261,6 +261,8 @@ def test_stack_settings_are_shared_by_every_mode_and_never_redefine_one():
         "TANDEM_PLACEMENT_TTL_S": "0.6",
         "TANDEM_MAX_PLACEMENT_TTL_S": "6",
         "TANDEM_TYPING_DEBOUNCE_S": "0.04",
+        "TANDEM_DEFAULT_ARRIVAL_S": "1.2",
+        "TANDEM_TURN_GRACE_S": "0.04",
     }
     recompute = stack_env(MODES["recompute"], extra, 50.0, scale_timers=True)
     assert recompute == {**timers, **extra, "TANDEM_ENABLE_PREFIX_CACHING": "false"}
@@ -277,7 +279,8 @@ def test_the_moves_plan_isolates_the_hint_with_scaled_timers(capsys):
     out = capsys.readouterr().out
     assert out.startswith("4 cells, 20 minutes of load, 4 stack starts")
     assert "recompute" not in out and "  load-aware        users  16" in out and "  hints             users   8" in out
-    assert "every stack: TANDEM_PLACEMENT_TTL_S=0.6 TANDEM_MAX_PLACEMENT_TTL_S=6 TANDEM_TYPING_DEBOUNCE_S=0.04 " in out
+    timers = "TANDEM_PLACEMENT_TTL_S=0.6 TANDEM_MAX_PLACEMENT_TTL_S=6 TANDEM_TYPING_DEBOUNCE_S=0.04"
+    assert f"every stack: {timers} TANDEM_DEFAULT_ARRIVAL_S=1.2 TANDEM_TURN_GRACE_S=0.04 " in out
     assert "TANDEM_HOLDER_SLACK=1" in out and "expected arrival" in out
 
 
