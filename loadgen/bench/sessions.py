@@ -308,6 +308,7 @@ def stack_log_path(log_dir: str | None, mode: str, levels: list[int]) -> str | N
     and pass) keeps every pass's log rather than overwriting the mode's first one."""
     if not log_dir:
         return None
+    os.makedirs(log_dir, exist_ok=True)  # a missing folder failed the grid at its first stack
     return os.path.join(log_dir, f"sessions-{mode}-u{'-'.join(str(u) for u in levels)}.log")
 
 
