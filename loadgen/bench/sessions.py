@@ -24,9 +24,22 @@ Modes, compared in one run:
 `--stack-env`, `--scale-hint-timers` and `--hint-arrival` shape every mode's stack and hints
 alike (`sessions_stack.py`; the `issue20-tiny-moves` plan uses them to make turns move).
 
-`--passes "16,8;4;2"` runs the grid in passes, every mode at each pass's user counts (one
-stack per mode and pass), so a grid stopped at a deadline has the most informative cells
-(the contended user counts, in every mode) rather than every user count of the first modes.
+`--passes "16,8;4;2"` runs the grid in passes, every mode at each pass's user counts, so a grid
+stopped at a deadline has the most informative cells (the contended user counts, in every mode)
+rather than every user count of the first modes.
+
+Every cell runs on a fresh stack (session 10). The embedded broker (tansu, in memory) answers a
+fetch at the end of a partition more slowly the more one-record batches the partition holds
+(~1 ms at 5K, ~20 ms at 10K, ~0.3 s at 30K, 0.4-1.8 s at 60K: `loadgen/bench/broker_depth.py`),
+and a 5-minute 16-user cell leaves tens of thousands of token batches in the gateway's results
+partition, so a second cell on the same stack paid that on every turn's first token: session
+9's 8-user cells, run after the 16-user ones, were slower than them in every mode.
+`--shared-stack` keeps the old way (a pass's user counts on one stack, in order) to show it.
+
+The first SIGTERM (or SIGHUP) stops a run: it cancels the run's task from the event loop, so
+the stack is stopped by its context manager and the finished cells stay on disk; the process
+exits 143. (A Python-level handler raised inside whatever callback was running, and an HTTP
+transport callback swallowed it: session 9 needed a second SIGTERM.)
 
 Reported per mode and user count: the load generator's summary, next-turn (turn >= 1) TTFT
 p50/p99 and TPOT, prompt tokens recomputed vs reused (from the OpenAI `usage` the gateway
@@ -127,7 +140,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--passes",
         default=None,
         help="run the grid in passes, e.g. '16,8;4;2': every mode at 16 and 8 users, then every mode at 4, "
-        "then at 2 (one stack per mode and pass; replaces --users); default one pass of --users",
+        "then at 2 (replaces --users); default one pass of --users",
+    )
+    p.add_argument(
+        "--shared-stack",
+        action="store_true",
+        help="run a pass's user counts on one stack per mode, in order (default: a fresh stack per cell; an "
+        "aged stack's broker answers slower, docs/sessions.md)",
     )
     p.add_argument(
         "--stack-env",
@@ -160,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import uvloop
 
+    from loadgen.bench.stack import stop_on_signal
+
     modes = [_mode(m) for m in args.modes.split(",") if m]
     passes = user_passes(args)
     levels = sorted(u for p in passes for u in p)
@@ -169,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     provenance = stamp(dtype=decided_dtype(args.dtype)).as_dict()
     with tempfile.TemporaryDirectory(prefix="tandem-sessions-model-") as tmp:
         model = _tiny_model(tmp) if args.model == "tiny" else args.model
-        result = uvloop.run(_bench(args, modes, levels, provenance, model, passes))
+        result = uvloop.run(stop_on_signal(_bench(args, modes, levels, provenance, model, passes)))
     print(format_result(result))
     write_json(result, args.json)
     return 0
@@ -200,8 +221,11 @@ def plan_text(args: argparse.Namespace) -> str:
     passes = user_passes(args)
     cells = [f"  {m:17s} users {u:3d}  {args.duration:.0f} s" for p in passes for m in modes for u in p]
     total = len(cells) * args.duration / 60
-    starts = len(modes) * len(passes)
-    head = f"{len(cells)} cells, {total:.0f} minutes of load, {starts} stack starts (one per mode and pass):"
+    if getattr(args, "shared_stack", False):
+        starts, per = len(modes) * len(passes), "one per mode and pass"
+    else:
+        starts, per = len(cells), "one per cell"
+    head = f"{len(cells)} cells, {total:.0f} minutes of load, {starts} stack starts ({per}):"
     shared = {k: v for k, v in mode_stack_env(args, Mode("", False, False)).items()}
     notes = [f"every stack: {' '.join(f'{k}={v}' for k, v in shared.items())}"] if shared else []
     if getattr(args, "hint_arrival", False):
@@ -227,8 +251,9 @@ async def _bench(
     false: a 5-minute-per-cell grid takes hours on a shared host, and a run stopped part-way
     (SIGTERM, a deadline) must still leave every finished cell on disk. `model`: the path or name
     the stacks serve (default `args.model`; `run` builds the tiny model's folder). `passes`:
-    the user counts of each pass (default one pass of `levels`); every mode runs each pass on
-    a fresh stack, and a mode's cells from all passes are kept in user order."""
+    the user counts of each pass (default one pass of `levels`); every cell runs on a fresh stack
+    (`args.shared_stack`: a pass's cells of one mode share one), and a mode's cells from all
+    passes are kept in user order."""
     out: dict = {"config": {k: v for k, v in vars(args).items() if k != "func"}, "complete": False, "modes": {}}
     if provenance is not None:
         out["provenance"] = provenance
@@ -243,11 +268,13 @@ async def _bench(
         write_json(out, getattr(args, "json", None))
 
     out["stack_settings"] = {m.name: mode_stack_env(args, m) for m in modes}
+    shared = bool(getattr(args, "shared_stack", False))
     for pass_levels in passes or [levels]:
         for mode in modes:
-            result = await _run_mode(args, mode, pass_levels, save_partial, model=model)
-            out["modes"][mode.name] = mode_entry(mode.name, result["levels"])
-            finished[mode.name] = out["modes"][mode.name]["levels"]
+            for stack_levels in [pass_levels] if shared else [[u] for u in pass_levels]:
+                result = await _run_mode(args, mode, stack_levels, save_partial, model=model)
+                out["modes"][mode.name] = mode_entry(mode.name, result["levels"])
+                finished[mode.name] = out["modes"][mode.name]["levels"]
     out["comparison"] = compare_modes(out["modes"], args.ttft_p99_target)
     out["complete"] = True
     return out
@@ -268,6 +295,7 @@ async def _run_mode(
             runs = []
             for users in levels:
                 runs.append(await _run_level(args, mode, url, name, users))
+                runs[-1]["stack_cells_before"] = len(runs) - 1  # 0: a fresh stack (broker depth)
                 if on_cell is not None:
                     on_cell(mode.name, runs)
                 stamp_utc = time.strftime("%H:%M:%S", time.gmtime())
@@ -280,6 +308,7 @@ def stack_log_path(log_dir: str | None, mode: str, levels: list[int]) -> str | N
     and pass) keeps every pass's log rather than overwriting the mode's first one."""
     if not log_dir:
         return None
+    os.makedirs(log_dir, exist_ok=True)  # a missing folder failed the grid at its first stack
     return os.path.join(log_dir, f"sessions-{mode}-u{'-'.join(str(u) for u in levels)}.log")
 
 

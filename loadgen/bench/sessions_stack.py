@@ -9,7 +9,8 @@ stack alike (docs/sessions.md, "Making the hint measurable"):
   what the mode stands for.
 - `--scale-hint-timers`: the stack's human-time constants on the hint path divided by
   `--speedup`, as the people are: the placement TTL (30 s past the expected arrival), its cap
-  (300 s) and the gateway's typing debounce (2 s). At 50x a turn follows the last one ~1-2 s
+  (300 s), the gateway's typing debounce (2 s), the arrival assumed for a hint that names none
+  (60 s) and a placement's life after its turn arrives (2 s). At 50x a turn follows the last one ~1-2 s
   later, so unscaled a placement outlives the whole session (each hint only refreshes it: hints
   become "placed once at turn 1, then sticky") and the 2 s debounce swallows many hints.
 - `--hint-arrival` (the client's side, `HttpRun(hint_arrival=True)`): each hint says when its
@@ -46,6 +47,10 @@ HUMAN_TIMERS_S = {
     "TANDEM_PLACEMENT_TTL_S": 30.0,
     "TANDEM_MAX_PLACEMENT_TTL_S": 300.0,
     "TANDEM_TYPING_DEBOUNCE_S": 2.0,
+    # session 10: a hint without an arrival is taken to come 60 s later; a placement ends 2 s
+    # after its turn arrives
+    "TANDEM_DEFAULT_ARRIVAL_S": 60.0,
+    "TANDEM_TURN_GRACE_S": 2.0,
 }
 
 

@@ -2,7 +2,9 @@
 
 The stack is tied to the benchmark (`services.lifeline`): SIGTERM/SIGHUP unwind the benchmark
 like Ctrl-C (the `finally` below stops the stack), and a benchmark that dies outright (SIGKILL)
-takes the stack with it, because `up` watches its parent."""
+takes the stack with it, because `up` watches its parent. An asyncio benchmark should await its
+run through `stop_on_signal`, so the first signal cancels the run from the event loop rather
+than raising inside whatever callback runs (an HTTP transport's swallows it)."""
 
 from __future__ import annotations
 
@@ -89,3 +91,35 @@ async def _wait_ready(client: httpx.AsyncClient, url: str, proc: subprocess.Pope
             pass
         await asyncio.sleep(0.25)
     raise RuntimeError("gateway not ready in 10 minutes")
+
+
+async def stop_on_signal(run):
+    """Await the coroutine `run`; the first SIGTERM or SIGHUP cancels it from the event loop (its
+    `finally` blocks stop the stack) and raises `Terminated`, which `tandem` exits 128 + signal
+    on. Not the process-wide handler's way (an exception raised wherever Python was running when
+    the signal came): inside an HTTP transport's callback the event loop caught it as a "fatal
+    error on transport" and the run went on (session 9). A second signal cancels again."""
+    from services.lifeline import Terminated
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(run)
+    got: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        got.append(signum)
+        task.cancel()
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    before = {sig: signal.getsignal(sig) for sig in sigs}
+    for sig in sigs:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if got:
+            raise Terminated(got[0]) from None
+        raise
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, before[sig])  # the process's handler again (remove sets the default)

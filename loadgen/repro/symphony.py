@@ -46,6 +46,7 @@ WARMUP_S = 500
 MEASURE_S = 200
 H100 = "llama-3-8b-h100"
 A100 = "llama-3-8b-a100-80gb"  # the paper's GPU (8 A100-80GB)
+A100_128K = "llama-3.1-8b-a100-80gb"  # the paper's model with its 128K context (long histories)
 # cell name prefix -> (workers, users, cost model). The H100 groups run up to where hints break
 # too (issue 20: a "carries at least N" figure needs the count where it stops holding): 2 workers
 # carry 4x the per-worker load of the same user count on 8, so the w2 group reaches hints' limit
@@ -58,7 +59,17 @@ GROUPS = {
     "a8": (8, ("64", "128", "256", "512", "1024", "2048"), A100),
     # its 2-worker twin (per-worker load sets the figures: session 7), a quarter of the CPU time
     "a2": (2, ("16", "32", "64", "128", "256", "512"), A100),
+    # the paper's history per turn (session 10): ~15K-token prompts, ">99%" of them history, on
+    # 2 A100s with the 128K-context profile (LONG_ARGS); fewer users, as each holds ~2 GB of KV
+    "l2": (2, ("4", "8", "16", "32", "64", "128", "256"), A100_128K),
 }
+# The long-history group's workload: ShareGPT's per-turn lengths with 40 turns per session on
+# average, so a closed loop's turn-weighted mean prompt is ~15K tokens (the size docs/sessions.md's
+# `marginal_ratio` says 8x needs on the A100). A session of 40 turns lasts ~40 minutes of human
+# time, so the warm-up is 70 minutes (about two session lengths: the histories' spread settles),
+# then 10 minutes are measured.
+LONG_ARGS = {"l2": ("--turns-mean", "40")}
+LONG_WARMUP_S, LONG_MEASURE_S = 4200, 600
 
 
 class SymphonyRepro(Repro):
@@ -72,7 +83,7 @@ class SymphonyRepro(Repro):
                 users = (users[0], users[-1])
             for u in users:
                 for m in MODES:
-                    argv = (*_base(quick, workers, profile), "--users", u, "--session-mode", m)
+                    argv = (*_base(quick, workers, profile, group), "--users", u, "--session-mode", m)
                     cells.append(Cell(f"sim-{group}-{m}-u{u}", argv, (POLICY,)))
         return cells
 
@@ -124,8 +135,9 @@ class SymphonyRepro(Repro):
         ]
 
 
-def _base(quick: bool, workers: int, profile: str) -> tuple[str, ...]:
-    duration = 60 if quick else WARMUP_S + MEASURE_S
+def _base(quick: bool, workers: int, profile: str, group: str = "") -> tuple[str, ...]:
+    warmup, measure = (LONG_WARMUP_S, LONG_MEASURE_S) if group in LONG_ARGS else (WARMUP_S, MEASURE_S)
+    duration = 60 if quick else warmup + measure
     return (
         "--workload",
         "sessions",
@@ -134,7 +146,7 @@ def _base(quick: bool, workers: int, profile: str) -> tuple[str, ...]:
         "--duration",
         str(duration),
         "--warmup-s",
-        "0" if quick else str(WARMUP_S),
+        "0" if quick else str(warmup),
         "--workers",
         str(workers),
         "--cost-model",
@@ -147,4 +159,5 @@ def _base(quick: bool, workers: int, profile: str) -> tuple[str, ...]:
         "3",  # Symphony's inclusive SSD copy (NVMe read)
         "--seeds",
         "1" if quick else "3",
+        *LONG_ARGS.get(group, ()),
     )

@@ -95,6 +95,9 @@ GPUS = {
 MODELS = {
     "opt-13b": Model("facebook/opt-13b", 12.85e9, 40, 5120, 40, 40, 128, 2048),
     "llama-3-8b": Model("meta-llama/Meta-Llama-3-8B", 8.03e9, 32, 4096, 32, 8, 128, 8192),
+    # Symphony's own model: Llama-3-8B's weights and shape with a 128K context, so histories can
+    # grow past 8K (issue 20: 8x needs ~15K-token prompts, docs/sessions.md)
+    "llama-3.1-8b": Model("meta-llama/Llama-3.1-8B", 8.03e9, 32, 4096, 32, 8, 128, 131072),
     # eLLM's single-GPU model (MHA, native 4K context)
     "llama-2-13b": Model("meta-llama/Llama-2-13b-hf", 13.02e9, 40, 5120, 40, 40, 128, 4096),
 }
@@ -209,6 +212,7 @@ SHIPPED = {
     # Symphony's GPU (8 A100-80GB) for its Llama-3.1-8B: its ratio turns on the GPU's FLOP/byte
     # balance (docs/sessions.md, "What stops hints at ~2x"); the paper does not say PCIe or SXM
     "llama-3-8b-a100-80gb": ("llama-3-8b", "a100-80gb"),
+    "llama-3.1-8b-a100-80gb": ("llama-3.1-8b", "a100-80gb"),  # its 128K context (long histories)
 }
 
 

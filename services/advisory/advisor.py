@@ -6,6 +6,21 @@ what the target must do: promote its own copy (local) or pull the holder's (sour
 for a session with a live placement on a live worker refreshes it (same target, new expiry), so
 repeated hints never bounce a session between workers. A hint for a session nobody holds is
 ignored: there is nothing to move, and the scheduler balances the turn like any request.
+
+**How long a placement lives** (issue 20, session 10). A placement serves one turn: from the hint
+until `placement_ttl_s` past the turn's expected arrival, and once the turn has arrived, only
+`turn_grace_s` more (time for the scheduler, which reads the same request, to route it by the
+placement). Before, a placement outlived its turn by up to its whole TTL, and the session's next
+hint within that time only refreshed it (the same target whatever the loads then: the bench's
+"hints are sticky" at 50x people). A hint that names no arrival (`expected_arrival_s` absent: a
+one-shot POST, a front-end that cannot estimate typing) is taken to come `default_arrival_s` =
+60 s after it; it used to be 0, so the placement lapsed 30 s after the hint while a person
+typing a median ShareGPT prompt at 40 wpm takes ~2.5 minutes. 60 s is five times the paper's
+mean hint lead (11.3 s); a front-end that streams typing events renews the placement with each
+hint past the gateway's debounce anyway. What a too-long guess costs is bounded: only a hint
+whose turn never comes keeps a placement (and its pending load on the target) for the whole
+90 s; the target's prefetch pin lasts at most its engine's `session_prefetch_ttl_s` (30 s) and
+is soft.
 """
 
 from __future__ import annotations
@@ -25,6 +40,8 @@ class AdvisorLimits:
     placement_ttl_s: float = 30.0
     max_placement_ttl_s: float = 300.0
     hint_max_age_s: float = 30.0
+    default_arrival_s: float = 60.0  # a hint's expected arrival when it names none
+    turn_grace_s: float = 2.0  # a placement's life once its turn has arrived
 
 
 @dataclass(frozen=True)
@@ -55,10 +72,17 @@ class Advisor:
         else:
             self.pending.pop(session_id, None)
 
-    def on_turn(self, session_id: str | None) -> None:
-        """A request of the session arrived: its advised turn is no longer pending."""
-        if session_id is not None:
-            self.pending.pop(session_id, None)
+    def on_turn(self, session_id: str | None, now: float | None = None) -> None:
+        """A request of the session arrived: its advised turn is no longer pending, and its
+        placement ends `turn_grace_s` from now (module doc), so the next hint decides afresh."""
+        if session_id is None:
+            return
+        self.pending.pop(session_id, None)
+        placement = self.placements.live(session_id, now)
+        if placement is not None:
+            until = (time.time() if now is None else now) + self.limits.turn_grace_s
+            if until < placement.expires_at:
+                self.placements.apply(session_id, placement.model_copy(update={"expires_at": until}))
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop placements past their expiry; the session ids (to tombstone)."""
@@ -96,7 +120,8 @@ class Advisor:
         sid = hint.session_id
         local = next((c for c in self.directory.copies(sid) if c.worker_id == target), None)
         pull = source if local is None or local.num_tokens < source.num_tokens else None
-        ttl = min(self.limits.max_placement_ttl_s, self.limits.placement_ttl_s + (hint.expected_arrival_s or 0.0))
+        arrival = self.limits.default_arrival_s if hint.expected_arrival_s is None else hint.expected_arrival_s
+        ttl = min(self.limits.max_placement_ttl_s, self.limits.placement_ttl_s + arrival)
         placement = SessionPlacement(
             session_id=sid,
             worker_id=target,

@@ -49,7 +49,13 @@ class AdvisoryService:
         self.settings = settings
         self.topics = Topics(settings.topic_prefix)
         self.kafka = KafkaClient(settings, settings.advisory_id)
-        limits = AdvisorLimits(settings.placement_ttl_s, settings.max_placement_ttl_s, settings.hint_max_age_s)
+        limits = AdvisorLimits(
+            settings.placement_ttl_s,
+            settings.max_placement_ttl_s,
+            settings.hint_max_age_s,
+            settings.default_arrival_s,
+            settings.turn_grace_s,
+        )
         self.advisor = Advisor(make_target_policy(settings.target_policy, settings.kv_high_water), limits)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self._tasks: list[asyncio.Task] = []

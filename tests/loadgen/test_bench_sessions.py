@@ -189,7 +189,7 @@ def test_the_5_minute_plan_runs_contended_user_counts_in_every_mode_first(capsys
 
     assert main(["bench", "sessions", "--plan", "issue20-tiny-5min", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("16 cells, 80 minutes of load, 12 stack starts")
+    assert out.startswith("16 cells, 80 minutes of load, 16 stack starts (one per cell)")
     order = [(line.split()[0], int(line.split()[2])) for line in out.splitlines()[1:]]
     modes = ["recompute", "recompute-cached", "load-aware", "hints"]
     assert order == [(m, u) for m in modes for u in (16, 8)] + [(m, 4) for m in modes] + [(m, 2) for m in modes]
@@ -207,9 +207,11 @@ def test_passes_reject_a_user_count_measured_twice():
         user_passes(argparse.Namespace(users="", passes="8;8"))
 
 
-def test_a_grid_in_passes_keeps_every_modes_cells_in_user_order(tmp_path, monkeypatch):
-    """Each pass runs every mode on its own stack; the JSON written after a cell holds that
-    mode's cells of the earlier passes too, sorted by users."""
+@pytest.mark.parametrize("shared_stack", [False, True])
+def test_a_grid_in_passes_keeps_every_modes_cells_in_user_order(tmp_path, monkeypatch, shared_stack):
+    """Each pass runs every mode, every cell on a fresh stack (`--shared-stack`: a pass's cells
+    of one mode on one stack, in order, the way before session 10); the JSON written after a
+    cell holds that mode's cells of the earlier passes too, sorted by users."""
     import argparse
     import asyncio
     import json
@@ -228,13 +230,15 @@ def test_a_grid_in_passes_keeps_every_modes_cells_in_user_order(tmp_path, monkey
         return {"levels": runs, "max_users_at_target": sessions.max_users_at(runs, args.ttft_p99_target)}
 
     monkeypatch.setattr(sessions, "_run_mode", fake_run_mode)
-    args = argparse.Namespace(users="", duration=1.0, ttft_p99_target=1.0, func=None, json=str(path))
+    args = argparse.Namespace(
+        users="", duration=1.0, ttft_p99_target=1.0, func=None, json=str(path), shared_stack=shared_stack
+    )
     modes = [sessions.MODES["load-aware"], sessions.MODES["hints"]]
     out = asyncio.run(sessions._bench(args, modes, [2, 4, 8, 16], None, None, [[16, 8], [4], [2]]))
-    assert calls == [("load-aware", [16, 8]), ("hints", [16, 8]), ("load-aware", [4]), ("hints", [4])] + [
-        ("load-aware", [2]),
-        ("hints", [2]),
-    ]
+    first = [("load-aware", [16, 8]), ("hints", [16, 8])]
+    if not shared_stack:
+        first = [("load-aware", [16]), ("load-aware", [8]), ("hints", [16]), ("hints", [8])]
+    assert calls == first + [("load-aware", [4]), ("hints", [4]), ("load-aware", [2]), ("hints", [2])]
     on_disk = json.loads(path.read_text())
     for doc in (out, on_disk):
         for name in ("load-aware", "hints"):
@@ -257,6 +261,8 @@ def test_stack_settings_are_shared_by_every_mode_and_never_redefine_one():
         "TANDEM_PLACEMENT_TTL_S": "0.6",
         "TANDEM_MAX_PLACEMENT_TTL_S": "6",
         "TANDEM_TYPING_DEBOUNCE_S": "0.04",
+        "TANDEM_DEFAULT_ARRIVAL_S": "1.2",
+        "TANDEM_TURN_GRACE_S": "0.04",
     }
     recompute = stack_env(MODES["recompute"], extra, 50.0, scale_timers=True)
     assert recompute == {**timers, **extra, "TANDEM_ENABLE_PREFIX_CACHING": "false"}
@@ -273,7 +279,8 @@ def test_the_moves_plan_isolates_the_hint_with_scaled_timers(capsys):
     out = capsys.readouterr().out
     assert out.startswith("4 cells, 20 minutes of load, 4 stack starts")
     assert "recompute" not in out and "  load-aware        users  16" in out and "  hints             users   8" in out
-    assert "every stack: TANDEM_PLACEMENT_TTL_S=0.6 TANDEM_MAX_PLACEMENT_TTL_S=6 TANDEM_TYPING_DEBOUNCE_S=0.04 " in out
+    timers = "TANDEM_PLACEMENT_TTL_S=0.6 TANDEM_MAX_PLACEMENT_TTL_S=6 TANDEM_TYPING_DEBOUNCE_S=0.04"
+    assert f"every stack: {timers} TANDEM_DEFAULT_ARRIVAL_S=1.2 TANDEM_TURN_GRACE_S=0.04 " in out
     assert "TANDEM_HOLDER_SLACK=1" in out and "expected arrival" in out
 
 
@@ -295,3 +302,53 @@ def test_every_stack_of_a_grid_in_passes_keeps_its_own_log(tmp_path):
     paths = {stack_log_path(str(tmp_path), mode, levels) for mode in ("hints", "load-aware") for levels in passes}
     assert len(paths) == 6 and str(tmp_path / "sessions-hints-u16-8.log") in paths
     assert stack_log_path(None, "hints", [2]) is None
+
+
+def test_the_dry_run_counts_a_stack_per_cell_unless_shared(capsys):
+    from services.cli import main
+
+    argv = ["bench", "sessions", "--modes", "hints,load-aware", "--passes", "16,8;4", "--dry-run"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("6 cells, 9 minutes of load, 6 stack starts (one per cell)")
+    assert main([*argv, "--shared-stack"]) == 0
+    assert capsys.readouterr().out.startswith("6 cells, 9 minutes of load, 4 stack starts (one per mode and pass)")
+
+
+def test_the_first_sigterm_stops_a_run_even_inside_a_callback_that_swallows_exceptions():
+    """Session 9: a SIGTERM that came while an HTTP transport's callback ran was raised inside
+    it and swallowed ("Fatal error on transport"), and the run went on. `stop_on_signal` takes
+    the signal on the event loop instead: code that catches everything cannot eat it, the run is
+    cancelled (its `finally` runs: where the stack stops), `Terminated` says which signal, and
+    the process's own handler is back afterwards."""
+    import asyncio
+    import os
+    import signal
+
+    from loadgen.bench.stack import stop_on_signal
+    from services.lifeline import Terminated, interrupt_on_termination
+
+    before = signal.getsignal(signal.SIGTERM)
+    interrupt_on_termination()  # what `tandem` installs: the old way's handler, raising Terminated
+    installed = signal.getsignal(signal.SIGTERM)
+    swallowed: list[BaseException] = []
+    cleaned_up = asyncio.Event()
+
+    async def run() -> None:
+        try:
+            try:  # a callback that catches everything, as the transport's did
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100_000))  # Python-level handlers run between bytecodes, here
+            except BaseException as exc:  # noqa: BLE001
+                swallowed.append(exc)
+            await asyncio.sleep(120)  # the run goes on (a cell): the cancellation must end it
+        finally:
+            cleaned_up.set()
+
+    try:
+        with pytest.raises(Terminated) as caught:
+            asyncio.run(asyncio.wait_for(stop_on_signal(run()), 60))
+        assert caught.value.signum == signal.SIGTERM
+        assert swallowed == [] and cleaned_up.is_set()
+        assert signal.getsignal(signal.SIGTERM) is installed
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -159,3 +159,26 @@ def test_aptserve_full_cells_use_the_papers_trace_and_serve_every_request():
         assert args.max_num_seqs == 256 and args.decide_early
     quick = REPROS["aptserve"].cells(quick=True, engine=False)
     assert all(cell_args(c).requests is None and cell_args(c).drain_timeout is None for c in quick)
+
+
+def test_symphony_long_history_group_runs_the_papers_prompt_size_on_its_128k_profile():
+    """Issue 20: 8x needs ~15K-token prompts, which 8K-context sessions of mean 4 turns cannot
+    produce. The `l2` cells run 40 turns per session on average on a 128K-context Llama-3.1-8B
+    A100 profile, with a warm-up of about two session lengths before the measured window."""
+    from loadgen.factory import load_cost_model
+    from loadgen.repro.symphony import A100_128K, LONG_MEASURE_S, LONG_WARMUP_S
+
+    cells = [c for c in REPROS["symphony"].cells(quick=False, engine=False) if c.name.startswith("sim-l2-")]
+    assert cells and all(c.name.split("-u")[-1].isdigit() for c in cells)
+    for cell in cells:
+        argv = list(cell.argv)
+        value = lambda flag, argv=argv: argv[argv.index(flag) + 1]  # noqa: E731
+        assert value("--turns-mean") == "40" and value("--cost-model") == A100_128K
+        assert value("--warmup-s") == str(LONG_WARMUP_S)
+        assert value("--duration") == str(LONG_WARMUP_S + LONG_MEASURE_S)
+    others = [c for c in REPROS["symphony"].cells(quick=False, engine=False) if c.name.startswith("sim-a2-")]
+    assert others and all("--turns-mean" not in c.argv for c in others)  # the other groups unchanged
+    profile = load_cost_model(A100_128K)
+    assert profile.meta["max_model_len"] == 131072  # a 15K-token history fits
+    # decode pays each context token's K/V read from HBM: 128 KiB at 80% of 1,935 GB/s
+    assert profile.decode.alpha1 == pytest.approx(131072 / (1.935e12 * 0.8), rel=0.05)

@@ -76,7 +76,7 @@ def _loc(sid: str, worker: str, t: float = 1.0, tokens: int = 32) -> SessionLoca
 
 
 def test_advisor_moves_a_session_off_a_busy_holder_and_spreads_a_burst_of_hints():
-    adv = Advisor(LeastLoadedTarget(), AdvisorLimits(placement_ttl_s=10))
+    adv = Advisor(LeastLoadedTarget(), AdvisorLimits(placement_ttl_s=10, default_arrival_s=0))
     for sid in ("s1", "s2", "s3"):
         adv.on_location(_loc(sid, "a"))
     live = {"a": _worker("a", running=1), "b": _worker("b"), "c": _worker("c")}
@@ -94,6 +94,49 @@ def test_advisor_moves_a_session_off_a_busy_holder_and_spreads_a_burst_of_hints(
     adv.on_turn("s1")
     assert "s1" not in adv.pending
     assert adv.expire(now=1011.5) == ["s1", "s2", "s3"] and not adv.pending and len(adv.placements) == 0
+
+
+def test_a_hint_without_an_arrival_holds_its_placement_for_the_default_typing_time():
+    """Issue 20: a hint that names no arrival got a 30 s placement, shorter than a person typing
+    a ShareGPT prompt (~2.5 min at 40 wpm): the turn came to no placement. It is now taken to
+    arrive `default_arrival_s` after the hint; a named arrival still counts as named, 0 too."""
+    adv = Advisor(LeastLoadedTarget(), AdvisorLimits(placement_ttl_s=30, default_arrival_s=60))
+    adv.on_location(_loc("s", "a"))
+    adv.on_location(_loc("t", "a"))
+    live = {"a": _worker("a"), "b": _worker("b")}
+    blind = adv.on_hint(_hint("s"), live, now=1000.0)
+    assert blind.placement.expires_at == 1090.0 and blind.prefetch.ttl_s == 90.0
+    assert adv.placements.live("s", now=1089.0) is not None and adv.expire(now=1089.0) == []
+    named = adv.on_hint(TypingHint(hint_id="h", session_id="t", sent_at=1000.0, expected_arrival_s=0.0), live, 1000.0)
+    assert named.placement.expires_at == 1030.0  # named: its own arrival, not the default
+    capped = Advisor(LeastLoadedTarget(), AdvisorLimits(max_placement_ttl_s=50, default_arrival_s=60))
+    capped.on_location(_loc("s", "a"))
+    assert capped.on_hint(_hint("s"), live, now=1000.0).placement.expires_at == 1050.0  # the cap still holds
+
+
+def test_a_placement_serves_one_turn_and_the_next_hint_decides_afresh():
+    """Issue 20: a placement outlived its turn by up to its TTL, and the session's next hint in
+    that time only refreshed it (same target whatever the loads): hints became sticky. Once the
+    turn arrives the placement lasts `turn_grace_s` (for the scheduler to route that turn), and
+    a hint after it is a new decision on the loads of then."""
+    adv = Advisor(LeastLoadedTarget(), AdvisorLimits(placement_ttl_s=30, turn_grace_s=2))
+    adv.on_location(_loc("s", "a"))
+    live = {"a": _worker("a", running=1), "b": _worker("b")}
+    first = adv.on_hint(_hint("s", t=1000.0), live, now=1000.0)
+    assert first.placement.worker_id == "b" and first.placement.expires_at == 1090.0
+    during = adv.on_hint(_hint("s", t=1005.0, hint_id="h2"), live, now=1005.0)
+    assert during.refreshed and during.placement.worker_id == "b"  # still typing: a refresh
+    adv.on_turn("s", now=1010.0)
+    assert "s" not in adv.pending
+    assert adv.placements.live("s", now=1011.9) is not None  # the scheduler's moment to route the turn
+    assert adv.expire(now=1012.0) == ["s"]  # then tombstoned, not at 1095
+    adv.on_location(_loc("s", "b", t=2.0))  # the turn ran on b and grew the session there
+    live = {"a": _worker("a"), "b": _worker("b", running=2)}
+    after = adv.on_hint(_hint("s", t=1013.0, hint_id="h3"), live, now=1013.0)
+    assert not after.refreshed and after.placement.worker_id == "a"  # b is busy now: moved back
+    adv.on_turn("t", now=1013.0)  # a turn with no placement: nothing to end
+    adv.on_turn(None, now=1013.0)
+    assert adv.placements.live("s", now=1013.0).worker_id == "a"
 
 
 def test_advisor_ignores_stale_hints_unknown_sessions_and_dead_holders():

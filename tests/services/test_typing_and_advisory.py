@@ -27,6 +27,9 @@ from shared.topics import Topics
 pytestmark = pytest.mark.timeout(300)
 DEBOUNCE_S = 1.0
 TTL_S = 4.0
+# the arrival the advisory assumes for a hint naming none (60 s by default): short here, so a
+# placement without a turn expires within the test; set, so the setting's name is checked too
+DEFAULT_ARRIVAL_S = 1.0
 
 
 class FakeWorkers:
@@ -87,7 +90,9 @@ def _location(sid: str, wid: str = "wa") -> SessionLocation:
 
 @pytest.fixture(scope="module")
 def stack(make_stack):
-    s = make_stack(TANDEM_TYPING_DEBOUNCE_S=DEBOUNCE_S, TANDEM_PLACEMENT_TTL_S=TTL_S)
+    s = make_stack(
+        TANDEM_TYPING_DEBOUNCE_S=DEBOUNCE_S, TANDEM_PLACEMENT_TTL_S=TTL_S, TANDEM_DEFAULT_ARRIVAL_S=DEFAULT_ARRIVAL_S
+    )
     topics = Topics(s.prefix)
     s.kafka = KafkaClient(ServiceSettings(kafka_bootstrap=s.bootstrap), "test-probe")
     asyncio.run(_publish_locations(s, ["s1", "s2", "s5"]))  # before the advisory service starts
@@ -251,7 +256,8 @@ def test_advisory_moves_a_hinted_session_off_its_busy_holder_and_counts_pending_
     pre1, plc1 = asyncio.run(_hint_and_collect(stack, "s1"))
     # wa (the holder) runs a request, wb is idle: s1 goes to wb, which pulls it from wa.
     assert plc1.worker_id == "wb" and plc1.source_worker == "wa" and plc1.hint_id == pre1.hint_id
-    assert pre1.worker_id == "wb" and pre1.source_url == "http://wa:9/kv/v1/sessions/s1" and pre1.ttl_s == TTL_S
+    assert pre1.worker_id == "wb" and pre1.source_url == "http://wa:9/kv/v1/sessions/s1"
+    assert pre1.ttl_s == TTL_S + DEFAULT_ARRIVAL_S  # the hint named no arrival: the default one
     pre2, plc2 = asyncio.run(_hint_and_collect(stack, "s2"))
     # s1's advised turn is pending on wb: wb and wa now weigh the same, and the holder wins ties.
     assert plc2.worker_id == "wa" and plc2.source_worker is None and pre2.source_url is None
