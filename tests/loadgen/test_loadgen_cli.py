@@ -128,6 +128,24 @@ def test_bad_input_is_a_clear_error():
     assert res.returncode == 2 and "no-such-profile" in res.stderr
 
 
+def test_cost_model_help_names_every_shipped_profile():
+    """`--cost-model` takes a file or any profile shipped in loadgen/sim/profiles: its help names
+    each (it once named two of four, and no default for inproc)."""
+    import argparse
+
+    from loadgen.cli import add_run_args
+    from loadgen.factory import PROFILE_DIR, load_cost_model
+
+    parser = argparse.ArgumentParser(prog="tandem sim")
+    add_run_args(parser, target_default="sim")
+    text = next(a.help for a in parser._actions if "--cost-model" in a.option_strings)  # noqa: SLF001
+    names = sorted(f.stem for f in PROFILE_DIR.glob("*.json"))
+    assert len(names) >= 4 and "inproc" in text
+    for name in names:
+        assert name in text, name
+        assert load_cost_model(name).meta is not None  # each named one loads by that name
+
+
 @pytest.mark.timeout(300)
 def test_sim_bros_with_explicit_slos(tmp_path):
     """BROS takes default SLOs and the cost model: both reach it through the simulator's workers."""
