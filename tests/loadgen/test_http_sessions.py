@@ -34,7 +34,7 @@ from tests.services.conftest import make_stack, worker_heartbeat  # noqa: F401  
 # module) is bounded by the stack's own start-up waits (START_TIMEOUT_S each, failing with the
 # children's logs), not by the first test's timeout: at load 33-38 it took over 180 s and the
 # module errored before any test ran.
-pytestmark = pytest.mark.timeout(180, func_only=True)
+pytestmark = pytest.mark.timeout(300, func_only=True)
 SESSIONS, TURNS = 3, 3
 PROMPT_WORDS, OUTPUT_TOKENS = 20, 6
 # The window: never what ends the run, the sessions do (a run ends when nothing is open or due;

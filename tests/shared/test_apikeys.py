@@ -17,7 +17,7 @@ from shared.apikeys.store import KeyStore
 from shared.batchstore.api_store import BatchAPIStore
 from shared.batchstore.db import BatchDatabase
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_key_format_and_check():

@@ -15,7 +15,7 @@ from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
 from tests.shared.waiting import read_ids, until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _envelope(i: int) -> ControlEnvelope:
