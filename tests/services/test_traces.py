@@ -59,7 +59,7 @@ def test_a_request_is_traced_across_every_hop(make_stack):
             assert hops <= {s.hop for s in spans if s.service == f"tandem-{service}"}, service
 
         # The same hops, summarised on /metrics whether or not anything is exported.
-        gateway = _hop_counts(httpx.get(f"{stack.url}/metrics").text)
-        scheduler = _hop_counts(httpx.get(f"{stack.scheduler_url}/metrics").text)
+        gateway = _hop_counts(httpx.get(f"{stack.url}/metrics", timeout=60).text)
+        scheduler = _hop_counts(httpx.get(f"{stack.scheduler_url}/metrics", timeout=60).text)
         assert all(gateway.get(h, 0) >= 1 for h in HOPS["gateway"]), gateway
         assert all(scheduler.get(h, 0) >= 1 for h in HOPS["scheduler"]), scheduler
