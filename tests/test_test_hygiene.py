@@ -11,12 +11,14 @@ code's syntax: what a reviewer would otherwise have to spot by eye in every new 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 TESTS = Path(__file__).parent
 HTTPX_CALLS = {"get", "post", "put", "delete", "patch", "stream", "request", "Client", "AsyncClient"}
 
 
+@functools.cache  # parsed once for the module's two scans
 def _test_sources() -> list[tuple[Path, ast.Module]]:
     return [(path, ast.parse(path.read_text(), str(path))) for path in sorted(TESTS.rglob("*.py"))]
 
