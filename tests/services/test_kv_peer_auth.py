@@ -100,6 +100,9 @@ def test_a_worker_process_takes_its_secret_from_the_environment(make_stack):
     signed ones get through (404: it holds no such session)."""
     stack = make_stack()
     stack.worker("w0", TANDEM_CLUSTER_SECRET=SECRET)
+    # A lone worker creates its topics as it starts: reading its heartbeats before then found no
+    # topic for the ~50 s `assign_all` retries (a start at load 40 took longer), so wait for it.
+    stack.wait_log("w0", "worker ready")
     hb = asyncio.run(worker_heartbeat(stack, "w0"))
     url = f"{hb.kv_url}{KV_PATH}nobody"
     assert httpx.get(url, timeout=30).status_code == 401
