@@ -255,6 +255,6 @@ def test_recompute_mode_sends_neither_hints_nor_session_ids(stacks):
     def reports_last(hb) -> bool:
         return last <= {key.rsplit(":", 1)[0] for key in hb.finished_ids}
 
-    hb = asyncio.run(asyncio.wait_for(worker_heartbeat(stack, "w0", reports_last), 60))
+    hb = asyncio.run(asyncio.wait_for(worker_heartbeat(stack, "w0", reports_last), 120))
     assert len(last) == SESSIONS and hb.session_stats.get("turns", 0) == 0, hb.session_stats
     assert _session_turns(stack) == 0
