@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 
 from shared.kafka import KafkaClient
 from shared.schemas.base import WireModel
@@ -86,11 +87,25 @@ async def current_term(stack, role: str) -> int:
     consumer = await kafka.consumer(group=None)
     log = LeaseLog(role)
     try:
-        await kafka.assign_all(consumer, Topics(stack.prefix).leases.name, from_end=False)
+        await _assign(kafka, consumer, Topics(stack.prefix).leases.name, from_end=False)
         await read_to_end(consumer, lambda m: log.apply(LeaseRecord.decode(m.value), time.monotonic()))
     finally:
         await kafka.stop()
     return log.current.term if log.current is not None else 0
+
+
+async def _assign(kafka: KafkaClient, consumer, topic: str, *, from_end: bool) -> None:
+    """`assign_all`, waiting for the topic to exist: a service creates its topics as it starts,
+    and `assign_all` gives up after ~50 s of retries, which a start on a starved host outlasts
+    (a lone worker's took longer at load 40). START_TIMEOUT_S is the safety net, as for starts."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            await kafka.assign_all(consumer, topic, from_end=from_end)
+            return
+        except KafkaConnectionError:
+            if time.monotonic() > deadline:
+                raise
 
 
 async def next_message(stack, topic: str, cls: type[M], match: Callable[[M], bool], *, from_end: bool) -> M:
@@ -99,7 +114,7 @@ async def next_message(stack, topic: str, cls: type[M], match: Callable[[M], boo
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
     consumer = await kafka.consumer(group=None)
     try:
-        await kafka.assign_all(consumer, topic, from_end=from_end)
+        await _assign(kafka, consumer, topic, from_end=from_end)
         while True:
             msg = cls.decode((await consumer.getone()).value)
             if match(msg):
