@@ -9,7 +9,7 @@ import pytest
 
 from tests.services.conftest import chat_body, openai_client
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # stacks or services start inside tests: their start counts
 
 
 @pytest.fixture(scope="module")
