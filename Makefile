@@ -56,7 +56,7 @@ up: install
 # Two pytest workers (pytest-xdist): the suite mostly waits (service start-ups, Kafka group
 # joins, tests waiting on events), so a second worker fills the waits; measured in docs/testing.md.
 # A whole module (or a group of modules sharing a costly fixture) goes to one worker, so a
-# module's stack starts once (tests/conftest.py, pytest_xdist_make_scheduler).
+# module's stack starts once (tests/session_hooks.py, pytest_xdist_make_scheduler).
 # PYTEST_WORKERS=0 runs in one process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from loadgen.factory import DEFAULT_SIM_PROFILE, PROFILE_DIR
 from loadgen.workloads.build import WORKLOADS
 from shared.engine_options import add_aptserve_options
 
@@ -38,6 +39,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_run_args(s, target_default="sim")
     s.add_argument("--policies", default="fcfs", help="comma-separated policies (more than one: a comparison)")
     s.set_defaults(func=cmd_sim)
+
+
+def _shipped_profiles() -> list[str]:
+    """The names `--cost-model` accepts besides a file: read from the directory, so the help
+    cannot fall behind the profiles shipped (it once listed two of four)."""
+    return sorted(f.stem for f in PROFILE_DIR.glob("*.json"))
 
 
 def add_run_args(
@@ -135,8 +142,10 @@ def add_run_args(
     e.add_argument(
         "--cost-model",
         default=None,
-        help="cost-model JSON (from `tandem profile`) or a shipped profile name "
-        "(opt-13b-a100-40gb, llama-3-8b-h100); sim default: opt-13b-a100-40gb",
+        help="a cost-model JSON file (`tandem profile` writes one) or the name of a profile shipped in "
+        f"loadgen/sim/profiles ({', '.join(_shipped_profiles())}). sim: the simulated workers' step times and "
+        f"what the policies plan with (default {DEFAULT_SIM_PROFILE}); inproc: what a cost-aware policy "
+        "(bros, ellm, aptserve) plans with instead of the engine's own profile of this host",
     )
     add_aptserve_options(e)  # reaches the policy as `price_switches` (factory.policy_flags)
     e.add_argument("--workers", type=int, default=1, help="sim: number of workers")

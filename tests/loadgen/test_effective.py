@@ -71,7 +71,7 @@ def test_miss_bound_counts_only_certain_misses():
         MissBound(0.9, total=0)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_an_overloaded_probe_stops_early_and_its_bound_holds():
     """On the simulator: a probe past the wall stops once it cannot reach 90%, earlier than the
     same run served to its end, whose attainment is at most the bound it stopped at; a probe

@@ -30,7 +30,7 @@ def test_sse_lines_and_chunks():
     assert comp.token_times == [2.0]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the stack starts inside the test: its start counts
 def test_token_timing_against_the_real_gateway(make_stack):  # noqa: F811
     stack = make_stack()
     stack.scheduler()

@@ -34,7 +34,7 @@ def timelines(result):
     return sorted((r.request_id, tuple(r.token_times_s), r.finish_reason) for r in result.records)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_simulation_is_deterministic_given_seed():
     cfg = WorkloadConfig("rt-be", ArrivalSpec("poisson", 4.0), 20.0, seed=3, length_scale=0.5, be_batch=8)
     a, _ = sim_run(cfg)
@@ -47,7 +47,7 @@ def test_simulation_is_deterministic_given_seed():
     assert s["be"]["completed"] > 0
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_more_load_means_worse_attainment_and_more_workers_help():
     def att(rate, workers):
         res, _ = sim_run(WorkloadConfig("sharegpt", ArrivalSpec("poisson", rate), 60.0, seed=1), workers=workers)
@@ -57,7 +57,7 @@ def test_more_load_means_worse_attainment_and_more_workers_help():
     assert att(8.0, 4) > att(8.0, 1)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_multi_worker_sessions_spread_and_keep_affinity():
     cfg = WorkloadConfig("sessions", ArrivalSpec("poisson", 2.0), 120.0, seed=2, turns_mean=3, length_scale=0.5)
     res, target = sim_run(cfg, workers=4, bw=10e9)

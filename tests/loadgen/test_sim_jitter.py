@@ -68,7 +68,7 @@ def _priced_steps(jitter):
     return steps
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_simulated_steps_are_priced_times_the_draws():
     plain = _priced_steps(None)
     assert len(plain) > 20 and all(d == pytest.approx(p) for d, p in plain)

@@ -10,7 +10,7 @@ import pytest
 from loadgen.sim.validate import METRICS, main
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_same_run_calibration_with_jitter(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "validation.json"
     assert (

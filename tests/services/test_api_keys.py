@@ -179,7 +179,9 @@ def test_files_and_batches_belong_to_their_key(stack):
     assert up.status_code == 200, up.text
     file_id = up.json()["id"]
     assert httpx.get(f"{stack.url}/v1/files/{file_id}", headers=bearer(b), timeout=30).status_code == 404
-    assert file_id not in {f["id"] for f in httpx.get(f"{stack.url}/v1/files", headers=bearer(b)).json()["data"]}
+    assert file_id not in {
+        f["id"] for f in httpx.get(f"{stack.url}/v1/files", headers=bearer(b), timeout=60).json()["data"]
+    }
     batch = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
     r = httpx.post(f"{stack.url}/v1/batches", json=batch, headers=bearer(b), timeout=30)
     assert_openai_error(r, 404, "not_found")
@@ -211,13 +213,19 @@ def _upload(stack, key, n: int) -> str:
 def test_batch_quota_and_batch_class(stack):
     be, rt = stack.keys["be"], stack.keys["rt"]  # be: quota of 2 requests in unfinished batches
     body = {"endpoint": "/v1/chat/completions", "completion_window": "24h"}
-    r = httpx.post(f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, be, 3)}, headers=bearer(be))
+    r = httpx.post(
+        f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, be, 3)}, headers=bearer(be), timeout=60
+    )
     err = assert_openai_error(r, 429, "batch_quota_exceeded")
     assert int(r.headers["retry-after"]) >= 1 and "3 requests" in err["message"]
-    r = httpx.post(f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, be, 2)}, headers=bearer(be))
+    r = httpx.post(
+        f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, be, 2)}, headers=bearer(be), timeout=60
+    )
     assert r.status_code == 200, r.text
     # an RT-only key may not run batches (their items are best-effort)
-    r = httpx.post(f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, rt, 1)}, headers=bearer(rt))
+    r = httpx.post(
+        f"{stack.url}/v1/batches", json={**body, "input_file_id": _upload(stack, rt, 1)}, headers=bearer(rt), timeout=60
+    )
     assert_openai_error(r, 403, "class_not_allowed")
 
 
@@ -237,7 +245,7 @@ def test_keys_over_http_need_an_admin_key(stack):
     assert_openai_error(r, 400, "invalid_value")
     assert httpx.delete(f"{stack.url}/v1/keys/{made['id']}", headers=admin, timeout=30).status_code == 200
     assert_openai_error(chat(stack, made["key"]), 401, "invalid_api_key")  # this replica forgot it at once
-    assert_openai_error(httpx.delete(f"{stack.url}/v1/keys/ffffffffffff", headers=admin), 404, "not_found")
+    assert_openai_error(httpx.delete(f"{stack.url}/v1/keys/ffffffffffff", headers=admin, timeout=60), 404, "not_found")
 
 
 def test_typing_hints_and_websocket_need_a_key(stack):

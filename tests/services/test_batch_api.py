@@ -214,7 +214,9 @@ def test_size_and_line_limits_and_bad_requests(stack, client):
         client.batches.create(input_file_id="file-missing", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch-missing")
-    r = httpx.post(f"{stack.url}/v1/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}")})
+    r = httpx.post(
+        f"{stack.url}/v1/files", data={"purpose": "fine-tune"}, files={"file": ("a.jsonl", b"{}")}, timeout=60
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
 
 

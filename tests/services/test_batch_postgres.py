@@ -46,7 +46,7 @@ def postgres_url():
             _as_postgres_user([initdb, "-D", str(data), "-A", "trust", "-U", "tandem"]),
             check=True,
             capture_output=True,
-            timeout=120,
+            timeout=300,
         )
         subprocess.run(
             _as_postgres_user(
@@ -57,6 +57,10 @@ def postgres_url():
                     "-l",
                     str(data / "server.log"),
                     "-w",
+                    # pg_ctl's own wait for the server is 60 s by default: a start slower than
+                    # that on a starved host made the module skip (the except below), silently
+                    "-t",
+                    "300",
                     "start",
                     "-o",
                     f"-p {port} -k {data} -c listen_addresses=127.0.0.1",
@@ -64,7 +68,7 @@ def postgres_url():
             ),
             check=True,
             capture_output=True,
-            timeout=120,
+            timeout=360,
         )
     except (subprocess.SubprocessError, OSError) as exc:
         detail = getattr(exc, "stderr", b"") or b""

@@ -44,7 +44,7 @@ def test_a_drained_worker_gets_no_new_work_and_wait_returns_when_it_holds_none(s
     assert "w0 is drained" in out.stdout
     assert _state(stack, "w0") == "draining"
     # the scheduler reads the same heartbeat on its own consumer: wait for its view, then place
-    stack.wait_until("the scheduler placing on w1 only", lambda: stack.scheduler_workers() == {"w1"}, timeout=60)
+    stack.wait_until("the scheduler placing on w1 only", lambda: stack.scheduler_workers() == {"w1"})
     with httpx.Client(timeout=120) as client:
         after = []
         for i in range(6):

@@ -31,7 +31,7 @@ def stack(make_stack):
 def test_schemathesis_finds_no_server_error_and_no_hang(stack):
     report_dir = stack.log_dir / "schemathesis"
     schema_file = stack.log_dir / "openapi.json"
-    schema_file.write_text(json.dumps(_with_served_model(httpx.get(f"{stack.url}/openapi.json").json())))
+    schema_file.write_text(json.dumps(_with_served_model(httpx.get(f"{stack.url}/openapi.json", timeout=60).json())))
     cmd = [
         sys.executable,
         "-m",

@@ -9,7 +9,7 @@ import pytest
 
 from tests.services.conftest import chat_body, openai_client
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # stacks or services start inside tests: their start counts
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def client(stack):
 
 def test_models_and_health(stack, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    health = httpx.get(f"{stack.url}/health").json()
+    health = httpx.get(f"{stack.url}/health", timeout=60).json()
     assert health["status"] == "ok" and health["workers"] == 1
 
 
@@ -153,7 +153,7 @@ def test_be_class_by_header_and_service_tier(stack, client):
         f"{stack.url}/v1/chat/completions", json=chat_body("hi", 4), headers={"X-Tandem-Class": "be"}, timeout=60
     )
     assert h.status_code == 200
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=60).text
     assert 'tandem_gateway_requests_total{endpoint="chat",req_class="be",status="200"} 2.0' in metrics
 
 
@@ -208,4 +208,4 @@ def test_overload_429_and_no_workers_503(stack, make_stack):
     url3 = lonely.wait_gateway()
     r = httpx.post(f"{url3}/v1/chat/completions", json=chat_body("x", 2), timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
-    assert httpx.get(f"{url3}/health").status_code == 503
+    assert httpx.get(f"{url3}/health", timeout=60).status_code == 503

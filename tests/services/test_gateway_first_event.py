@@ -25,7 +25,7 @@ from shared.settings import ServiceSettings
 from shared.topics import Topics
 from tests.services.conftest import chat_body
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # stacks or services start inside tests: their start counts
 
 
 async def _scripted_worker(stack, stop: asyncio.Event, answered: list[str]) -> None:

@@ -14,7 +14,7 @@ from services.worker.owners import OwnerWatch
 from shared.schemas.telemetry import OwnerHeartbeat
 from tests.services.conftest import chat_body, worker_heartbeat
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)  # a stack starts inside a test: its start counts
 
 
 def _beat(owner: str) -> OwnerHeartbeat:

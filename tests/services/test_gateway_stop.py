@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the parent's start, then up to 240 s for the stop
 OPEN_REQUESTS = 5
 
 PARENT = textwrap.dedent(
@@ -35,11 +35,17 @@ PARENT = textwrap.dedent(
 
     log_path, n_open = sys.argv[1], int(sys.argv[2])
     broker, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port, prefix = free_port(), "gwstop"
+    prefix = "gwstop"
     env = lifeline.tied_env({**os.environ, "KAFKA_BOOTSTRAP": bootstrap, "TANDEM_TOPIC_PREFIX": prefix})
-    with open(log_path, "ab") as log:
-        argv = [sys.executable, "-m", "services.cli", "gateway", "--port", str(port)]
-        gateway = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def spawn_gateway():
+        port = free_port()
+        with open(log_path, "ab") as log:
+            argv = [sys.executable, "-m", "services.cli", "gateway", "--port", str(port)]
+            return port, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    port, gateway = spawn_gateway()
+    respawns = 0
 
     async def main():
         topics = Topics(prefix)
@@ -53,16 +59,26 @@ PARENT = textwrap.dedent(
                 await kafka.send(topics.heartbeats.name, hb, key="w0")
                 await asyncio.sleep(0.5)
 
+        global port, gateway, respawns
         beating = asyncio.create_task(beat())
-        url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(timeout=600) as client:
             while True:
+                # a gateway that died exits this parent (the test prints the log); one that lost its
+                # port to another listener between free_port's probe and its bind goes again
+                if gateway.poll() is not None:
+                    with open(log_path, errors="replace") as f:
+                        lost = "address already in use" in f.read().lower()
+                    if not lost or respawns == 2:
+                        sys.exit(3)
+                    respawns += 1
+                    port, gateway = spawn_gateway()
                 try:
-                    if (await client.get(f"{url}/health")).json()["workers"] >= 1:
+                    if (await client.get(f"http://127.0.0.1:{port}/health")).json()["workers"] >= 1:
                         break
                 except (httpx.HTTPError, ValueError):
                     pass
                 await asyncio.sleep(0.3)
+            url = f"http://127.0.0.1:{port}"
             body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
             held = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body)) for _ in range(n_open)]
             while True:  # until the gateway holds every request open

@@ -43,7 +43,7 @@ def test_a_signed_peer_is_served_and_everyone_else_refused(tmp_path):
             pulled = await peer.fetch(url)
             assert pulled.path.read_bytes() == PAYLOAD
             await peer.close()
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 refused = {}
                 refused["no signature"] = await client.get(url)
                 wrong = KVPuller(tmp_path / "in2", timeout_s=10, max_bytes=1 << 20, secret="another-secret")
@@ -72,7 +72,7 @@ def test_without_a_secret_the_server_is_open_as_before(tmp_path):
     async def run():
         server = await _server(tmp_path, None)
         try:
-            async with httpx.AsyncClient() as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 r = await client.get(f"http://127.0.0.1:{server.port}{KV_PATH}s1")
             assert r.status_code == 200 and r.content == PAYLOAD
         finally:
@@ -100,6 +100,9 @@ def test_a_worker_process_takes_its_secret_from_the_environment(make_stack):
     signed ones get through (404: it holds no such session)."""
     stack = make_stack()
     stack.worker("w0", TANDEM_CLUSTER_SECRET=SECRET)
+    # A lone worker creates its topics as it starts: reading its heartbeats before then found no
+    # topic for the ~50 s `assign_all` retries (a start at load 40 took longer), so wait for it.
+    stack.wait_log("w0", "worker ready")
     hb = asyncio.run(worker_heartbeat(stack, "w0"))
     url = f"{hb.kv_url}{KV_PATH}nobody"
     assert httpx.get(url, timeout=30).status_code == 401

@@ -121,4 +121,4 @@ def test_the_parent_pid_watch_notices_a_dead_parent_without_the_kernel_signal(tm
     middle.kill()
     middle.wait(timeout=10)
     assert middle.stdout.readline().strip() == "lost"  # the grandchild's own report, then its exit
-    assert not _wait_gone([child], 30)
+    assert not _wait_gone([child], 120)

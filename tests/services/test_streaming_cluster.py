@@ -126,7 +126,7 @@ def test_client_disconnect_cancels_and_frees_kv(stack):
 
     rid, hb, empty = asyncio.run(run())
     assert any(k.startswith(rid) for k in hb.finished_ids)
-    metrics = httpx.get(f"{stack.url}/metrics").text
+    metrics = httpx.get(f"{stack.url}/metrics", timeout=60).text
     assert 'status="cancelled"' in metrics
     # The KV went back: the worker's telemetry (its pool's count) reports an empty pool
     assert empty.kv_usage == 0.0
@@ -159,7 +159,7 @@ def test_worker_killed_mid_stream_resumes_on_the_other_with_identical_text(stack
     assert on_w0, "no stream started on the killed worker"
     resumed = [
         ln
-        for ln in httpx.get(f"{stack.url}/metrics").text.splitlines()
+        for ln in httpx.get(f"{stack.url}/metrics", timeout=60).text.splitlines()
         if ln.startswith("tandem_gateway_resumed_requests ")
     ]
     assert float(resumed[0].split()[1]) >= on_w0  # each of them was resumed elsewhere

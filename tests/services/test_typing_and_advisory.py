@@ -24,7 +24,7 @@ from shared.schemas.telemetry import ClassLoad, Heartbeat, Telemetry
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # stacks or services start inside tests: their start counts
 DEBOUNCE_S = 1.0
 TTL_S = 4.0
 # the arrival the advisory assumes for a hint naming none (60 s by default): short here, so a

@@ -37,7 +37,7 @@ async def _consumer(bootstrap: str) -> AIOKafkaConsumer:
     return c
 
 
-async def _until(what: str, done, timeout_s: float = 60.0) -> None:
+async def _until(what: str, done, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
@@ -102,7 +102,7 @@ def test_a_consumer_at_a_restarted_brokers_hole_reads_on():
 
             doubting = HoleGuard(lambda: [consumer], wait_s=1.0, confirm=not_a_hole)
             doubting.arm()
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while not asked:
                 assert await doubting.check() == 0
                 assert time.monotonic() < deadline, "the hole was never a candidate"
@@ -110,7 +110,7 @@ def test_a_consumer_at_a_restarted_brokers_hole_reads_on():
             assert asked == [1] and await consumer.position(TP) == 1
             guard.start()
             # Nothing else is produced: only the guard can move the consumer past the hole.
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 120
             while await consumer.position(TP) != 4:
                 assert time.monotonic() < deadline, "the consumer stayed at the hole"
                 await asyncio.sleep(0.05)

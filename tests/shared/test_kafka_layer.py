@@ -15,7 +15,7 @@ from shared.settings import ServiceSettings
 from shared.topics import Topics, TopicSpec
 from tests.shared.waiting import read_ids
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _request(**kw) -> GenerateRequest:

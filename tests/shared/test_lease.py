@@ -15,9 +15,15 @@ from shared.schemas.lease import LeaseRecord
 from shared.settings import ServiceSettings
 from shared.topics import Topics
 
-pytestmark = pytest.mark.timeout(120)
-LEASE_S = 1.5
-HANDOVER_LEASE_S = 30.0  # the clean-stop handover's lease: see the test
+pytestmark = pytest.mark.timeout(300)
+# The lease of the tests where a live active must keep it while a standby watches: a and b share
+# this process's event loop, so a stall of the process longer than the lease (a starved host)
+# lets b's lease deadline pass before a's renewal is sent, and b rightly claims. 1.5 s failed
+# that way under load; 5 s is the test stacks' lease (tests/services/conftest.py LEASE_S).
+LEASE_S = 5.0
+RENEW_LEASE_S = 1.5  # the renewal-period test: no standby, a slow host only spaces renewals further
+HANDOVER_LEASE_S = 60.0  # the clean-stop handover's lease: see the test
+START_S = 60.0  # safety net for a first claim (topic creation, the claim read back) on a busy host
 
 
 def _rec(holder: str, term: int, state: str = "held", role: str = "scheduler") -> LeaseRecord:
@@ -52,7 +58,7 @@ async def _keeper(
     return kafka, keeper
 
 
-async def _until(cond, timeout: float = 30.0) -> float:
+async def _until(cond, timeout: float = 120.0) -> float:
     t0 = time.monotonic()
     while not cond():
         assert time.monotonic() - t0 < timeout, "condition not reached"
@@ -64,9 +70,19 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
     async def run():
         deposed: list[str] = []
         ka, a = await _keeper(kafka_bootstrap, "lease1", "a", deposed)
-        assert await asyncio.wait_for(a.wait_active(), 10) == 1 and a.is_active()
+        assert await asyncio.wait_for(a.wait_active(), START_S) == 1 and a.is_active()
         kb, b = await _keeper(kafka_bootstrap, "lease1", "b", deposed)
-        await asyncio.sleep(2 * LEASE_S)  # a keeps renewing: b stays standby
+        # a keeps renewing: b stays standby. Waited for as b hearing two of a's renewals after its
+        # first read (each moves the lease's `heard`), not as a fixed sleep: on a starved host a
+        # sleep's renewals may not have been sent yet, and on a quiet one it only costs time.
+        heard: set[float] = set()
+
+        def heard_renewals() -> bool:
+            if b.log.current is not None and b.log.current.holder == "a":
+                heard.add(b.log.current.heard)
+            return len(heard) >= 3
+
+        await _until(heard_renewals)
         assert a.is_active() and not b.is_active() and b.active_term is None
         assert set(b.log.members) == {"a", "b"}  # the standby announced itself
 
@@ -75,7 +91,7 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         for t in a._tasks:  # noqa: SLF001 (simulating a process that stopped running)
             t.cancel()
         a_window_end = a._renewed_at + LEASE_S  # noqa: SLF001 (a's own view of its window)
-        assert await asyncio.wait_for(b.wait_active(), 10) == 2
+        assert await asyncio.wait_for(b.wait_active(), START_S + LEASE_S) == 2
         # nobody acts while a's window may still be open: b became active only after it ended.
         # (Compared by timestamps, not by polling a then b: a slow event loop on a busy host may
         # wake the poller after both changes, which proves nothing either way.)
@@ -99,7 +115,7 @@ def test_one_active_a_silent_one_is_deposed_and_a_clean_stop_hands_over(kafka_bo
         # the lease could have run out is the release's doing.
         deposed.clear()
         kd, d = await _keeper(kafka_bootstrap, "lease2", "d", deposed, HANDOVER_LEASE_S)
-        assert await asyncio.wait_for(d.wait_active(), 10) == 1
+        assert await asyncio.wait_for(d.wait_active(), START_S) == 1
         kc, c = await _keeper(kafka_bootstrap, "lease2", "c", deposed, HANDOVER_LEASE_S)
         assert not c.is_active()
         t0 = time.monotonic()
@@ -134,15 +150,16 @@ def test_the_active_renews_every_half_lease_and_readers_listen_on_their_roles_be
     records carry (a slow host only spaces them further)."""
 
     async def run():
-        ka, a = await _keeper(kafka_bootstrap, "lease2", "a", [])
-        await asyncio.wait_for(a.wait_active(), 10)
+        # its own prefix: "lease2" is the handover test's, whose records would be read here too
+        ka, a = await _keeper(kafka_bootstrap, "lease4", "a", [], RENEW_LEASE_S)
+        await asyncio.wait_for(a.wait_active(), START_S)
         await _until(lambda: a._seq >= 5 and not a._sent)  # noqa: SLF001 (claim + 4 renewals, read back)
         assert a.is_active()
-        held = [r for r in await _records(kafka_bootstrap, "lease2") if r.holder == "a" and r.state == "held"]
+        held = [r for r in await _records(kafka_bootstrap, "lease4") if r.holder == "a" and r.state == "held"]
         assert len(held) >= 5, held
         gaps = [y.sent_at - x.sent_at for x, y in zip(held, held[1:])]
-        assert a.renew_s == LEASE_S / 2 and min(gaps) >= a.renew_s * 0.99, gaps
-        topic = Topics("lease2").leases.name
+        assert a.renew_s == RENEW_LEASE_S / 2 and min(gaps) >= a.renew_s * 0.99, gaps
+        topic = Topics("lease4").leases.name
         assert role_bell(topic, "scheduler") in ka.doorbell._bells  # noqa: SLF001
         assert topic not in ka.doorbell._bells  # noqa: SLF001 (not woken by other roles' renewals)
         await a.stop()
@@ -155,12 +172,12 @@ def test_a_standby_that_missed_renewals_reads_to_the_end_before_claiming(kafka_b
     """A lost ring must not depose a live active. The active's rings are dropped here and the
     standby's own looks are an hour apart, so it hears renewals only by reading to the log's
     end when its lease deadline comes: each time it finds a newer renewal and claims nothing."""
-    lease_s = 4.0  # renewals every 2 s: a live active survives a 2 s stall of this busy host
+    lease_s = LEASE_S  # a live active survives a stall of this process shorter than that (above)
 
     async def run():
         deposed: list[str] = []
         ka, a = await _keeper(kafka_bootstrap, "lease3", "a", deposed, lease_s=lease_s)
-        await asyncio.wait_for(a.wait_active(), 10)
+        await asyncio.wait_for(a.wait_active(), START_S)
         kb, b = await _keeper(kafka_bootstrap, "lease3", "b", deposed, lease_s=lease_s, kafka_idle_poll_ms=3_600_000)
         for k in (ka, kb):  # every ring is lost (b's own announcements would wake b too)
             k._ring = k.ring = lambda _bell: None  # noqa: SLF001
@@ -172,7 +189,7 @@ def test_a_standby_that_missed_renewals_reads_to_the_end_before_claiming(kafka_b
                 heard.append(cur.heard)
             return len(heard) >= 4  # the one read at start, then three
 
-        await _until(on_read, timeout=60)  # three renewals heard only by reading up to the end
+        await _until(on_read)  # three renewals heard only by reading up to the end
         assert b.active_term is None and deposed == [], (b.active_term, deposed)
         assert b.log.current.holder == "a"
         assert not [r for r in await _records(kafka_bootstrap, "lease3") if r.holder == "b" and r.state == "held"]

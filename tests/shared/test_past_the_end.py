@@ -21,7 +21,7 @@ from shared.hole_guard import HoleGuard
 from shared.quiet_consumer import QuietConsumer
 
 
-async def _until(what: str, done, timeout_s: float = 60.0) -> None:
+async def _until(what: str, done, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not done():
         assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"

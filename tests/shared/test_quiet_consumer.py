@@ -15,7 +15,7 @@ from shared.settings import ServiceSettings
 from shared.topics import TopicSpec
 from tests.shared.waiting import read_ids, until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _envelope(i: int) -> ControlEnvelope:
@@ -77,7 +77,7 @@ def test_quiet_consumer_sleeps_wakes_on_a_ring_and_keeps_the_services_pause(kafk
         consumer = await kafka.consumer(group=None, hot=True)
         assert isinstance(consumer, QuietConsumer)
         (tp,) = await kafka.assign_all(consumer, topic, from_end=True)
-        await until(lambda: consumer.sleeping, "the idle consumer to sleep", timeout_s=30.0)
+        await until(lambda: consumer.sleeping, "the idle consumer to sleep")
 
         # Asleep it sends no fetch: a record produced without a ring stays unread (an awake
         # consumer would return it within one 2 ms fetch) ...
@@ -114,7 +114,7 @@ def test_quiet_consumer_reads_unrung_records_at_its_idle_poll(kafka_bootstrap):
         await raw.start()
         consumer = await kafka.consumer(group=None, hot=True)
         await kafka.assign_all(consumer, topic, from_end=True)
-        await until(lambda: consumer.sleeping, "the idle consumer to sleep", timeout_s=30.0)
+        await until(lambda: consumer.sleeping, "the idle consumer to sleep")
         await raw.send_and_wait(topic, _envelope(7).encode())
         assert await read_ids(consumer, 1, timeout_ms=1000) == ["r7"]
         await raw.stop()
@@ -233,7 +233,7 @@ def test_a_sleeping_consumer_rung_as_it_stops_still_stops(kafka_bootstrap):
             for turns in range(4):
                 consumer = await kafka.consumer(group=None, hot=True)
                 await kafka.assign_all(consumer, topic, from_end=True)
-                await until(lambda c=consumer: c.sleeping, "the idle consumer to sleep", timeout_s=30.0)
+                await until(lambda c=consumer: c.sleeping, "the idle consumer to sleep")
                 consumer.wake()  # what the doorbell calls on a ring
                 for _ in range(turns):
                     await asyncio.sleep(0)

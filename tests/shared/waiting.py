@@ -9,7 +9,7 @@ import time
 from shared.schemas.control import ControlEnvelope
 
 
-async def until(cond, what: str, timeout_s: float = 60.0, poll_s: float = 0.005) -> None:
+async def until(cond, what: str, timeout_s: float = 120.0, poll_s: float = 0.005) -> None:
     """Wait for `cond()` (a state of the consumer under test); fail naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while not cond():

@@ -22,7 +22,7 @@ from tests.engine.sessions.conftest import (
 )
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_prefill_starts_before_the_last_layer_is_loaded(make_engine, reference):
     engine = make_engine()
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
@@ -33,7 +33,7 @@ def test_prefill_starts_before_the_last_layer_is_loaded(make_engine, reference):
 
     def slow_source(load, layer):  # the loader thread, after copying a layer, before announcing it
         if layer == last:  # hold the last layer back until the forward pass is computing layer 0
-            first_layer_computing.wait(timeout=20)
+            first_layer_computing.wait(timeout=120)
         events.append(("ready", layer))
 
     def computing(layer):
@@ -159,7 +159,7 @@ def test_file_rewritten_with_other_tokens_is_refused_mid_promotion(make_engine, 
     assert_no_leaked_pins(engine)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_turn_shares_a_prefetch_still_loading(make_engine, reference):
     engine = make_engine()
     t1 = run(engine, "t1", PROMPT1, session_id="chat")
@@ -169,7 +169,7 @@ def test_turn_shares_a_prefetch_still_loading(make_engine, reference):
 
     def hold_first_layer(load, layer):
         if layer == 0:
-            turn_added.wait(timeout=20)
+            turn_added.wait(timeout=120)
             order.append("layer 0 ready")
 
     engine.sessions.loader.layer_hook = hold_first_layer
