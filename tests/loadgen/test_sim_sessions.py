@@ -106,7 +106,7 @@ def test_unknown_session_mode_is_a_clear_error():
 
 
 def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
-    from loadgen.repro.symphony import GROUPS, MODES, POLICY, WARMUP_S, SymphonyRepro
+    from loadgen.repro.symphony import GROUPS, LONG_ARGS, LONG_WARMUP_S, MODES, POLICY, WARMUP_S, SymphonyRepro
 
     cells = SymphonyRepro().cells(quick=False, engine=False)
     want = {f"sim-{g}-{m}-u{u}" for g, (_, users, _) in GROUPS.items() for m in MODES for u in users}
@@ -115,7 +115,8 @@ def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
         argvs = {c.argv[: c.argv.index("--users")] for c in cells if c.name.startswith(f"sim-{group}-")}
         assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
         argv = argvs.pop()
-        assert argv[argv.index("--warmup-s") + 1] == str(WARMUP_S) and argv[argv.index("--seeds") + 1] == "3"
+        warmup = LONG_WARMUP_S if group in LONG_ARGS else WARMUP_S  # long sessions: 40 turns to reach ~15K tokens
+        assert argv[argv.index("--warmup-s") + 1] == str(warmup) and argv[argv.index("--seeds") + 1] == "3"
         assert argv[argv.index("--workers") + 1] == str(workers) and argv[argv.index("--cost-model") + 1] == profile
     # the paper's setup: 8 A100-80GB from its own anchor, vLLM at 64 users
     assert GROUPS["a8"][0] == 8 and GROUPS["a8"][1][0] == "64" and "a100-80gb" in GROUPS["a8"][2]
