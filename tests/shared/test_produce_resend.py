@@ -88,28 +88,20 @@ def test_kafka_client_re_sends_what_a_restarted_tansu_refuses(caplog):
     import subprocess
 
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from services.broker import start_broker
     from shared.kafka import KafkaClient
     from shared.schemas.control import Cancel, ControlEnvelope
     from shared.settings import ServiceSettings
+    from tests.shared.admin import create_topic
 
     topic = "resend.t"
     proc, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host, port = bootstrap.rsplit(":", 1)
 
-    async def create() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(topic, 1, 1)])
-        finally:
-            await admin.close()
-
     async def run() -> tuple[int, str]:
         nonlocal proc
-        await create()
+        await create_topic(bootstrap, topic)
         stale = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
         await stale.start()
         await stale.send_and_wait(topic, b"before", partition=0)  # the topic's metadata, cached
@@ -118,7 +110,7 @@ def test_kafka_client_re_sends_what_a_restarted_tansu_refuses(caplog):
         proc = start_broker(host, int(port), tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)[0]
         await stale.send_and_wait(topic, b"orphan", partition=0)  # no topic yet: stored anyway, at 0
         await stale.stop()
-        await create()  # the watermark back to 0
+        await create_topic(bootstrap, topic)  # the watermark back to 0
         kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap), "resend-test")
         await kafka.start()
         try:

@@ -16,7 +16,6 @@ import struct
 import subprocess
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 
@@ -25,6 +24,7 @@ from shared import stale_batches
 from shared.kafka import KafkaClient
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.settings import ServiceSettings
+from tests.shared.admin import create_topic
 
 TP = TopicPartition("t", 0)
 
@@ -99,17 +99,9 @@ def test_a_reader_from_the_start_reads_what_lands_inside_a_stale_batch():
     proc, bootstrap = start_broker(tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host, port = bootstrap.rsplit(":", 1)
 
-    async def create() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-        await admin.start()
-        try:
-            await admin.create_topics([NewTopic(topic, 1, 1)])
-        finally:
-            await admin.close()
-
     async def run() -> tuple[list[int], list[str]]:
         nonlocal proc
-        await create()
+        await create_topic(bootstrap, topic)
         stale = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
         await stale.start()
         await stale.send_and_wait(topic, b"before", partition=0)  # the topic's metadata, cached
@@ -121,7 +113,7 @@ def test_a_reader_from_the_start_reads_what_lands_inside_a_stale_batch():
             batch.append(key=None, value=_cancel(f"stale-{i}").encode(), timestamp=None)
         await (await stale.send_batch(batch, topic, partition=0))  # no topic yet: stored anyway, at 0-2
         await stale.stop()
-        await create()  # the watermark back to 0, the stale batch kept
+        await create_topic(bootstrap, topic)  # the watermark back to 0, the stale batch kept
         kafka = KafkaClient(ServiceSettings(kafka_bootstrap=bootstrap), "stale-test")
         await kafka.start()
         try:
