@@ -271,10 +271,22 @@ class WorkerService:
     # -- heartbeats and telemetry ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
-            self._cancel_orphaned()
-            await self.reports.send_heartbeat()
+        """One heartbeat every interval, on the clock: each is sent by a task of its own, so a
+        slow acknowledgement does not delay the next beat. Why (issue 22, eleventh session): the
+        loop awaited each beat's ack before sleeping again, so on a loaded broker every slow ack
+        (seconds at load 40-50) was added to the gap the scheduler judged, and a live worker was
+        declared lost. A beat that fails is re-sent by its task (`WorkerReports.send_heartbeat`)."""
+        sending: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                self._cancel_orphaned()
+                task = asyncio.create_task(self.reports.send_heartbeat())
+                sending.add(task)
+                task.add_done_callback(sending.discard)
+        finally:
+            for task in sending:
+                task.cancel()
 
     async def _telemetry_loop(self) -> None:
         while True:
