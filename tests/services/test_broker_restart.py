@@ -43,6 +43,10 @@ class RestartableBroker:
 
     def restart(self) -> None:
         self.kill()
+        self.start()
+
+    def start(self) -> None:
+        """Start it again (after `kill`) on the same port, empty."""
         self.proc, _ = start_broker(
             self.host, self.port, tied=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

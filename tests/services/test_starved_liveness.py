@@ -10,7 +10,7 @@ different rule, shared/lease.py) does not stand in for the one tested here:
 - the broker SIGSTOPped for longer than the worker timeout, then resumed; the worker's
   heartbeats keep their cadence across it (each beat is built on time, not after the previous
   one's acknowledgement);
-- the broker killed and started again (its data gone).
+- the broker killed, left down for two housekeeping passes, and started again (its data gone).
 After each, the scheduler has run several housekeeping passes and has not declared the worker
 lost. That the rule still declares a worker that is really silent lost is
 `tests/services/test_worker_epochs.py` (a worker SIGSTOPped past the timeout).
@@ -30,13 +30,16 @@ from shared.kafka import KafkaClient, read_to_end
 from shared.schemas.telemetry import Heartbeat
 from shared.settings import ServiceSettings
 from shared.topics import Topics
-from tests.services.conftest import Stack, worker_heartbeat
+from tests.services.conftest import START_TIMEOUT_S, Stack, worker_heartbeat
 from tests.services.test_broker_restart import RestartableBroker
 
 pytestmark = pytest.mark.timeout(900)
 
 INTERVAL_S, TIMEOUT_S = 1.0, 3.0  # production defaults (shared/settings.py)
 LOST = "worker w0 lost"
+# Safety net for passes while the broker is away: each takes about two seconds (the interval and
+# a probe's timeout); this is only a bound against a housekeeping loop stuck on the broker.
+PAUSED_PASSES_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +79,10 @@ def _passes(stack: Stack) -> int:
     return -1
 
 
-def _wait_passes(stack: Stack, n: int, what: str) -> None:
+def _wait_passes(stack: Stack, n: int, what: str, timeout: float = START_TIMEOUT_S) -> None:
     """Until the scheduler has completed `n` more housekeeping passes than now."""
     start = _passes(stack)
-    stack.wait_until(f"{n} housekeeping passes {what}", lambda: start >= 0 and _passes(stack) >= start + n)
+    stack.wait_until(f"{n} housekeeping passes {what}", lambda: start >= 0 and _passes(stack) >= start + n, timeout)
 
 
 def _scheduler_log(stack: Stack) -> str:
@@ -120,8 +123,10 @@ def test_a_broker_paused_past_the_timeout_costs_no_worker_and_no_heartbeat_caden
     paused_at = time.time()
     broker.proc.send_signal(signal.SIGSTOP)
     try:
-        # The scheduler keeps running its passes, past the timeout, with nothing heard.
-        _wait_passes(stack, int(TIMEOUT_S / INTERVAL_S) + 1, "while the broker is paused")
+        # The scheduler keeps running its passes, past the timeout, with nothing heard. Bounded
+        # well below the producer's 10 s request timeout per pass: a pass that waits on the
+        # paused broker (a fence sent to it, as before) is the stall this must not have.
+        _wait_passes(stack, int(TIMEOUT_S / INTERVAL_S) + 1, "while the broker is paused", PAUSED_PASSES_S)
     finally:
         broker.proc.send_signal(signal.SIGCONT)
     resumed_at = time.time()
@@ -141,7 +146,11 @@ def test_a_broker_paused_past_the_timeout_costs_no_worker_and_no_heartbeat_caden
 def test_a_broker_restart_declares_no_live_worker_lost(stack, broker):
     _wait_passes(stack, 2, "before the restart")
     before = len(_scheduler_log(stack))
-    broker.restart()
+    broker.kill()
+    try:  # down for two passes or more, as `tandem chaos` leaves it down (--restart-delay 1 s)
+        _wait_passes(stack, 2, "while the broker is down", PAUSED_PASSES_S)
+    finally:
+        broker.start()
     stack.wait_until("the scheduler saw the restart", lambda: "broker restarted" in _scheduler_log(stack)[before:])
     restarted_at = time.time()
     asyncio.run(worker_heartbeat(stack, "w0", lambda hb: hb.sent_at > restarted_at + TIMEOUT_S))
