@@ -51,7 +51,6 @@ class Liveness:
         self._stale: set[str] = set()  # workers whose fenced epoch was heard again: fence re-sent
         self._heard: set[str] = set()  # workers heard since the last follow-up: retire their finished
         self._follow_up = asyncio.Event()
-        self.passes = 0  # housekeeping passes completed (tests wait on them: a metric)
 
     def start(self, consumer) -> None:
         s = self.svc.settings
@@ -79,22 +78,28 @@ class Liveness:
 
     async def follow_up_loop(self) -> None:
         """What heartbeats lead to that needs the broker, off the reader's path."""
-        svc = self.svc
         while True:
             await self._follow_up.wait()
             self._follow_up.clear()
-            stale, self._stale = self._stale, set()
-            heard, self._heard = self._heard, set()
-            for wid in stale:
-                await svc.failures.fence(wid, resend=True)
-            if heard:
-                await svc._grant()  # noqa: SLF001
-            for wid in heard:
-                try:
-                    await svc.failures.retire_finished(svc.registry.workers.get(wid))
-                except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
-                    log.warning("finished requests not retired", exc_info=True)
-            svc._wake.set()  # noqa: SLF001
+            try:
+                await self._follow_up_once()
+            except Exception:  # noqa: BLE001 (a failed send must not end the follow-ups for good)
+                log.warning("heartbeat follow-up failed; the next heartbeat tries again", exc_info=True)
+            self.svc._wake.set()  # noqa: SLF001
+
+    async def _follow_up_once(self) -> None:
+        svc = self.svc
+        stale, self._stale = self._stale, set()
+        heard, self._heard = self._heard, set()
+        for wid in stale:
+            await svc.failures.fence(wid, resend=True)
+        if heard:
+            await svc._grant()  # noqa: SLF001
+        for wid in heard:
+            try:
+                await svc.failures.retire_finished(svc.registry.workers.get(wid))
+            except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
+                log.warning("finished requests not retired", exc_info=True)
 
     # -- housekeeping ------------------------------------------------------------------------
 
@@ -112,7 +117,6 @@ class Liveness:
             svc.m.workers.set(len(svc.registry.workers))
             for topic, lag in consumer_lag(svc._req).items():  # noqa: SLF001 (no request: held positions)
                 svc.m.lag.labels(topic).set(lag)
-            self.passes += 1
             svc.m.housekeeping.inc()
             took = time.monotonic() - began
             if took > 2 * svc.settings.heartbeat_interval_s:  # a deaf probe alone takes about one

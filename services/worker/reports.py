@@ -135,6 +135,8 @@ class WorkerReports:
                 log.info("heartbeat not sent (%r); sending a fresh one in %.2f s", exc, pause)
             await asyncio.sleep(pause)
             pause *= 2
+            if beat != self._beats:
+                return  # a newer beat started meanwhile: it carries the newer state
 
     # -- telemetry ---------------------------------------------------------------------------
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from aiokafka.errors import UnknownError
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.worker.reports import WorkerReports
 from shared.kafka import KafkaClient, read_to_end
 from shared.schemas.telemetry import Heartbeat
 from shared.settings import ServiceSettings
@@ -157,3 +160,53 @@ def test_a_broker_restart_declares_no_live_worker_lost(stack, broker):
     _wait_passes(stack, int(TIMEOUT_S / INTERVAL_S) + 2, "after the restart")
     assert LOST not in _scheduler_log(stack)[before:], _scheduler_log(stack)[before:]
     stack.wait_workers(1)
+
+
+class _RefusingKafka:
+    """Refuses the first `refusals` sends as tansu does right after a restart, then accepts."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals, self.sent = refusals, []
+
+    async def send(self, topic, message, **kwargs):
+        self.sent.append(message)
+        if len(self.sent) <= self.refusals:
+            raise UnknownError()
+
+
+def _reports(kafka: _RefusingKafka, interval_s: float) -> WorkerReports:
+    """The heartbeat path of `WorkerReports` alone: a heartbeat numbered by when it was built."""
+    reports = object.__new__(WorkerReports)
+    reports.settings = SimpleNamespace(heartbeat_interval_s=interval_s)
+    reports.identity = SimpleNamespace(worker_id="w0")
+    reports.topics, reports.kafka, reports._beats = Topics("t"), kafka, 0
+    built = iter(range(1000))
+    reports.heartbeat = lambda: next(built)
+    return reports
+
+
+def test_a_refused_heartbeat_is_sent_again_fresh_within_the_interval():
+    kafka = _RefusingKafka(refusals=2)
+    began = time.monotonic()
+    asyncio.run(_reports(kafka, interval_s=1.0).send_heartbeat())
+    assert kafka.sent == [0, 1, 2]  # sent again twice, each time built anew (newer state)
+    assert time.monotonic() - began < 1.0  # before the next beat was due
+
+
+def test_a_heartbeat_refused_for_longer_than_the_interval_is_left_to_the_next_beat():
+    kafka = _RefusingKafka(refusals=100)
+    asyncio.run(_reports(kafka, interval_s=0.2).send_heartbeat())
+    assert 1 < len(kafka.sent) < 5  # tried again within the interval only (0.05 s, then 0.1 s)
+
+    async def superseded() -> list:
+        kafka = _RefusingKafka(refusals=100)
+        reports = _reports(kafka, interval_s=1.0)
+        reports.heartbeat = lambda: asyncio.current_task().get_name()  # which beat built each send
+        first = asyncio.create_task(reports.send_heartbeat(), name="first")
+        await asyncio.sleep(0)  # the first beat is refused and waits to try again ...
+        await asyncio.create_task(reports.send_heartbeat(), name="second")  # ... a newer beat starts
+        await first
+        return kafka.sent
+
+    sent = asyncio.run(superseded())
+    assert sent.count("first") == 1 and sent.count("second") > 1  # only the newer beat was tried again
