@@ -8,7 +8,7 @@ silence"):
   tombstones, the grant) runs in a follow-up task, coalesced per worker. It used to run inline,
   one acknowledged send after another per heartbeat, so on a loaded broker the reader fell
   seconds behind the heartbeats it was judging.
-- **Silence is judged up to what was provably heard** (`Hearing`, hearing.py), not up to now.
+- **Silence is judged up to what was provably heard** (`Hearing`, shared/hearing.py), not up to now.
 - **No step stalls the pass silently.** Each step runs under a timeout that names it when it
   fires; a failing step is logged and the next pass runs. A restarted scheduler once logged
   nothing for 79 s in a busy chaos run (session 10): a housekeeping step waiting on the broker
@@ -25,10 +25,10 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
-from services.scheduler.hearing import Hearing
 from services.scheduler.registry import Admission
 from shared.aio import within
 from shared.consumer_lag import consumer_lag
+from shared.hearing import Hearing
 from shared.kafka import fetch_decoded
 from shared.schemas.telemetry import Heartbeat
 
@@ -54,7 +54,7 @@ class Liveness:
 
     def start(self, consumer) -> None:
         s = self.svc.settings
-        self.hearing = Hearing(consumer, probe_timeout_s=max(s.heartbeat_interval_s, 1.0))
+        self.hearing = Hearing(consumer, probe_timeout_s=max(s.heartbeat_interval_s, 1.0), what="heartbeat")
 
     # -- intake ------------------------------------------------------------------------------
 

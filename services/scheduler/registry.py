@@ -89,7 +89,7 @@ class WorkerRegistry:
 
     def expire(self, heard_until: float | None = None) -> list[str]:
         """Declare lost the workers silent for longer than the timeout as of `heard_until` (the
-        time up to which the scheduler provably read every heartbeat, hearing.py; default now),
+        time up to which the scheduler provably read every heartbeat, shared/hearing.py; default now),
         and return their ids."""
         cutoff = (time.monotonic() if heard_until is None else heard_until) - self.timeout_s
         gone = [wid for wid, w in self.workers.items() if w.last_seen < cutoff]

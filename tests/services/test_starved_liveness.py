@@ -12,8 +12,10 @@ different rule, shared/lease.py) does not stand in for the one tested here:
   one's acknowledgement);
 - the broker killed, left down for two housekeeping passes, and started again (its data gone).
 After each, the scheduler has run several housekeeping passes and has not declared the worker
-lost. That the rule still declares a worker that is really silent lost is
-`tests/services/test_worker_epochs.py` (a worker SIGSTOPped past the timeout).
+lost; across the broker's pause and restart the worker has not judged the gateway dead either
+(the same rule, on its watch of its requests' owners). That the rule still declares a worker
+that is really silent lost is `tests/services/test_worker_epochs.py` (a worker SIGSTOPped past
+the timeout).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ pytestmark = pytest.mark.timeout(900)
 
 INTERVAL_S, TIMEOUT_S = 1.0, 3.0  # production defaults (shared/settings.py)
 LOST = "worker w0 lost"
+OWNER_LOST = "silent for over"  # the worker's line when it judges a gateway dead (services/worker/service.py)
 # Safety net for passes while the broker is away: each takes about two seconds (the interval and
 # a probe's timeout); this is only a bound against a housekeeping loop stuck on the broker.
 PAUSED_PASSES_S = 120.0
@@ -92,6 +95,10 @@ def _scheduler_log(stack: Stack) -> str:
     return (stack.log_dir / "scheduler.log").read_text(errors="replace")
 
 
+def _worker_log(stack: Stack) -> str:
+    return (stack.log_dir / "w0.log").read_text(errors="replace")
+
+
 async def _heartbeats_of(stack: Stack, worker_id: str) -> list[Heartbeat]:
     """Every heartbeat of `worker_id` the broker holds, in order."""
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-probe")
@@ -122,7 +129,7 @@ def test_a_scheduler_paused_past_the_timeout_declares_no_live_worker_lost(stack)
 
 def test_a_broker_paused_past_the_timeout_costs_no_worker_and_no_heartbeat_cadence(stack, broker):
     _wait_passes(stack, 2, "before the pause")
-    before = len(_scheduler_log(stack))
+    before, worker_before = len(_scheduler_log(stack)), len(_worker_log(stack))
     paused_at = time.time()
     broker.proc.send_signal(signal.SIGSTOP)
     try:
@@ -137,6 +144,7 @@ def test_a_broker_paused_past_the_timeout_costs_no_worker_and_no_heartbeat_caden
     asyncio.run(worker_heartbeat(stack, "w0", lambda hb: hb.sent_at > resumed_at))
     _wait_passes(stack, 3, "after the pause")
     assert LOST not in _scheduler_log(stack)[before:], _scheduler_log(stack)[before:]
+    assert OWNER_LOST not in _worker_log(stack)[worker_before:], _worker_log(stack)[worker_before:]
     # Every beat was built on time while the broker could not acknowledge any: the gaps between
     # consecutive beats across the pause stay near the interval (they were the pause's length,
     # when each beat waited for the previous one's acknowledgement).
@@ -148,7 +156,7 @@ def test_a_broker_paused_past_the_timeout_costs_no_worker_and_no_heartbeat_caden
 
 def test_a_broker_restart_declares_no_live_worker_lost(stack, broker):
     _wait_passes(stack, 2, "before the restart")
-    before = len(_scheduler_log(stack))
+    before, worker_before = len(_scheduler_log(stack)), len(_worker_log(stack))
     broker.kill()
     try:  # down for two passes or more, as `tandem chaos` leaves it down (--restart-delay 1 s)
         _wait_passes(stack, 2, "while the broker is down", PAUSED_PASSES_S)
@@ -159,6 +167,8 @@ def test_a_broker_restart_declares_no_live_worker_lost(stack, broker):
     asyncio.run(worker_heartbeat(stack, "w0", lambda hb: hb.sent_at > restarted_at + TIMEOUT_S))
     _wait_passes(stack, int(TIMEOUT_S / INTERVAL_S) + 2, "after the restart")
     assert LOST not in _scheduler_log(stack)[before:], _scheduler_log(stack)[before:]
+    # nor did the worker judge the gateway dead (it would drop the requests it sends next)
+    assert OWNER_LOST not in _worker_log(stack)[worker_before:], _worker_log(stack)[worker_before:]
     stack.wait_workers(1)
 
 
