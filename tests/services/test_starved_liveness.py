@@ -30,6 +30,7 @@ import pytest
 from aiokafka.errors import UnknownError
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.scheduler import liveness
 from services.worker.reports import WorkerReports
 from shared.kafka import KafkaClient, read_to_end
 from shared.schemas.telemetry import Heartbeat
@@ -220,3 +221,27 @@ def test_a_heartbeat_refused_for_longer_than_the_interval_is_left_to_the_next_be
 
     sent = asyncio.run(superseded())
     assert sent.count("first") == 1 and sent.count("second") > 1  # only the newer beat was tried again
+
+
+def test_a_housekeeping_step_that_hangs_is_given_up_and_named(caplog, monkeypatch):
+    """(c) of issue 22: a step waiting on something that never comes (the broker, a position)
+    no longer stalls housekeeping silently: it is given up at its limit, by name, and the pass
+    goes on; a step that fails is named too."""
+    monkeypatch.setattr(liveness, "STEP_LIMIT_S", 0.05)
+    steps = liveness.Liveness(svc=None)
+
+    async def fails() -> None:
+        raise RuntimeError("refused")
+
+    async def run() -> dict[str, float]:
+        timings: dict[str, float] = {}
+        await steps._step("probe", asyncio.Event().wait(), timings)  # never set
+        await steps._step("grant", fails(), timings)
+        return timings
+
+    caplog.set_level("WARNING")
+    timings = asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("housekeeping step probe did not finish within" in ln for ln in lines), lines
+    assert any("housekeeping step grant failed" in ln for ln in lines), lines
+    assert set(timings) == {"probe", "grant"} and timings["probe"] >= 0.05
