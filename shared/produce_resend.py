@@ -17,7 +17,10 @@ What is re-sent, by topic kind (the caller chooses with `resend=`):
   after any lost record: the gateway resumes the stream, the queue runs the item again.
 - periodic reports (heartbeats, telemetry, gateway owner beats, BE capacity) and lease records:
   not re-sent (`NO_RESEND`): the next beat carries newer state within its period, and a
-  heartbeat or renewal loop that waited seconds on a re-send would itself look dead.
+  heartbeat or renewal loop that waited seconds on a re-send would itself look dead. A worker's
+  heartbeat is the exception, handled by its sender rather than here: a refused one is built
+  afresh and sent again within its interval, by a task of its own that the heartbeat loop does
+  not wait for (`services/worker/reports.py`, `send_heartbeat`; eleventh session).
 Only `UnknownError` is re-sent: it is the refusal, and nothing was stored. A timeout may have
 been stored and already took the producer's request timeout (10 s); it goes to the caller, as
 does anything else. Bounded: a broker that keeps refusing raises after `attempts` re-sends

@@ -21,6 +21,7 @@ class SchedulerMetrics:
     active: Gauge
     worker_up: Gauge
     sessions: Counter
+    housekeeping: Counter
 
     @classmethod
     def register(cls, m: ServiceMetrics) -> SchedulerMetrics:
@@ -51,4 +52,6 @@ class SchedulerMetrics:
                 "session turns by route: placement, holder, moved (with a KV source), other",
                 ("route",),
             ),
+            # Moves once per housekeeping pass: one that stalls shows here (and tests wait on it).
+            housekeeping=m.counter("scheduler_housekeeping_passes_total", "housekeeping passes completed"),
         )

@@ -79,17 +79,30 @@ class WorkerRegistry:
             )
 
     def on_telemetry(self, t: Telemetry) -> None:
+        """Telemetry is a record the worker produced, so it counts as being heard too (a worker
+        whose heartbeats are late behind its other records is not silent). Only a worker heard
+        at a live epoch is in `workers`: a fenced one's telemetry re-admits nothing."""
         info = self.workers.get(t.worker_id)
         if info is not None:
             info.telemetry = t
+            info.last_seen = time.monotonic()
 
-    def expire(self) -> list[str]:
-        """Declare the workers silent for longer than the timeout lost; return their ids."""
-        cutoff = time.monotonic() - self.timeout_s
+    def expire(self, heard_until: float | None = None) -> list[str]:
+        """Declare lost the workers silent for longer than the timeout as of `heard_until` (the
+        time up to which the scheduler provably read every heartbeat, shared/hearing.py; default now),
+        and return their ids."""
+        cutoff = (time.monotonic() if heard_until is None else heard_until) - self.timeout_s
         gone = [wid for wid, w in self.workers.items() if w.last_seen < cutoff]
         for wid in gone:
             self._declare_lost(wid)
         return gone
+
+    def hear_all_now(self) -> None:
+        """A fresh window for every worker: after a broker restart their heartbeats were refused
+        or went to topics that no longer exist, a silence that was the broker's."""
+        now = time.monotonic()
+        for info in self.workers.values():
+            info.last_seen = max(info.last_seen, now)
 
     def _declare_lost(self, worker_id: str) -> None:
         info = self.workers.pop(worker_id)

@@ -30,6 +30,7 @@ from services.scheduler.assignments import AssignmentTable
 from services.scheduler.dispatch import Dispatcher, Pending
 from services.scheduler.failures import FailureHandler
 from services.scheduler.grants import GrantedCopies, GrantPublisher
+from services.scheduler.liveness import Liveness
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.placement import PlacementDecision, WorkerLoad
 from services.scheduler.placement_inputs import (
@@ -39,11 +40,10 @@ from services.scheduler.placement_inputs import (
     session_kv,
     worker_load,
 )
-from services.scheduler.registry import Admission, WorkerRegistry
+from services.scheduler.registry import WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
 from services.standby import ActiveStandby
 from shared.broker_watch import BrokerRestart, BrokerWatch
-from shared.consumer_lag import consumer_lag
 from shared.kafka import NO_RESEND, KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record, record_key
@@ -51,7 +51,7 @@ from shared.schemas.capacity import BECapacity
 from shared.schemas.control import Cancel, ControlEnvelope
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.sessions import SessionLocation, SessionPlacement
-from shared.schemas.telemetry import Heartbeat, Telemetry
+from shared.schemas.telemetry import Telemetry
 from shared.topics import Topics
 from shared.tracing import Tracing, context_of, sent_ns
 
@@ -93,6 +93,7 @@ class SchedulerService:
         term = lambda: self.lease.term  # noqa: E731
         self.grants = GrantPublisher(self.kafka, settings, self.placement, term)  # RT dispatch by grant
         self.granted = GrantedCopies(settings, self.registry, self.failures, self.m, term)
+        self.liveness = Liveness(self)  # heartbeat intake and housekeeping
 
     def _init_metrics(self) -> None:
         self.metrics = ServiceMetrics("scheduler")
@@ -123,6 +124,7 @@ class SchedulerService:
         if fences:
             log.info("remembered %d fenced worker epochs", fences)
         self._hb = await self._tail(self.topics.heartbeats.name)
+        self.liveness.start(self._hb)
         self._tel = await self._tail(self.topics.telemetry.name)
         self._ctl = await self._tail(self.topics.control.name)
         self._dir = await self._replay(self.topics.sessions_directory.name, self._on_location)
@@ -136,11 +138,12 @@ class SchedulerService:
         self.m.active.set(1)
         loops = (
             self._request_loop(),
-            self._heartbeat_loop(),
+            self.liveness.heartbeat_loop(),
+            self.liveness.follow_up_loop(),
             self._telemetry_loop(),
             self._control_loop(),
             self._placement_loop(),
-            self._housekeeping_loop(),
+            self.liveness.housekeeping_loop(),  # declares the silent lost (liveness.py)
             self._capacity_loop(),
             tail(self._dir, self._on_location, 100),
             tail(self._plc, self._on_placement, 100),
@@ -199,27 +202,6 @@ class SchedulerService:
         (self.granted.queue if req.granted_worker else self.pending[req.req_class]).append(p)
         log.log(self.broker_watch.recovery.level(), "received", extra={"request_id": req.request_id})
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            hb = decode_record(Heartbeat, await self._hb.getone())
-            if hb is None:
-                continue
-            admission = self.registry.on_heartbeat(hb)
-            if admission is Admission.STALE:  # a lost epoch is alive: tell it again to rejoin
-                await self.failures.fence(hb.worker_id, resend=True)
-                continue
-            if admission is Admission.NEW:
-                self.kafka.remember(self.topics.dispatch(hb.worker_id))  # repaired by us too after a broker restart
-                log.info("worker %s joined (model %s, epoch %d)", hb.worker_id, hb.model, hb.epoch)
-            info = self.registry.workers[hb.worker_id]
-            self.m.worker_up.labels(hb.worker_id).set(0 if hb.draining else 1)
-            await self._grant()
-            try:
-                await self.failures.retire_finished(info)
-            except Exception:  # noqa: BLE001 (the broker is briefly away: the next heartbeat retires them)
-                log.warning("finished requests not retired", exc_info=True)
-            self._wake.set()
-
     async def _telemetry_loop(self) -> None:
         while True:
             t = decode_record(Telemetry, await self._tel.getone())
@@ -272,6 +254,7 @@ class SchedulerService:
         placements of new requests, and dropping those would place them twice. A standby holds
         none of this: the repair (its lease reader rewound) is all it needs."""
         self.lease.broker_restarted()  # terms start again on the new `leases` topic, standby too
+        self.liveness.broker_restarted()  # the workers' silence meanwhile was the broker's
         if not self.lease.term:
             log.warning("broker restarted while standing by: topics repaired, lease reader rewound")
             return
@@ -381,20 +364,3 @@ class SchedulerService:
         loads = {m: self._loads(m) for m in sorted({w.heartbeat.model for w in self.registry.live()})}
         counts, pending = self.assignments.counts(), len(self.pending["be"])
         return be_capacity(self.settings.scheduler_id, self.placement, loads, counts, pending)
-
-    # -- failure handling ------------------------------------------------------------------
-
-    async def _housekeeping_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
-            if not self.lease.is_active():
-                continue  # paused past its lease: the silence it would judge is its own
-            for wid in self.registry.expire():
-                self.m.worker_up.remove(wid)
-                await self.failures.worker_lost(wid)
-            await self._grant()  # a lost worker leaves the grant now; otherwise its refresh
-            await self.failures.reroute_unaccounted(self.started)
-            self.m.workers.set(len(self.registry.workers))
-            for topic, lag in (await consumer_lag(self._req)).items():
-                self.m.lag.labels(topic).set(lag)
-            self._wake.set()

@@ -8,6 +8,7 @@ the engine publishes after every step), never its live queues.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from shared.schemas.telemetry import Heartbeat, Telemetry
 from shared.topics import Topics
 
 log = logging.getLogger(__name__)
+
+# The first pause before a failed heartbeat is sent again (doubling, within one interval): a
+# refusal after a broker restart clears within tens of milliseconds (shared/produce_resend.py).
+_FIRST_RETRY_S = 0.05
 
 
 @dataclass
@@ -60,6 +65,7 @@ class WorkerReports:
         self.dispatch_reader: AIOKafkaConsumer | None = None  # set once it reads (service.py)
         # An unchanged report is left out until the keepalive (shared/repeat_filter.py).
         self.telemetry_filter = RepeatFilter(settings.telemetry_keepalive_s)
+        self._beats = 0  # heartbeats started: a newer one supersedes an older one's retries
 
     def _init_metrics(self, m: ServiceMetrics) -> None:
         self.m_load = m.gauge("worker_requests", "requests in the engine", ("req_class", "state"))
@@ -106,11 +112,31 @@ class WorkerReports:
         return held_position(self.dispatch_reader, TopicPartition(topic, 0))
 
     async def send_heartbeat(self) -> None:
-        hb = self.heartbeat()
-        try:
-            await self.kafka.send(self.topics.heartbeats.name, hb, key=self.identity.worker_id, resend=NO_RESEND)
-        except Exception:  # noqa: BLE001 (the broker may be briefly away; the next beat retries)
-            log.warning("heartbeat not sent", exc_info=True)
+        """Send the worker's heartbeat now. A send that fails (refused right after a broker
+        restart, the broker away) is tried again with a fresh heartbeat (newer state) after a
+        short pause, until one is accepted, a newer beat has started, or a heartbeat interval
+        has passed: never re-sent as the stale record, and never holding the caller longer than
+        one interval. Why (issue 22, eleventh session): a refused heartbeat used to wait for the
+        next beat, so right after every broker restart a worker went a whole timeout unheard and
+        the scheduler declared it lost, re-ran its requests and fenced it."""
+        self._beats += 1
+        beat, began, pause = self._beats, time.monotonic(), _FIRST_RETRY_S
+        while True:
+            try:
+                await self.kafka.send(
+                    self.topics.heartbeats.name, self.heartbeat(), key=self.identity.worker_id, resend=NO_RESEND
+                )
+                return
+            except Exception as exc:  # noqa: BLE001 (the broker may be briefly away: tried again below)
+                late = time.monotonic() + pause - began > self.settings.heartbeat_interval_s
+                if beat != self._beats or late:
+                    log.warning("heartbeat not sent (%r); the next beat tries again", exc)
+                    return
+                log.info("heartbeat not sent (%r); sending a fresh one in %.2f s", exc, pause)
+            await asyncio.sleep(pause)
+            pause *= 2
+            if beat != self._beats:
+                return  # a newer beat started meanwhile: it carries the newer state
 
     # -- telemetry ---------------------------------------------------------------------------
 

@@ -190,6 +190,13 @@ class RequestRunner:
         if self._owner_is_dead(req.gateway_id):
             log.info("dropped: its gateway %s is gone", req.gateway_id, extra={"request_id": req.request_id})
             self._finished.append((time.monotonic(), key))  # done, as far as the scheduler is concerned
+            # Told, as a cancelled request is (service.py, `_cancel_orphaned`): a gateway that was
+            # only misjudged answers its client at once instead of after its 60 s timeout.
+            message = f"gateway {req.gateway_id} was declared lost; the request was dropped"
+            failed = Failed(
+                request_id=req.request_id, attempt=req.attempt, status=503, code="owner_lost", message=message
+            )
+            self.outbox.put(req.reply_partition, failed)
             return
         if key in self._seen:
             return

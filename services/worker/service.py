@@ -36,6 +36,7 @@ from services.worker.sessions import WorkerSessions
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry import TelemetryWindow
 from shared.broker_watch import BrokerRestart, BrokerWatch
+from shared.hearing import Hearing
 from shared.kafka import KafkaClient, fetch_decoded
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -98,6 +99,7 @@ class WorkerService:
             self.metrics,
         )
         self._background: list[asyncio.Task] = []
+        self.owner_hearing: Hearing | None = None  # up to when the owners' beats were all read
         self._commit_timer: asyncio.TimerHandle | None = None  # the deferred dispatch commit
         self._background_commits: set[asyncio.Task] = set()
         # After a broker restart a worker needs the repair (its dispatch topic recreated with one
@@ -117,6 +119,10 @@ class WorkerService:
         sets the floor again at once."""
         self.runner.scheduler_term = 0
         self.sessions.advisory_term = 0
+        # The gateways' silence meanwhile was the broker's (owners.py).
+        self.owners.hear_all_now()
+        if self.owner_hearing is not None:
+            self.owner_hearing.restart()
 
     # -- life cycle ----------------------------------------------------------------------
 
@@ -139,10 +145,13 @@ class WorkerService:
         await self.kafka.assign_all(self._control, self.topics.control.name, from_end=True)
         self._owners_in = await self.kafka.consumer(group=None)
         await self.kafka.assign_all(self._owners_in, self.topics.owners.name, from_end=True)
+        probe_s = max(self.settings.heartbeat_interval_s, 1.0)
+        self.owner_hearing = Hearing(self._owners_in, probe_timeout_s=probe_s, what="gateway heartbeat")
         loops = (
             self._dispatch_loop(),
             self._control_loop(),
             self._owners_loop(),
+            self._owners_probe_loop(),
             self._heartbeat_loop(),
             self._telemetry_loop(),
         )
@@ -236,11 +245,19 @@ class WorkerService:
             for hb in await fetch_decoded(self._owners_in, OwnerHeartbeat):
                 self.owners.on_heartbeat(hb)
 
+    async def _owners_probe_loop(self) -> None:
+        """Where the owners' topic ends, once per heartbeat interval: the clock their silence
+        is judged by (shared/hearing.py)."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await self.owner_hearing.probe()
+
     def _cancel_orphaned(self) -> None:
         """Cancel the requests of owners that fell silent: nobody reads their results. Each also
         gets a `Failed` (503), so that a gateway that was only starved tells its client instead
         of waiting for a stream that ended."""
-        for owner in self.owners.expire():
+        heard_until = self.owner_hearing.caught_up() if self.owner_hearing is not None else None
+        for owner in self.owners.expire(heard_until):
             orphans = self.runner.of_owner(owner)
             log.warning(
                 "gateway %s silent for over %.1f s: cancelling its %d requests",
@@ -271,10 +288,22 @@ class WorkerService:
     # -- heartbeats and telemetry ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
-            self._cancel_orphaned()
-            await self.reports.send_heartbeat()
+        """One heartbeat every interval, on the clock: each is sent by a task of its own, so a
+        slow acknowledgement does not delay the next beat. Why (issue 22, eleventh session): the
+        loop awaited each beat's ack before sleeping again, so on a loaded broker every slow ack
+        (seconds at load 40-50) was added to the gap the scheduler judged, and a live worker was
+        declared lost. A beat that fails is re-sent by its task (`WorkerReports.send_heartbeat`)."""
+        sending: set[asyncio.Task] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.settings.heartbeat_interval_s)
+                self._cancel_orphaned()
+                task = asyncio.create_task(self.reports.send_heartbeat())
+                sending.add(task)
+                task.add_done_callback(sending.discard)
+        finally:
+            for task in sending:
+                task.cancel()
 
     async def _telemetry_loop(self) -> None:
         while True:
