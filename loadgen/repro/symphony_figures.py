@@ -147,11 +147,11 @@ def _users_at(values: dict[int, float], bound: float) -> float | None:
 
 def same_bound_by_seed(hints: dict[int, dict], rec: dict[int, dict], anchor: int | None = None) -> list[str]:
     """The same-bound ratio seed by seed (issue 20: a ratio with its spread). Seed i's bound is
-    1.14x recompute's mean TPOT at its lightest cell in seed i, and each mode's users at it are
+    1.14x recompute's mean TPOT at its lightest cell (or `anchor`) in seed i, and each mode's users at it are
     interpolated from seed i of every cell (a cell run with fewer seeds gives its mean for the
     seeds it lacks, and the line says how many cells did). Seeds are paired: seed i of every
-    cell replays the same users' arrivals and lengths."""
-    anchor = min(rec)
+    cell replays the same users' arrivals and lengths. `anchor`: as in `headline`."""
+    anchor = anchor if anchor in rec else min(rec)
     anchor_tpot = _seed_values(rec[anchor], "tpot_mean_s")
     if not anchor_tpot:
         return []

@@ -404,7 +404,7 @@ def test_the_same_p99_reading_uses_bounds_recompute_meets_seed_by_seed():
     """Issue 20 at ~15K-token prompts: recompute's TTFT p99 is seconds at any load, so the fixed
     bounds give no ratio. Each recompute cell's own p99 (seed i) is a bound it meets; each mode's
     users at it come from seed i of its cells, "+" where no tested count broke it."""
-    from loadgen.repro.symphony_figures import headline, own_ttft_bound_table
+    from loadgen.repro.symphony_figures import headline, own_ttft_bound_table, same_bound_by_seed
     from loadgen.spread import seed_spread
 
     def doc(*ttfts, tpot=0.01):
@@ -430,3 +430,7 @@ def test_the_same_p99_reading_uses_bounds_recompute_meets_seed_by_seed():
     tpot_docs |= {"hints-u32": doc(0.1, tpot=0.013), "hints-u64": doc(0.2, tpot=0.014)}
     assert "recompute's 12.0 ms at its lightest cell, 4 users" in headline(tpot_docs, 4)[1]
     assert "recompute's 10.0 ms at its lightest cell, 1 users" in headline(tpot_docs)[1]
+    rec = {1: doc(2.0, 2.0, tpot=0.010), 4: doc(8.0, 8.0, tpot=0.012), 8: doc(9.0, 9.0, tpot=0.016)}
+    hints = {32: doc(0.1, 0.1, tpot=0.013), 64: doc(0.2, 0.2, tpot=0.014)}
+    # anchor 4: bound 13.68 ms, recompute 4 * 2 ** (1.68 / 4) = 5.35; hints 32 * 2 ** 0.68 = 51.3 (9.58x)
+    assert "hints / recompute = 9.58 [9.58, 9.58]x." in same_bound_by_seed(hints, rec, 4)[0]
