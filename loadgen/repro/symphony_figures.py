@@ -51,7 +51,7 @@ def _seeds(doc: dict) -> int:
     return len((doc.get("seeds") or {}).get("seeds") or [0])
 
 
-def headline(docs: dict[str, dict]) -> list[str]:
+def headline(docs: dict[str, dict], anchor: int | None = None) -> list[str]:
     """The two figures issue 20 asks for, stated once per group with where they come from:
 
     - where hints break, measured: the last tested count whose seed-mean TTFT p99 holds our RT
@@ -64,7 +64,9 @@ def headline(docs: dict[str, dict]) -> list[str]:
       recompute's mean TPOT at our lightest recompute cell, and both readings are given: hints'
       users at the bound over that anchor's users (the paper's reading) and over the users
       recompute itself carries at the same bound (a capacity comparison: both modes held to
-      one latency). Crossings are interpolated in log(users) as in `equal_tpot_table`."""
+      one latency). Crossings are interpolated in log(users) as in `equal_tpot_table`.
+    `anchor`: the recompute cell whose mean TPOT sets the bound (a group's documented anchor, so
+    cells added below it for another reading do not move the headline); default its lightest."""
     by_mode = _by_mode(docs)
     hints, rec = by_mode.get("hints", {}), by_mode.get("recompute", {})
     lines = []
@@ -88,7 +90,7 @@ def headline(docs: dict[str, dict]) -> list[str]:
                 "measurement: a collapsed p99 is not linear in users, so no crossing is interpolated."
             )
     if hints and rec:
-        anchor = min(rec)
+        anchor = anchor if anchor in rec else min(rec)
         tpot = _rt_metric(rec[anchor], "tpot_mean_s")
         if tpot is not None:
             bound = tpot[0] * TPOT_INFLATION
@@ -112,7 +114,7 @@ def headline(docs: dict[str, dict]) -> list[str]:
                     f"hints / anchor = {h / anchor:.1f}x{plus} (the paper's reading), "
                     f"hints / recompute at the same bound = {same}."
                 )
-                lines += same_bound_by_seed(hints, rec)
+                lines += same_bound_by_seed(hints, rec, anchor)
     return [*lines, ""] if lines else []
 
 
@@ -143,13 +145,13 @@ def _users_at(values: dict[int, float], bound: float) -> float | None:
     return None
 
 
-def same_bound_by_seed(hints: dict[int, dict], rec: dict[int, dict]) -> list[str]:
+def same_bound_by_seed(hints: dict[int, dict], rec: dict[int, dict], anchor: int | None = None) -> list[str]:
     """The same-bound ratio seed by seed (issue 20: a ratio with its spread). Seed i's bound is
-    1.14x recompute's mean TPOT at its lightest cell in seed i, and each mode's users at it are
+    1.14x recompute's mean TPOT at its lightest cell (or `anchor`) in seed i, and each mode's users at it are
     interpolated from seed i of every cell (a cell run with fewer seeds gives its mean for the
     seeds it lacks, and the line says how many cells did). Seeds are paired: seed i of every
-    cell replays the same users' arrivals and lengths."""
-    anchor = min(rec)
+    cell replays the same users' arrivals and lengths. `anchor`: as in `headline`."""
+    anchor = anchor if anchor in rec else min(rec)
     anchor_tpot = _seed_values(rec[anchor], "tpot_mean_s")
     if not anchor_tpot:
         return []
@@ -306,6 +308,81 @@ def ttft_bound_table(docs: dict[str, dict]) -> list[str]:
         cells = [_carried(*found[m]) for m in modes]
         lines.append(f"| {bound * 1e3:.0f} ms | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return [*lines, ""]
+
+
+def own_ttft_bound_table(docs: dict[str, dict]) -> list[str]:
+    """The same-p99-TTFT reading at bounds recompute can meet: for each recompute cell (U users),
+    the bound is its own TTFT p99, seed by seed, and each mode's users at that bound are
+    interpolated in log(users) from the same seed of every cell (a cell with fewer seeds lends
+    its mean, as in `same_bound_by_seed`). Recompute carries about U at its own p99 (more where its
+    p99 is not monotone in users); the fixed bounds of `ttft_bound_table` can all lie under
+    recompute's prefill floor (long histories), where no ratio exists. "+": in some seed no tested
+    count broke the bound (a lower bound); "—": recompute's own crossing is not bracketed (its
+    heaviest cell). Mean [min, max] over seeds."""
+    by_mode = _by_mode(docs)
+    rec = by_mode.get("recompute", {})
+    modes = [m for m in MODES[1:] if m in by_mode]
+    if not rec or not modes:
+        return []
+    key = "ttft_p99_s"
+    lines = [
+        "## Users carried at recompute's own TTFT p99 (seed by seed; mean [min, max] over seeds)",
+        "",
+        "| bound: recompute's p99 at | bound ms | seeds | recompute carries | "
+        + " | ".join(f"{m} carries | {m} / recompute" for m in modes)
+        + " |",
+        "|---" * (4 + 2 * len(modes)) + "|",
+    ]
+    for u in sorted(rec):
+        bounds = _seed_values(rec[u], key)
+        if not bounds:
+            continue
+        found = {
+            m: [_users_under(_seed_row(by_mode[m], key, i), b) for i, b in enumerate(bounds)]
+            for m in ("recompute", *modes)
+        }
+        r_users = [x for x, _ in found["recompute"]]
+        cells = [_spread([b * 1e3 for b in bounds], ".0f"), str(len(bounds)), _users_spread(found["recompute"])]
+        for m in modes:
+            ratios = [h / r if r else None for (h, _), r in zip(found[m], r_users, strict=True)]
+            lower = any(lb for _, lb in found[m])
+            # recompute's own count unbracketed (its heaviest cell): no ratio, not a bound either way
+            unbracketed = None in ratios or any(lb for _, lb in found["recompute"])
+            ratio = "—" if unbracketed else _spread(ratios, ".1f") + ("x+" if lower else "x")
+            cells += [_users_spread(found[m]), ratio]
+        lines.append(f"| {u} user{'s' if u > 1 else ''} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
+def _seed_row(row: dict[int, dict], key: str, i: int) -> dict[int, float]:
+    """users -> seed i's value of `key` (a cell with fewer seeds: its mean)."""
+    out = {}
+    for u, doc in row.items():
+        vs = _seed_values(doc, key)
+        if vs is not None:
+            out[u] = vs[i] if i < len(vs) else sum(vs) / len(vs)
+    return out
+
+
+def _users_under(values: dict[int, float], bound: float) -> tuple[float, bool]:
+    """(users where `values` crosses `bound`, interpolated as `_users_at`; whether it is a lower
+    bound): 0 when the lightest count is over it, the largest count when none broke it."""
+    at = _users_at(values, bound)
+    if at is not None:
+        return at, False
+    if not values or values[min(values)] > bound:
+        return 0.0, False
+    return float(max(values)), True
+
+
+def _spread(vs: list[float], fmt: str) -> str:
+    lo, hi = min(vs), max(vs)
+    mean = sum(vs) / len(vs)
+    return f"{mean:{fmt}}" if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{mean:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
+def _users_spread(found: list[tuple[float, bool]]) -> str:
+    return _spread([x for x, _ in found], ".1f") + ("+" if any(lb for _, lb in found) else "")
 
 
 def _carried(grid: int, at: float | None) -> str:

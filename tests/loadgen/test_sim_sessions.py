@@ -398,3 +398,39 @@ def test_the_same_bound_ratio_is_given_seed_by_seed_with_its_spread():
     assert any(x.startswith("- **Seed by seed at the same bound**") for x in headline(docs))
     # a seed whose hints never cross the bound has no ratio, and the line says why
     assert "not bracketed" in same_bound_by_seed({1024: doc(0.011, 0.011)}, rec)[0]
+
+
+def test_the_same_p99_reading_uses_bounds_recompute_meets_seed_by_seed():
+    """Issue 20 at ~15K-token prompts: recompute's TTFT p99 is seconds at any load, so the fixed
+    bounds give no ratio. Each recompute cell's own p99 (seed i) is a bound it meets; each mode's
+    users at it come from seed i of its cells, "+" where no tested count broke it."""
+    from loadgen.repro.symphony_figures import headline, own_ttft_bound_table, same_bound_by_seed
+    from loadgen.spread import seed_spread
+
+    def doc(*ttfts, tpot=0.01):
+        def summary(t):
+            return {"rt": {"ttft_p99_s": t, "tpot_mean_s": tpot}, "be": {}, "all": {}}
+
+        out = {"summary": summary(sum(ttfts) / len(ttfts))}
+        if len(ttfts) > 1:
+            out["seeds"] = seed_spread(list(range(len(ttfts))), {"p": [summary(t) for t in ttfts]})
+        return out
+
+    docs = {"recompute-u1": doc(2.0, 3.0), "recompute-u2": doc(4.0, 6.0), "recompute-u4": doc(8.0, tpot=0.02)}
+    docs |= {"hints-u32": doc(1.0), "hints-u64": doc(6.0), "load-aware-u32": doc(0.5)}
+    lines = own_ttft_bound_table(docs)
+    # 1 user, seed 0: bound 2 s; recompute crosses at 1 (its own value), hints at
+    # 32 * 2 ** ((2 - 1) / 5) = 36.8; seed 1: bound 3 s, hints 32 * 2 ** 0.4 = 42.2
+    assert "| 1 user | 2500 [2000, 3000] | 2 | 1.0 | 32.0+ | 32.0x+ | 39.5 [36.8, 42.2] | 39.5 [36.8, 42.2]x |" in lines
+    # 4 users (one seed): bound 8 s, hints hold at 64 (a lower bound); so does recompute at its
+    # heaviest cell, so no ratio
+    assert "| 4 users | 8000 | 1 | 4.0+ | 32.0+ | — | 64.0+ | — |" in lines
+    # the headline's TPOT anchor stays where a group documents it, not at the added lighter cells
+    tpot_docs = {"recompute-u1": doc(2.0, tpot=0.010), "recompute-u4": doc(8.0, tpot=0.012)}
+    tpot_docs |= {"hints-u32": doc(0.1, tpot=0.013), "hints-u64": doc(0.2, tpot=0.014)}
+    assert "recompute's 12.0 ms at its lightest cell, 4 users" in headline(tpot_docs, 4)[1]
+    assert "recompute's 10.0 ms at its lightest cell, 1 users" in headline(tpot_docs)[1]
+    rec = {1: doc(2.0, 2.0, tpot=0.010), 4: doc(8.0, 8.0, tpot=0.012), 8: doc(9.0, 9.0, tpot=0.016)}
+    hints = {32: doc(0.1, 0.1, tpot=0.013), 64: doc(0.2, 0.2, tpot=0.014)}
+    # anchor 4: bound 13.68 ms, recompute 4 * 2 ** (1.68 / 4) = 5.35; hints 32 * 2 ** 0.68 = 51.3 (9.58x)
+    assert "hints / recompute = 9.58 [9.58, 9.58]x." in same_bound_by_seed(hints, rec, 4)[0]
