@@ -108,6 +108,14 @@ def test_sim_runs_the_policy_to_completion(policy):
     worker.kv.check_invariants()
 
 
+def _same_numbers(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_numbers(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return b == pytest.approx(a, rel=1e-9)
+    return a == b
+
+
 def test_paper_setup_profile_and_workload():
     """eLLM's setup (Llama2-13B on one A100-80GB, ShareGPT with 1,346-token outputs, 50 ms TPOT):
     the shipped profile is what `loadgen/sim/roofline.py` derives, with Llama2-13B's KV size
@@ -118,7 +126,10 @@ def test_paper_setup_profile_and_workload():
 
     shipped = load_cost_model("llama-2-13b-a100-80gb")
     derived = build_profile("llama-2-13b", "a100-80gb")
-    assert shipped == derived
+    # Equal up to the least-squares fit's last bits, which move with numpy/BLAS builds (one
+    # coefficient differed in its 15th digit on a fresh install): a real change to the roofline
+    # moves them by far more than 1e-9.
+    assert _same_numbers(shipped.to_dict(), derived.to_dict())
     assert shipped.meta["kv_bytes_per_token"] == 2 * 40 * 5120 * 2
     assert shipped.meta["max_model_len"] == 4096
     profile = PROFILES["sharegpt-ellm"]
