@@ -217,7 +217,8 @@ def choose(
         finals = np.asarray(final_contexts[:max_batch], dtype=np.int64)
         top = int(batch.max())  # no ratio admits more: the price never looks past the first `top`
         pays = HoldPrice(cost, sources, s[:top], finals[:top], capacity_tokens, bs, tpot_s).pays
-        lo, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running)  # the bound, unpriced
+        # the bound, unpriced; over the first `top` only: a count past them is cut to `batch` anyway
+        lo, floor = hysteresis(batch, finals[:top], capacity_tokens, bs, sources, running)
         floor = floor if hold_running else 0
     grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s)
     # a larger r only adds rebuild cost once every candidate fits: the search stops at the first such r

@@ -37,10 +37,17 @@ def chunk_seconds(
     p = np.where(p > 1, p, 0)
     if not p.any():
         return out
+    shared = min(cost.prefill.beta, cost.decode.beta)
+    if batch.size == 1:  # `choose` prices the chosen pair only: two sums, not two prefix-sum arrays
+        b = int(batch[0])
+        tokens, work = int(p[:b].sum()), float(int((p[:b] * s[:b]).sum()))
+        chunk = min(tokens, budget)
+        if chunk:
+            out[0] = cost.prefill.predict_work(float(chunk), work * chunk / tokens) - shared
+        return out
     tokens = np.concatenate([[0], np.cumsum(p)])[batch]
     work = np.concatenate([[0], np.cumsum(p * s)])[batch].astype(np.float64)
     chunk = np.minimum(tokens, budget)
-    shared = min(cost.prefill.beta, cost.decode.beta)
     for i in np.flatnonzero(chunk):
         pair_work = work[i] * chunk[i] / tokens[i]
         out[i] = cost.prefill.predict_work(float(chunk[i]), pair_work) - shared
@@ -131,15 +138,23 @@ class PrefixFutures:
     ratio (a test checks it); the search pays one matrix instead of one per distinct `b`."""
 
     def __init__(self, contexts: np.ndarray, finals: np.ndarray) -> None:
-        rem = np.maximum(finals - contexts, 1)
-        t = np.unique(rem) - 1
-        live = rem[None, :] > t[:, None]
-        self._rows = np.cumsum(live, axis=1)
-        self._tokens = np.cumsum(live * (contexts[None, :] + t[:, None]), axis=1)
+        self._contexts = contexts
+        self._rem = np.maximum(finals - contexts, 1)
+        self._t = np.unique(self._rem) - 1
 
     def of(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(live rows, live context tokens) per point for the first `b` candidates."""
-        return self._rows[:, b - 1], self._tokens[:, b - 1]
+        """(live rows, live context tokens) per point for the first `b` candidates: at point
+        `t` the rows still running are those with more than `t` steps left, and their tokens
+        are their contexts now plus `t` each. Counted from the `b` sorted by steps left (one
+        search per point, integers, so the same numbers as a `points x b` mask summed; a
+        search rather than the mask since the eleventh session: the mask was the largest
+        single cost of the slow decisions)."""
+        rem, c = self._rem[:b], self._contexts[:b]
+        order = np.argsort(rem, kind="stable")
+        gone = np.searchsorted(rem[order], self._t, side="right")  # rows with at most t steps left
+        live_c = np.concatenate([np.cumsum(c[order][::-1])[::-1], [0]])  # Σ contexts from k on
+        rows = b - gone
+        return rows, live_c[gone] + self._t * rows
 
 
 @dataclass(frozen=True)

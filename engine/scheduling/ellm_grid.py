@@ -66,7 +66,8 @@ class Grid:
         self.s, self.batch, self.lo, self.pays = s, batch, lo, pays
         self.cost, self.sources, self.tpot_s = cost, sources, tpot_s
         zero = np.zeros((u.shape[0], 1), dtype=np.int64)
-        self._d = np.concatenate([[0], np.cumsum(s)])
+        u = u[:, : int(batch.max())]  # no count the search asks about is larger
+        self._d = np.concatenate([[0], np.cumsum(s[: u.shape[1]])])
         self._ln = np.concatenate([zero, np.cumsum(u, axis=1)], axis=1)
         self._pairs = np.concatenate([zero, np.cumsum(u * u, axis=1)], axis=1)
         self._rows = np.concatenate([zero, np.cumsum(u > 0, axis=1)], axis=1)
