@@ -72,13 +72,16 @@ class Grid:
         self._pairs = np.concatenate([zero, np.cumsum(u * u, axis=1)], axis=1)
         self._rows = np.concatenate([zero, np.cumsum(u > 0, axis=1)], axis=1)
         self._decided: dict[int, int] = {}  # ratio index -> admitted count, where `pays` was asked
+        self._batch = batch.tolist()
+        # where the admitted count hangs on `pays` (decided or not): r > 0 and the bound below the pool
+        self._open = [pays is not None and i > 0 and lo_i < b_i for i, (lo_i, b_i) in enumerate(zip(lo, batch))]
         self._ub: tuple | None = None  # `_bounds`, made on first use
         self.prune = self.prune_default and non_negative(cost, sources)
         self.priced = 0  # ratios `_argmax` priced (tests: the bounds do skip some)
         self._values: dict[tuple[int, int], tuple[float, Choice | None]] = {}
 
     def undecided(self, i: int) -> bool:
-        return self.pays is not None and i > 0 and self.lo[i] < self.batch[i] and i not in self._decided
+        return self._open[i] and i not in self._decided
 
     def admitted(self, i: int) -> int:
         """The admitted count at ratio index `i` (deciding `pays` there if it is open)."""
@@ -138,15 +141,17 @@ class Grid:
                     top, arg = v, i
             return top, arg
         lo_ub, hi_ub = self._bounds()
-        bound = {}
+        decided, batch = self._decided, self._batch
+        order = []  # (-bound, index): the largest bound first, then the first index
         for i in range(first, last + 1):
-            if self.undecided(i):
-                bound[i] = max(lo_ub[i], hi_ub[i])
+            if self._open[i] and i not in decided:
+                order.append((-max(lo_ub[i], hi_ub[i]), i))
             else:
-                bound[i] = hi_ub[i] if self.admitted(i) == self.batch[i] else lo_ub[i]
+                order.append((-(hi_ub[i] if decided.get(i) == batch[i] else lo_ub[i]), i))
+        order.sort()
         top, arg = -math.inf, -1
-        for i in sorted(bound, key=lambda i: (-bound[i], i)):
-            if bound[i] < top or (bound[i] == top and i > arg):
+        for neg, i in order:
+            if -neg < top or (-neg == top and i > arg):
                 break  # every ratio left is bounded below the best, or ties it at a later index
             v = self._optimistic(i)
             self.priced += 1
@@ -165,12 +170,14 @@ class Grid:
         the lower step already misses the TPOT target. With a negative coefficient in the
         profile no bound holds and every ratio is priced (`prune` off)."""
         if self._ub is None:
-            self._ub = tuple(self._bound_at(c) for c in (self.lo, self.batch))
+            both = self._bound_at(np.concatenate([self.lo, self.batch]))
+            self._ub = both[: self.lo.size], both[self.lo.size :]
         return self._ub
 
     def _bound_at(self, counts: np.ndarray) -> list[float]:
+        """`_bounds` at `counts`: ratio index `k % len(RATIO_GRID)` admitting `counts[k]`."""
         cost, src, d = self.cost, self.sources, self.cost.decode
-        idx = np.arange(counts.size)
+        idx = np.arange(counts.size) % len(RATIO_GRID)
         b = counts.astype(np.float64)
         tokens = self._ln[idx, counts]
         # the step without prefixes, as `value` prices it (`estimate_sums(0, 0, b, work)`: the
