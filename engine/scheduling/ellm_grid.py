@@ -65,16 +65,17 @@ class Grid:
     def __init__(self, s, u, batch, lo, pays, cost, sources, tpot_s) -> None:
         self.s, self.batch, self.lo, self.pays = s, batch, lo, pays
         self.cost, self.sources, self.tpot_s = cost, sources, tpot_s
-        zero = np.zeros((u.shape[0], 1), dtype=np.int64)
         u = u[:, : int(batch.max())]  # no count the search asks about is larger
         self._d = np.concatenate([[0], np.cumsum(s[: u.shape[1]])])
-        self._ln = np.concatenate([zero, np.cumsum(u, axis=1)], axis=1)
-        self._pairs = np.concatenate([zero, np.cumsum(u * u, axis=1)], axis=1)
-        self._rows = np.concatenate([zero, np.cumsum(u > 0, axis=1)], axis=1)
+        # prefix sums of (prefix tokens, their query-key pairs, rows with one), one array
+        sums = np.zeros((3, u.shape[0], u.shape[1] + 1), dtype=np.int64)
+        np.cumsum(np.stack([u, u * u, u > 0]), axis=2, out=sums[:, :, 1:])
+        self._ln, self._pairs, self._rows = sums
         self._decided: dict[int, int] = {}  # ratio index -> admitted count, where `pays` was asked
         self._batch = batch.tolist()
         # where the admitted count hangs on `pays` (decided or not): r > 0 and the bound below the pool
-        self._open = [pays is not None and i > 0 and lo_i < b_i for i, (lo_i, b_i) in enumerate(zip(lo, batch))]
+        pairs = enumerate(zip(lo.tolist(), self._batch))
+        self._open = [pays is not None and i > 0 and lo_i < b_i for i, (lo_i, b_i) in pairs]
         self._ub: tuple | None = None  # `_bounds`, made on first use
         self.prune = self.prune_default and non_negative(cost, sources)
         self.priced = 0  # ratios `_argmax` priced (tests: the bounds do skip some)
