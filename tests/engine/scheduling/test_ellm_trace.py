@@ -141,8 +141,8 @@ def test_a_negative_profile_term_prices_every_ratio():
     assert non_negative(cost, PrefixSources())
     bent = CostModel(PhaseFit(1e-4, -1e-9, 0.01), cost.decode, cost.swap_bytes_per_s)
     assert not non_negative(bent, PrefixSources())
-    s = np.array([100, 200, 300])
-    assert not Grid(s, np.zeros((19, 3), dtype=np.int64), np.full(19, 3), np.full(19, 3), None, bent, PrefixSources(), 1.0).prune
+    s, three = np.array([100, 200, 300]), np.full(19, 3)
+    assert not Grid(s, np.zeros((19, 3), dtype=np.int64), three, three, None, bent, PrefixSources(), 1.0).prune
 
 
 @pytest.mark.skipif(not PROFILE.is_file(), reason="the committed x1000 profile is missing")
