@@ -210,7 +210,8 @@ def choose(
         return Choice(1, 0.0, math.inf)
     bs = block_size
     u = prefix_tokens(s, bs)
-    need = -(-(s[None, :] - u) // bs) * bs
+    # resident blocks per (ratio, candidate): u is whole blocks, so ceil((s - u) / bs) = ceil(s / bs) - u / bs
+    need = (-(-s // bs) * bs)[None, :] - u
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
     floor, lo, pays = 0, batch, None
     if final_contexts is not None:

@@ -93,7 +93,7 @@ def hysteresis(
     """
     f = np.asarray(final_contexts, dtype=np.int64)
     u_end = prefix_tokens(f, bs)
-    fits = np.cumsum(-(-(f[None, :] - u_end) // bs) * bs, axis=1) <= capacity_tokens
+    fits = np.cumsum((-(-f // bs) * bs)[None, :] - u_end, axis=1) <= capacity_tokens  # as `choose`'s need
     if sources.host:  # past the host space a prefix is rebuilt: a commitment must not count on that
         fits &= np.cumsum(u_end, axis=1) <= sources.host_capacity_tokens
     end_bound = fits.sum(axis=1)
