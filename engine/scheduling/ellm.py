@@ -283,6 +283,7 @@ class ELLMPolicy(SchedulingPolicy):
         self.last = Choice(0, 0.0, 0.0)
         self.stats = DecisionStats()
         self._published: tuple[float, int, dict] | None = None  # (monotonic time, steps, as_dict)
+        self._ends: dict[Request, int] = {}  # request -> its projected end (`final_length` without its length now)
 
     def published_stats(self) -> dict[str, float]:
         """`stats.as_dict()` for the engine's snapshot (the worker's telemetry), recomputed at
@@ -305,11 +306,17 @@ class ELLMPolicy(SchedulingPolicy):
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
         tokens, finals, pending = [], [], []
+        ends = self._ends
+        if len(ends) > 4 * state.limits.max_num_seqs:  # forget requests that left
+            ends = self._ends = {}
         for r in candidates:  # one pass: each is read once per step
-            n = r.num_tokens
+            n = len(r.token_ids)  # `num_tokens`, without the property's call
             tokens.append(n)
             pending.append(n - r.num_computed_tokens)
-            finals.append(final_length(r))
+            end = ends.get(r)  # `final_length` less today's length: fixed per request, kept
+            if end is None:
+                end = ends[r] = final_length(r, 0)
+            finals.append(n if n > end else end)
         before = {r.request_id for r in state.running}
         self._committed &= before  # finished or preempted requests hold nothing any more
         choice = choose(

@@ -54,13 +54,15 @@ def chunk_seconds(
     return out
 
 
-def final_length(request: Request) -> int:
+def final_length(request: Request, now: int | None = None) -> int:
     """A request's projected length when it ends: its prompt plus `max_tokens`, within its
     context limit. The admission rule's projection; an upper bound (a stop or EOS ends it
-    sooner), so it errs toward admitting less at `r > 0`, never toward a preemption."""
+    sooner), so it errs toward admitting less at `r > 0`, never toward a preemption. It is
+    never below the length now (`now`, default the request's; the policy passes 0 to keep
+    the fixed part per request and takes the larger of the two each step)."""
     end = request.num_prompt_tokens + request.params.max_tokens
     limit = request.max_model_len
-    return max(request.num_tokens, min(end, limit) if limit else end)
+    return max(request.num_tokens if now is None else now, min(end, limit) if limit else end)
 
 
 def prefix_tokens(contexts: np.ndarray, bs: int) -> np.ndarray:
