@@ -15,6 +15,7 @@ from engine.scheduling.prefix_pricing import cheaper_source, rebuild_step_second
 
 # `_bounds`' relative margin: a step's scalar price rounds a handful of times (~1e-16 each)
 BOUND_MARGIN = 1e-12
+_BOTH = np.arange(2 * len(RATIO_GRID)) % len(RATIO_GRID)  # `_bounds`' ratio index per entry
 SHORT_RANGE = 3  # ratios: a range this short is priced whole (the bounds' arrays would cost more)
 
 
@@ -178,19 +179,20 @@ class Grid:
     def _bound_at(self, counts: np.ndarray) -> list[float]:
         """`_bounds` at `counts`: ratio index `k % len(RATIO_GRID)` admitting `counts[k]`."""
         cost, src, d = self.cost, self.sources, self.cost.decode
-        idx = np.arange(counts.size) % len(RATIO_GRID)
-        b = counts.astype(np.float64)
+        idx = _BOTH if counts.size == _BOTH.size else np.arange(counts.size) % len(RATIO_GRID)
         tokens = self._ln[idx, counts]
         # the step without prefixes, as `value` prices it (`estimate_sums(0, 0, b, work)`: the
         # same IEEE operations in the same order, so the same double)
-        step = d.alpha0 * b + d.alpha1 * self._d[counts] + d.beta
-        host = src.host & (tokens <= src.host_capacity_tokens)
+        step = d.alpha0 * counts + d.alpha1 * self._d[counts] + d.beta
+        host = tokens <= src.host_capacity_tokens if src.host else np.zeros(counts.size, dtype=bool)
         rebuilt = (tokens > 0) & ~host  # `cheaper_source` prices these as a rebuild
         # exact: the priced step is this double plus non-negative terms, added (never below it
         # in floating point either), so equal bounds tie exactly; a rebuild priced as prefill
         # rows (`P + D - shared`) or a layer split's arrays may round below it by an ulp
-        exact = (tokens == 0) | (host & (not src.layer_split) & (cost.rebuild_step is not None or not src.rebuild))
-        lower = np.where(exact, step, step * (1 - BOUND_MARGIN))
+        if not src.layer_split and (cost.rebuild_step is not None or not src.rebuild):
+            lower = step  # host reads and prefix-free steps are exact; rebuilt ones are set below
+        else:
+            lower = np.where(tokens == 0, step, step * (1 - BOUND_MARGIN))
         if rebuilt.any():
             pairs = self._pairs[idx, counts].astype(np.float64)
             if cost.rebuild_step is not None:
@@ -201,8 +203,8 @@ class Grid:
                 p = cost.prefill
                 extra = p.alpha0 * tokens + p.alpha1 * pairs + (p.beta - min(p.beta, d.beta))
             lower = np.where(rebuilt, (step + extra) * (1 - BOUND_MARGIN), lower)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ub = np.where((lower > self.tpot_s) | (counts == 0), -math.inf, b / lower)
+        ub = np.full(counts.size, -math.inf)
+        np.divide(counts, lower, out=ub, where=(lower <= self.tpot_s) & (counts > 0))
         return ub.tolist()
 
     def best(self, first: int) -> Choice | None:
