@@ -210,14 +210,16 @@ def choose(
         return Choice(1, 0.0, math.inf)
     bs = block_size
     u = prefix_tokens(s, bs)
-    need = -(-(s[None, :] - u) // bs) * bs
+    # resident blocks per (ratio, candidate): u is whole blocks, so ceil((s - u) / bs) = ceil(s / bs) - u / bs
+    need = (-(-s // bs) * bs)[None, :] - u
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
     floor, lo, pays = 0, batch, None
     if final_contexts is not None:
         finals = np.asarray(final_contexts[:max_batch], dtype=np.int64)
         top = int(batch.max())  # no ratio admits more: the price never looks past the first `top`
         pays = HoldPrice(cost, sources, s[:top], finals[:top], capacity_tokens, bs, tpot_s).pays
-        lo, floor = hysteresis(batch, finals, capacity_tokens, bs, sources, running)  # the bound, unpriced
+        # the bound, unpriced; over the first `top` only: a count past them is cut to `batch` anyway
+        lo, floor = hysteresis(batch, finals[:top], capacity_tokens, bs, sources, running)
         floor = floor if hold_running else 0
     grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s)
     # a larger r only adds rebuild cost once every candidate fits: the search stops at the first such r
@@ -281,6 +283,7 @@ class ELLMPolicy(SchedulingPolicy):
         self.last = Choice(0, 0.0, 0.0)
         self.stats = DecisionStats()
         self._published: tuple[float, int, dict] | None = None  # (monotonic time, steps, as_dict)
+        self._ends: dict[Request, int] = {}  # request -> its projected end (`final_length` without its length now)
 
     def published_stats(self) -> dict[str, float]:
         """`stats.as_dict()` for the engine's snapshot (the worker's telemetry), recomputed at
@@ -303,11 +306,17 @@ class ELLMPolicy(SchedulingPolicy):
         # only the first max_num_seqs candidates can be in the batch: a long queue costs nothing
         candidates = itertools.islice(itertools.chain(state.running, state.waiting), state.limits.max_num_seqs)
         tokens, finals, pending = [], [], []
+        ends = self._ends
+        if len(ends) > 4 * state.limits.max_num_seqs:  # forget requests that left
+            ends = self._ends = {}
         for r in candidates:  # one pass: each is read once per step
-            n = r.num_tokens
+            n = len(r.token_ids)  # `num_tokens`, without the property's call
             tokens.append(n)
             pending.append(n - r.num_computed_tokens)
-            finals.append(final_length(r))
+            end = ends.get(r)  # `final_length` less today's length: fixed per request, kept
+            if end is None:
+                end = ends[r] = final_length(r, 0)
+            finals.append(n if n > end else end)
         before = {r.request_id for r in state.running}
         self._committed &= before  # finished or preempted requests hold nothing any more
         choice = choose(

@@ -37,23 +37,32 @@ def chunk_seconds(
     p = np.where(p > 1, p, 0)
     if not p.any():
         return out
+    shared = min(cost.prefill.beta, cost.decode.beta)
+    if batch.size == 1:  # `choose` prices the chosen pair only: two sums, not two prefix-sum arrays
+        b = int(batch[0])
+        tokens, work = int(p[:b].sum()), float(int((p[:b] * s[:b]).sum()))
+        chunk = min(tokens, budget)
+        if chunk:
+            out[0] = cost.prefill.predict_work(float(chunk), work * chunk / tokens) - shared
+        return out
     tokens = np.concatenate([[0], np.cumsum(p)])[batch]
     work = np.concatenate([[0], np.cumsum(p * s)])[batch].astype(np.float64)
     chunk = np.minimum(tokens, budget)
-    shared = min(cost.prefill.beta, cost.decode.beta)
     for i in np.flatnonzero(chunk):
         pair_work = work[i] * chunk[i] / tokens[i]
         out[i] = cost.prefill.predict_work(float(chunk[i]), pair_work) - shared
     return out
 
 
-def final_length(request: Request) -> int:
+def final_length(request: Request, now: int | None = None) -> int:
     """A request's projected length when it ends: its prompt plus `max_tokens`, within its
     context limit. The admission rule's projection; an upper bound (a stop or EOS ends it
-    sooner), so it errs toward admitting less at `r > 0`, never toward a preemption."""
+    sooner), so it errs toward admitting less at `r > 0`, never toward a preemption. It is
+    never below the length now (`now`, default the request's; the policy passes 0 to keep
+    the fixed part per request and takes the larger of the two each step)."""
     end = request.num_prompt_tokens + request.params.max_tokens
     limit = request.max_model_len
-    return max(request.num_tokens, min(end, limit) if limit else end)
+    return max(request.num_tokens if now is None else now, min(end, limit) if limit else end)
 
 
 def prefix_tokens(contexts: np.ndarray, bs: int) -> np.ndarray:
@@ -86,7 +95,7 @@ def hysteresis(
     """
     f = np.asarray(final_contexts, dtype=np.int64)
     u_end = prefix_tokens(f, bs)
-    fits = np.cumsum(-(-(f[None, :] - u_end) // bs) * bs, axis=1) <= capacity_tokens
+    fits = np.cumsum((-(-f // bs) * bs)[None, :] - u_end, axis=1) <= capacity_tokens  # as `choose`'s need
     if sources.host:  # past the host space a prefix is rebuilt: a commitment must not count on that
         fits &= np.cumsum(u_end, axis=1) <= sources.host_capacity_tokens
     end_bound = fits.sum(axis=1)
@@ -131,15 +140,23 @@ class PrefixFutures:
     ratio (a test checks it); the search pays one matrix instead of one per distinct `b`."""
 
     def __init__(self, contexts: np.ndarray, finals: np.ndarray) -> None:
-        rem = np.maximum(finals - contexts, 1)
-        t = np.unique(rem) - 1
-        live = rem[None, :] > t[:, None]
-        self._rows = np.cumsum(live, axis=1)
-        self._tokens = np.cumsum(live * (contexts[None, :] + t[:, None]), axis=1)
+        self._contexts = contexts
+        self._rem = np.maximum(finals - contexts, 1)
+        self._t = np.unique(self._rem) - 1
 
     def of(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(live rows, live context tokens) per point for the first `b` candidates."""
-        return self._rows[:, b - 1], self._tokens[:, b - 1]
+        """(live rows, live context tokens) per point for the first `b` candidates: at point
+        `t` the rows still running are those with more than `t` steps left, and their tokens
+        are their contexts now plus `t` each. Counted from the `b` sorted by steps left (one
+        search per point, integers, so the same numbers as a `points x b` mask summed; a
+        search rather than the mask since the eleventh session: the mask was the largest
+        single cost of the slow decisions)."""
+        rem, c = self._rem[:b], self._contexts[:b]
+        order = np.argsort(rem, kind="stable")
+        gone = np.searchsorted(rem[order], self._t, side="right")  # rows with at most t steps left
+        live_c = np.concatenate([np.cumsum(c[order][::-1])[::-1], [0]])  # Σ contexts from k on
+        rows = b - gone
+        return rows, live_c[gone] + self._t * rows
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         cpu_step_profile,
         ellm_ab,
         ellm_decision,
+        ellm_decision_ab,
         ellm_sim,
         engine,
         gateway,
@@ -46,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sessions.add_parser(bsub)
     ellm_ab.add_parser(bsub)
     ellm_decision.add_parser(bsub)
+    ellm_decision_ab.add_parser(bsub)
     ellm_sim.add_parser(bsub)
     hybrid.add_parser(bsub)
     placement.add_parser(bsub)

@@ -126,3 +126,28 @@ def test_tandem_bench_ellm_parses_like_the_module():
     assert ours.policies == "fcfs,swap,ellm"
     shared = set(vars(module)) - {"func", "policies", "json_path", "bench_command", "rounds"}
     assert {k: getattr(ours, k) for k in shared} == {k: getattr(module, k) for k in shared}
+
+
+@pytest.mark.timeout(300)
+def test_ellm_decision_ab_alternates_two_checkouts(tmp_path):
+    """`bench ellm-decision-ab` with one checkout on both sides (a short cell): each round runs
+    both, in swapped order, each run carries its decision times and its own stamp, and the
+    same code decides the same (identical simulated outcome)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "ab.json"
+    res = tandem(
+        "bench", "ellm-decision-ab", "--old", str(root), "--new", str(root), "--rounds", "2", "--duration", "3",
+        "--json", str(path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    assert [list(r) for r in doc["rounds"]] == [["old", "new"], ["new", "old"]]
+    assert doc["same_outcome"] is True
+    for rd in doc["rounds"]:
+        for run in rd.values():
+            d = run["decisions"]
+            assert d["steps"] > 0 and 0 < d["p50_decision_cpu_s"] <= d["p99_decision_cpu_s"] <= d["max_decision_cpu_s"]
+            assert run["provenance"]["git"]["commit"] == doc["provenance"]["git"]["commit"]
+    assert doc["median_over_rounds"]["new"]["p99_decision_cpu_s"] > 0
