@@ -28,11 +28,12 @@ ran every BE request held nothing back, however few tokens that was). While that
 is below `min_be_share`, `min_be_share x token budget` tokens and one seat are held back
 from RT, and after RT's phase BE gets them ignoring the time budget (BE order, prefill chunks
 allowed). Memory (`bros_floor.BEFloor`): the same share of the device blocks is BE's floor;
-the BE requests at the front of the BE order that fit in it may not be evicted by RT, and new
-RT requests are admitted only while they leave free what those requests still need (and what
-this step's owed tokens need). A share of tokens alone did not survive memory-bound overload:
-RT growth pushed the owed BE request out again and its KV was dropped (ShareGPT 3 req/s in the
-fair simulator, docs/bros.md "Rate 3"); owed BE no longer pushes RT to host either, which only
+the BE requests at the front of the BE order that cover it (rounded up to whole requests) may
+not be evicted by RT, and new RT requests are admitted only while they leave free what those
+requests still need, a start for one not yet admitted (and what this step's owed tokens
+need). A share of tokens alone did not survive memory-bound overload: RT growth pushed the
+owed BE request out again and its KV was dropped (ShareGPT 3 req/s in the fair simulator,
+docs/bros.md "Rate 3"); owed BE no longer pushes RT to host either, which only
 turned that into RT recomputes. So overload can slow batch work to that share but never starve
 it, and at loads where BE already gets more the setting changes nothing. Default 0.1: a tenth of the tokens is what a
 demanding batch user would call "still progressing" while it costs RT at most a tenth of a

@@ -10,11 +10,18 @@ host and 4 of 825 blocks on device. A share of compute is worth nothing without 
 keep what it computed, so the floor guarantees memory as well, at admission:
 
 - The floor is `min_be_share x device blocks`. The BE requests at the front of the BE order
-  whose whole KV (prompt + `max_tokens`) fits in it are *protected*: an RT request may not
-  evict them (only the last-resort head, when nothing else could run, may).
-- `deficit` is what those requests still need on device (unadmitted ones whole, admitted ones
-  their restore and growth), at most what BE as a whole holds below the floor: a new RT
-  request is admitted only if it leaves that many blocks free. Admitted RT requests keep
+  that *cover* it (whole KV, prompt + `max_tokens`, up to and including the request that
+  reaches the floor) are *protected*: an RT request may not evict them (only the last-resort
+  head, when nothing else could run, may). Until session 11 only the requests that fit inside
+  the floor were protected: with ~53-block BE requests and an 83-block floor that was one
+  request, 6.4% of the pool, and RT at ShareGPT 3 req/s kept BE near it (docs/bros.md,
+  "Eighth pass"). A minimum is met by rounding up, not down.
+- `deficit` is what those requests still need on device (admitted ones their restore and
+  growth; the first unadmitted one whole if it heads the BE order, else the `chunk` it needs
+  to start), at most what the protected set holds short of covering the floor: a new RT
+  request is admitted only if it leaves that many blocks free. The request that completes the
+  floor gets a start, not its whole KV reserved: reserving it whole kept ~30 blocks idle while
+  RT waited (RT 2.6x slower at ShareGPT 3 req/s for BE +35%). Admitted RT requests keep
   running and growing; new ones wait until finishing RT requests return the memory (the same
   rule as for parked RT requests). That is what a batch user promised a share expects: the
   share is reserved at the door, not taken back from requests already running. While BE holds
@@ -44,23 +51,28 @@ class BEFloor:
     deficit: int = 0
 
     @classmethod
-    def of(cls, kv: KVCacheManager, be_order: list[Request], share: float) -> BEFloor:
+    def of(cls, kv: KVCacheManager, be_order: list[Request], share: float, chunk: int = 0) -> BEFloor:
         """The floor for `be_order` (BE requests, running and waiting, in packing order) at
-        `share` of the device pool (0: no floor)."""
+        `share` of the device pool (0: no floor). `chunk`: tokens an unadmitted request beyond
+        the first needs to start (0: its whole KV)."""
         floor = math.ceil(share * kv.pool.num_blocks)
         if floor <= 0:
             return cls()
         protected: list[Request] = []
-        wanted = held = 0
+        wanted = need = 0
+        waiting = False  # a request of the floor is not admitted yet
         for b in be_order:
-            whole = -(-(b.num_prompt_tokens + b.params.max_tokens) // kv.block_size)
-            if wanted and wanted + whole > floor:
+            if wanted >= floor:
                 break
-            wanted += whole
+            whole = -(-(b.num_prompt_tokens + b.params.max_tokens) // kv.block_size)
             if kv.holds(b):
                 protected.append(b)
-                held += kv.device_blocks(b)
+                need += max(0, whole - kv.device_blocks(b))
+            elif not waiting:
+                waiting = True
+                need += whole if not wanted or not chunk else min(whole, -(-chunk // kv.block_size))
+            wanted += whole
         # BE holding its share elsewhere owes RT nothing: RT growth evicts the BE requests
         # behind the floor first, and that memory goes to the front ones
         all_held = sum(kv.device_blocks(b) for b in be_order if kv.holds(b))
-        return cls(frozenset(protected), max(0, min(wanted - held, max(floor, wanted) - all_held)))
+        return cls(frozenset(protected), max(0, min(need, max(floor, wanted) - all_held)))

@@ -74,7 +74,9 @@ class BROSStep:
         self._order_rt()
         self.be_candidates = self._be_order()
         self.be_parked = any(self.kv.holds(b) and not self.kv.is_resident(b) for b in self.be_candidates)
-        self.floor = BEFloor.of(self.kv, self.be_candidates, self.policy.min_be_share)
+        # the start the BE request completing the memory floor is reserved: one step's minimum share
+        chunk = math.ceil(self.policy.min_be_share * self.pack.token_budget)
+        self.floor = BEFloor.of(self.kv, self.be_candidates, self.policy.min_be_share, chunk)
         owed = self.policy.be_owed_tokens(self.pack.token_budget) if self.be_candidates else 0
         self.owed_blocks = self._owed_blocks(owed)
         reserve, seat = min(owed, self.pack.token_budget - 1), int(owed > 0 and self.decision.cap > 1)

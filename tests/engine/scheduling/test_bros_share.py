@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from engine.cost_model import CostModel, PhaseFit
+from engine.kv import BlockPool, KVCacheManager
 from engine.sampling import SamplingParams
 from engine.scheduling import SLO, Request, RequestClass
+from engine.scheduling.bros_floor import BEFloor
 from engine.scheduling.slack import TokenGroups
 from loadgen.arrivals import ArrivalSpec
 from loadgen.driver import Driver
@@ -156,3 +158,30 @@ def test_token_groups_run_and_finish():
     summary, policy = _run(4.0, token_group=4)
     assert policy.groups.size == 4
     assert summary["rt"]["completed"] == summary["rt"]["requests"] > 50
+
+
+def _be(rid: str, now: float) -> Request:
+    return Request(rid, list(range(24)), SamplingParams(max_tokens=4), arrival_time=now, req_class=RequestClass.BE)
+
+
+def test_memory_floor_covers_its_share_and_reserves_a_start_for_the_request_that_completes_it():
+    # 100 blocks of 4 tokens, a 10% floor = 10 blocks; each BE request needs 7 blocks whole.
+    # The floor used to protect only the requests that fit inside it: one, 7 blocks, so BE's
+    # "10%" was 7% and RT growth could evict the next one (docs/bros.md, "Eighth pass")
+    kv = KVCacheManager(BlockPool(100, enable_caching=False), 4, bytes_per_token=8)
+    order = [_be(f"be{i}", float(i)) for i in range(3)]
+    assert kv.allocate(order[0], 24)  # 6 of its 7 blocks
+    floor = BEFloor.of(kv, order, 0.1, chunk=8)
+    assert floor.protected == {order[0]}  # the only one holding KV; be1 completes the floor
+    # be0's growth (1 block) and be1's first chunk (2 blocks), not be1 whole: a whole second
+    # request held RT back at ShareGPT 3 req/s until RT ran 2.6x slower (`chunk=0` does that)
+    assert floor.deficit == 1 + 2
+    assert BEFloor.of(kv, order, 0.1).deficit == 1 + 7
+    assert kv.allocate(order[1], 24)
+    floor = BEFloor.of(kv, order, 0.1, chunk=8)
+    assert floor.protected == {order[0], order[1]}  # both cover the floor: RT may evict neither
+    assert floor.deficit == 1 + 1  # their growth; be2 is past the floor
+    assert BEFloor.of(kv, order, 0.0).deficit == 0 and not BEFloor.of(kv, order, 0.0).protected
+    # a first request larger than the floor is still inside it, reserved whole before admission
+    big = [_be("big", 0.0)]
+    assert BEFloor.of(KVCacheManager(BlockPool(40, enable_caching=False), 4), big, 0.1, chunk=8).deficit == 7
