@@ -40,17 +40,18 @@ def cell_argv(repro: str, cell: str) -> tuple[str, ...]:
     return tuple(argv)
 
 
-def probe(argv: tuple[str, ...], policy: str, rate: float) -> dict:
-    """One probe of `policy` at `rate` with the cell's options, recorded step by step."""
+def probe(argv: tuple[str, ...], policy: str, rate: float, requests: int | None = None) -> dict:
+    """One probe of `policy` at `rate` with the cell's options, recorded step by step;
+    `requests`: another trace size (a longer trace asks whether a rate is sustained)."""
     from loadgen.cli import add_run_args
-    from loadgen.metrics import summarize, tbt_ok, ttft_ok
+    from loadgen.metrics import summarize, tbt_samples
     from loadgen.orchestrate import _SloScale, run_once
     from loadgen.sim.policy_trace import preemption_profile
     from loadgen.sim.step_recorder import StepRecorder
 
     p = argparse.ArgumentParser()
     add_run_args(p, target_default="sim")
-    args = p.parse_args([*argv, "--no-progress"])
+    args = p.parse_args([*argv, "--no-progress", *(("--requests", str(requests)) if requests else ())])
     recorders: list[StepRecorder] = []
 
     def attach(target) -> None:
@@ -59,17 +60,7 @@ def probe(argv: tuple[str, ...], policy: str, rate: float) -> dict:
     result = run_once(args, policy, _SloScale(args), rate, progress=False, on_target=attach)
     (recorder,) = recorders  # the paper's setup is one worker
     rt = summarize(result.records, result.elapsed_s)["rt"]
-    # how the misses split, by the metrics' own tests (the SLO is TTFT and P99 TBT both met)
-    misses = {"ttft_only": 0, "tbt_only": 0, "both": 0, "not_completed": 0}
-    for rec in result.records:
-        if rec.slo_ttft_s is None and rec.slo_tpot_s is None:
-            continue
-        if not rec.completed:
-            misses["not_completed"] += 1
-            continue
-        late, choppy = not ttft_ok(rec), not tbt_ok(rec)
-        if late or choppy:
-            misses["both" if late and choppy else "ttft_only" if late else "tbt_only"] += 1
+    misses, stalled_but_met = miss_split(result.records)
     return {
         "policy": policy,
         "rate": rate,
@@ -79,6 +70,8 @@ def probe(argv: tuple[str, ...], policy: str, rate: float) -> dict:
         "requests": rt["requests"],
         "completed": rt["completed"],
         "misses": misses,
+        "met_with_a_gap_over_tbt_slo": stalled_but_met,
+        "largest_gap_s": max((g for r in result.records for g in tbt_samples(r)), default=None),
         "ttft_p50_s": rt["ttft_p50_s"],
         "tpot_p50_s": rt["tpot_p50_s"],
         "output_tokens_per_s": rt["output_tokens_per_s"],
@@ -88,12 +81,37 @@ def probe(argv: tuple[str, ...], policy: str, rate: float) -> dict:
     }
 
 
+def miss_split(records) -> tuple[dict, int]:
+    """How the SLO misses split, by the metrics' own tests (the SLO is TTFT and P99 TBT both
+    met), and how many met requests had a gap over the TBT target all the same."""
+    from loadgen.metrics import tbt_ok, tbt_samples, ttft_ok
+
+    misses = {"ttft_only": 0, "tbt_only": 0, "both": 0, "not_completed": 0}
+    stalled_but_met = 0
+    for rec in records:
+        if rec.slo_ttft_s is None and rec.slo_tpot_s is None:
+            continue
+        if not rec.completed:
+            misses["not_completed"] += 1
+            continue
+        late, choppy = not ttft_ok(rec), not tbt_ok(rec)
+        if late or choppy:
+            misses["both" if late and choppy else "ttft_only" if late else "tbt_only"] += 1
+        elif rec.slo_tpot_s is not None and max(tbt_samples(rec), default=0.0) > rec.slo_tpot_s:
+            # met, though a gap exceeded the TBT target: the per-request P99 (the paper's metric)
+            # leaves out a request's largest ~1% of gaps, so a preempted request that waited
+            # minutes once and then decoded at speed still counts as met
+            stalled_but_met += 1
+    return misses, stalled_but_met
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repro", default="aptserve")
     ap.add_argument("--cell", required=True, help="a cell of the repro's full grid, e.g. sim-opt-att0.6-seed0")
     ap.add_argument("--rates", required=True, help="comma-separated req/s")
     ap.add_argument("--policies", default=None, help="default: the cell's")
+    ap.add_argument("--requests", type=int, default=None, help="another trace size than the cell's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from loadgen.provenance import stamp
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rate in (float(r) for r in args.rates.split(",")):
         for policy in policies:
-            runs.append(probe(cell_opts, policy, rate))
+            runs.append(probe(cell_opts, policy, rate, args.requests))
             print(json.dumps({k: v for k, v in runs[-1].items() if not isinstance(v, dict)}), flush=True)
     if args.out:
         from pathlib import Path

@@ -8,9 +8,9 @@ import argparse
 import pytest
 
 from loadgen.cli import add_run_args
-from loadgen.metrics import summarize
+from loadgen.metrics import RequestRecord, summarize
 from loadgen.orchestrate import _SloScale, run_once
-from loadgen.sim.probe_trace import cell_argv, probe
+from loadgen.sim.probe_trace import cell_argv, miss_split, probe
 
 SMALL = (
     *("--workload", "sharegpt-opt", "--cost-model", "opt-13b-a100-40gb", "--slo-ttft", "1", "--slo-tpot", "1"),
@@ -48,3 +48,28 @@ def test_recorded_probe_decides_as_the_unrecorded_one(policy):
     assert 0 < got["time_share_at_memory_limit"] <= 1
     # at the paper's pool HIDDEN is never kept (docs/aptserve.md): no rebuild is paid
     assert got["hidden_rows"] == 0 and got["mean_rebuild_s_per_step"] == 0.0
+
+
+def _rec(rid: str, times: list[float], finished: bool = True) -> RequestRecord:
+    rec = RequestRecord(rid, "rt", 0.0, 4, len(times), slo_ttft_s=1.0, slo_tpot_s=1.0)
+    rec.token_times_s = times
+    rec.finish_s = times[-1] if finished else None
+    return rec
+
+
+def test_miss_split_counts_each_miss_once_and_the_stalls_p99_hides():
+    steady = [0.5 + 0.1 * i for i in range(300)]
+    # one 120 s stall among 299 gaps: P99 (linear) ignores it, so the request is met
+    stalled = [0.5 + 0.1 * i for i in range(150)] + [135.5 + 0.1 * i for i in range(150)]
+    choppy = [0.5, 2.0, 3.5]  # two gaps of 1.5 s: P99 TBT missed
+    records = [
+        _rec("ok", steady),
+        _rec("stalled", stalled),
+        _rec("late", [1.5 + 0.1 * i for i in range(10)]),
+        _rec("late-choppy", [1.5, 3.0, 4.5]),
+        _rec("choppy", choppy),
+        _rec("open", [0.5], finished=False),
+    ]
+    misses, stalled_but_met = miss_split(records)
+    assert misses == {"ttft_only": 1, "tbt_only": 1, "both": 1, "not_completed": 1}
+    assert stalled_but_met == 1
