@@ -68,15 +68,20 @@ def run_once(
     rate: float,
     progress: bool,
     stop_below: float | None = None,
+    on_target=None,
 ) -> RunResult:
     """One run; `stop_below`: end it once its SLO attainment is certain to stay below this
-    (`MissBound`, open-loop workloads only; `RunResult.stopped_early`, `.attainment_at_most`)."""
+    (`MissBound`, open-loop workloads only; `RunResult.stopped_early`, `.attainment_at_most`);
+    `on_target(target)` sees the built target before the run (a recorder's hook:
+    `loadgen.sim.probe_trace`)."""
     if _is_http(args):
         from loadgen.targets.http import run_http
 
         cfg = workload_config(args, max_len=args.max_model_len, slo_scale=scale.value(None), rate=rate)
         return run_http(args.target, build_workload(cfg), args, progress=progress)
     bundle = _target(args, policy, scale)
+    if on_target is not None:
+        on_target(bundle.target)
     try:
         cfg = workload_config(args, max_len=bundle.max_len, slo_scale=scale.value(bundle), rate=rate)
         _install_policy(bundle, policy, cfg)

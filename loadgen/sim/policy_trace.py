@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 VARIANTS = {
@@ -54,7 +53,6 @@ def trace(
     hook, e.g. `apt_knapsack_trace`); `max_num_seqs` overrides the simulator's default and
     `num_blocks` the profile's KV pool (a memory-starved deployment: docs/aptserve.md, "When
     can HIDDEN pay")."""
-    from engine.kv.hidden import CacheForm
     from engine.scheduling.request import SLO
     from loadgen.arrivals import ArrivalSpec
     from loadgen.driver import Driver
@@ -62,7 +60,7 @@ def trace(
     from loadgen.metrics import summarize, tbt_samples
     from loadgen.prompts import PromptBuilder
     from loadgen.sim.cluster import ClusterSpec, SimTarget
-    from loadgen.sim.step_time import hidden_context_tokens
+    from loadgen.sim.step_recorder import StepRecorder
     from loadgen.sim.worker import SimWorker
     from loadgen.workloads.build import WorkloadConfig, build_workload
 
@@ -79,42 +77,7 @@ def trace(
     worker = SimWorker("w0", spec, cost, name, options)
     if on_worker is not None:
         on_worker(worker)
-    steps, idle = [], 0
-    start_step = worker.start_step
-
-    def logged(now: float):
-        nonlocal idle
-        duration_s = start_step(now)
-        if duration_s is None:
-            idle += 1  # nothing scheduled although the worker had work
-            return None
-        items = worker.batch.items
-        waiting = worker.scheduler.waiting
-        # the paper's "batch at its memory-bound limit" (§3): a request waits whose blocks are not free
-        blocked = bool(waiting) and worker.kv.blocks_needed(waiting[0], waiting[0].num_tokens) > worker.kv.pool.num_free
-        rebuild = cost.hidden_seconds(hidden_context_tokens(items), sum(it.num_new_tokens for it in items))
-        steps.append(
-            (
-                len(items),
-                all(it.num_new_tokens == 1 for it in items),
-                sum(1 for it in items if it.request.cache_form is CacheForm.HIDDEN),
-                duration_s,
-                worker.kv.pool.usage(),
-                rebuild,
-                blocked,
-            )
-        )
-        return duration_s
-
-    worker.start_step = logged
-    admitted: list = []  # every Request the worker made, for per-request preemption counts
-    add = worker.add
-
-    def recorded(req, arrival_time: float):
-        admitted.append(add(req, arrival_time))
-        return admitted[-1]
-
-    worker.add = recorded
+    recorder = StepRecorder(worker)
     cfg = WorkloadConfig(
         workload,
         ArrivalSpec("poisson", rate) if cv == 1.0 else ArrivalSpec("gamma", rate, cv),
@@ -126,10 +89,6 @@ def trace(
     result = Driver(SimTarget([worker], ClusterSpec()), build_workload(cfg), PromptBuilder(spec.vocab_size, seed)).run()
     rt = summarize(result.records, result.elapsed_s)["rt"]
     gaps = sorted((g for r in result.records for g in tbt_samples(r)), reverse=True)
-    decode = [s for s in steps if s[1]]
-    rows = sum(s[0] for s in steps)
-    hidden_rows = sum(s[2] for s in steps)
-    p = worker.scheduler.policy
     return {
         "policy": policy,
         "rate": rate,
@@ -139,27 +98,10 @@ def trace(
         "tbt_p99_attainment": rt["tbt_p99_attainment"],
         "completed": rt["completed"],
         "output_tokens_per_s": rt["output_tokens_per_s"],
-        "num_blocks": spec.num_blocks,
-        "steps": len(steps),
-        "prefill_steps": len(steps) - len(decode),
-        "mean_batch": statistics.mean(s[0] for s in steps),
-        "mean_decode_batch": statistics.mean(s[0] for s in decode) if decode else 0,
-        "max_batch": max(s[0] for s in steps),
-        "mean_step_s": statistics.mean(s[3] for s in steps),
-        "mean_kv_usage": statistics.mean(s[4] for s in steps),
-        "time_share_at_memory_limit": sum(s[3] for s in steps if s[6]) / sum(s[3] for s in steps),
-        "hidden_rows": hidden_rows,
-        "hidden_row_share": hidden_rows / rows if rows else 0.0,
-        "steps_with_hidden": sum(1 for s in steps if s[2]),
-        "preemptions": worker.stats.preemptions,  # conversions (free and re-prefill) included
-        "conversions": getattr(p, "conversions", 0),
-        "mean_rebuild_s_per_step": statistics.mean(s[5] for s in steps),
-        "mean_rebuild_s_per_rebuilding_step": _mean([s[5] for s in steps if s[5] > 0]),
-        "idle_schedules": idle,
+        **recorder.summary(),
         "largest_gaps_s": gaps[:5],
         "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
-        "rho_s_per_block": getattr(p, "rho", None),
-        **preemption_profile(admitted, result.records),
+        **preemption_profile(recorder.admitted, result.records),
     }
 
 
@@ -203,10 +145,6 @@ def preemption_profile(requests: list, records: list) -> dict:
 
 def _ratio(part: int, whole: int) -> float | None:
     return part / whole if whole else None
-
-
-def _mean(values: list[float]) -> float | None:
-    return statistics.mean(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -152,11 +152,14 @@ def test_aptserve_full_cells_use_the_papers_trace_and_serve_every_request():
     meets the SLO when it finishes), with its vLLM's max_num_seqs (256); a probe that cannot meet
     the target any more stops (`--decide-early`). Four seeds per level. The quick cells stay short."""
     full = [c for c in REPROS["aptserve"].cells(quick=False, engine=False) if c.name.startswith("sim-")]
-    assert len(full) == 8
+    assert len(full) == 16  # 2 length profiles x 2 levels x 4 seeds
     for cell in full:
         args = cell_args(cell)
         assert args.requests == 1000 and args.drain_timeout >= 1e5 and args.find_rate
         assert args.max_num_seqs == 256 and args.decide_early
+        # the paper's workload (OPT-tokenizer lengths) in `sim-opt-*`, BROS's lengths in `sim-att*`
+        assert args.workload == ("sharegpt-opt" if cell.name.startswith("sim-opt-") else "sharegpt")
+    assert {cell_args(c).workload for c in REPROS["aptserve"].cells(quick=True, engine=False)} == {"sharegpt"}
     quick = REPROS["aptserve"].cells(quick=True, engine=False)
     assert all(cell_args(c).requests is None and cell_args(c).drain_timeout is None for c in quick)
 
@@ -182,3 +185,15 @@ def test_symphony_long_history_group_runs_the_papers_prompt_size_on_its_128k_pro
     assert profile.meta["max_model_len"] == 131072  # a 15K-token history fits
     # decode pays each context token's K/V read from HBM: 128 KiB at 80% of 1,935 GB/s
     assert profile.decode.alpha1 == pytest.approx(131072 / (1.935e12 * 0.8), rel=0.05)
+
+
+def test_aptserve_figure_puts_each_length_profile_in_its_own_table():
+    """The OPT-length cells get their own table; the BROS-length table is unchanged by them."""
+
+    def doc(ours: float, base: float) -> dict:
+        return {"effective_throughput": {"aptserve": {"rate": ours}, "fcfs-prefill-first": {"rate": base}}}
+
+    lines = REPROS["aptserve"].figure({"sim-att0.9-seed0": doc(5.0, 2.5), "sim-opt-att0.9-seed0": doc(6.0, 2.0)})
+    opt_title = next(i for i, ln in enumerate(lines) if "OPT-tokenizer" in ln)
+    row = "| 90% | vLLM (`fcfs-prefill-first`) | 2.3x | {} | 1 |"
+    assert lines.index(row.format("2.00x [2.00, 2.00]")) < opt_title < lines.index(row.format("3.00x [3.00, 3.00]"))
