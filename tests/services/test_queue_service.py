@@ -166,6 +166,10 @@ async def _record_results(
     kafka = KafkaClient(ServiceSettings(kafka_bootstrap=stack.bootstrap), "test-results-log")
     consumer = await kafka.consumer(group=None, hot=True)
     out: list[tuple[int, ResultBatch]] = []
+    # Only RT requests this log saw accepted count: a previous test's request finishing after the
+    # log started (read from the end) once stood in for one of ours, so the log stopped before
+    # our fourth request's last token and the test saw three RT requests.
+    rt_accepted: set[str] = set()
     rt_finished: set[str] = set()
 
     def all_read() -> bool:
@@ -179,10 +183,12 @@ async def _record_results(
                 for m in msgs:
                     batch = ResultBatch.decode(m.value)
                     out.append((m.timestamp, batch))
+                    rt = [e for e in batch.events if not e.request_id.startswith(tuple(batch_ids))]
+                    rt_accepted.update(e.request_id for e in rt if isinstance(e, Accepted))
                     rt_finished.update(
                         e.request_id
-                        for e in batch.events
-                        if isinstance(e, Delta) and e.finish_reason and not e.request_id.startswith(tuple(batch_ids))
+                        for e in rt
+                        if isinstance(e, Delta) and e.finish_reason and e.request_id in rt_accepted
                     )
     finally:
         await kafka.stop()
