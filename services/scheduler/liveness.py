@@ -26,7 +26,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 from services.scheduler.registry import Admission
-from shared.aio import within
+from shared.aio import run_on_event, within
 from shared.consumer_lag import consumer_lag
 from shared.hearing import Hearing
 from shared.kafka import fetch_decoded
@@ -78,13 +78,13 @@ class Liveness:
 
     async def follow_up_loop(self) -> None:
         """What heartbeats lead to that needs the broker, off the reader's path."""
-        while True:
-            await self._follow_up.wait()
-            self._follow_up.clear()
-            try:
-                await self._follow_up_once()
-            except Exception:  # noqa: BLE001 (a failed send must not end the follow-ups for good)
-                log.warning("heartbeat follow-up failed; the next heartbeat tries again", exc_info=True)
+        failed = "heartbeat follow-up failed; the next heartbeat tries again"
+        await run_on_event(self._follow_up, self._follow_up_round, failed=failed, logger=log)
+
+    async def _follow_up_round(self) -> None:
+        try:
+            await self._follow_up_once()
+        finally:  # a worker heard again may take pending requests, whatever the follow-up did
             self.svc._wake.set()  # noqa: SLF001
 
     async def _follow_up_once(self) -> None:

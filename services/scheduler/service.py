@@ -43,6 +43,7 @@ from services.scheduler.placement_inputs import (
 from services.scheduler.registry import WorkerRegistry
 from services.scheduler.settings import SchedulerSettings
 from services.standby import ActiveStandby
+from shared.aio import run_on_event
 from shared.broker_watch import BrokerRestart, BrokerWatch
 from shared.kafka import NO_RESEND, KafkaClient, OffsetTracker, read_to_end, tail
 from shared.metrics import ServiceMetrics
@@ -235,13 +236,14 @@ class SchedulerService:
     # -- placement -----------------------------------------------------------------------
 
     async def _placement_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self._place_pending()
-            except Exception:  # noqa: BLE001 (a send failed, e.g. the broker restarting: the request's offset stays uncommitted and its assignment is re-routed if unaccounted)
-                log.exception("placement round failed")
+        # A failed round (a send failed, e.g. the broker restarting) leaves the request's offset
+        # uncommitted, and its assignment is re-routed if unaccounted.
+        await run_on_event(self._wake, self._placement_round, failed="placement round failed", logger=log)
+
+    async def _placement_round(self) -> None:
+        try:
+            await self._place_pending()
+        finally:  # what was placed before a failure is still committed
             await self._commit()
             self._flow_control()
 

@@ -32,6 +32,7 @@ from services.worker.kv_auth import PeerVerifier
 from services.worker.kv_pull import KVPuller, PullError
 from services.worker.kv_server import KVServer
 from services.worker.settings import WorkerSettings
+from shared.aio import run_on_event
 from shared.kafka import KafkaClient
 from shared.schemas.requests import GenerateRequest
 from shared.schemas.sessions import Prefetch, SessionLocation
@@ -104,10 +105,8 @@ class WorkerSessions:
         self._dirty_event.set()
 
     async def _publish_loop(self) -> None:
-        while True:
-            await self._dirty_event.wait()
-            self._dirty_event.clear()
-            await self._flush_locations()
+        failed = "session locations not published"
+        await run_on_event(self._dirty_event, self._flush_locations, failed=failed, logger=log)
 
     async def _flush_locations(self) -> None:
         batch, self._dirty = self._dirty, {}
