@@ -17,11 +17,18 @@ keep what it computed, so the floor guarantees memory as well, at admission:
   request, 6.4% of the pool, and RT at ShareGPT 3 req/s kept BE near it (docs/bros.md,
   "Eighth pass"). A minimum is met by rounding up, not down.
 - `deficit` is what those requests still need on device (admitted ones their restore and
-  growth; the first unadmitted one whole if it heads the BE order, else the `chunk` it needs
-  to start), at most what the protected set holds short of covering the floor: a new RT
-  request is admitted only if it leaves that many blocks free. The request that completes the
-  floor gets a start, not its whole KV reserved: reserving it whole kept ~30 blocks idle while
-  RT waited (RT 2.6x slower at ShareGPT 3 req/s for BE +35%). Admitted RT requests keep
+  growth; an unadmitted one whole if it heads the BE order, else the `chunk` it needs to
+  start), at most what the protected set holds short of covering the floor: a new RT request
+  is admitted only if it leaves that many blocks free. The requests that complete the floor
+  get a start, not their whole KV reserved: reserving them whole kept ~30 blocks idle while
+  RT waited (RT 2.6x slower at ShareGPT 3 req/s for BE +35%). *Every* unadmitted request of
+  the floor gets its start, not only the first (session 12): the reservation covers the same
+  requests as the protection, whichever of them happen to hold KV. With a first-only rule
+  the reservation shrank to one request exactly when BE held least, when the head of the BE
+  order and the request after it were both unadmitted (a batch transition, or the head
+  parked after RT growth took its blocks): the second then got nothing reserved and RT
+  admissions took the free blocks before it could start (ShareGPT 3 req/s seed 0: BE −15.1%
+  with the first-only rule, −7.5% with this one; docs/bros.md, "Twelfth session"). Admitted RT requests keep
   running and growing; new ones wait until finishing RT requests return the memory (the same
   rule as for parked RT requests). That is what a batch user promised a share expects: the
   share is reserved at the door, not taken back from requests already running. While BE holds
@@ -53,14 +60,13 @@ class BEFloor:
     @classmethod
     def of(cls, kv: KVCacheManager, be_order: list[Request], share: float, chunk: int = 0) -> BEFloor:
         """The floor for `be_order` (BE requests, running and waiting, in packing order) at
-        `share` of the device pool (0: no floor). `chunk`: tokens an unadmitted request beyond
-        the first needs to start (0: its whole KV)."""
+        `share` of the device pool (0: no floor). `chunk`: tokens an unadmitted request other
+        than the head of `be_order` needs to start (0: its whole KV)."""
         floor = math.ceil(share * kv.pool.num_blocks)
         if floor <= 0:
             return cls()
         protected: list[Request] = []
         wanted = need = 0
-        waiting = False  # a request of the floor is not admitted yet
         for b in be_order:
             if wanted >= floor:
                 break
@@ -68,8 +74,7 @@ class BEFloor:
             if kv.holds(b):
                 protected.append(b)
                 need += max(0, whole - kv.device_blocks(b))
-            elif not waiting:
-                waiting = True
+            else:
                 need += whole if not wanted or not chunk else min(whole, -(-chunk // kv.block_size))
             wanted += whole
         # BE holding its share elsewhere owes RT nothing: RT growth evicts the BE requests

@@ -182,6 +182,21 @@ def test_memory_floor_covers_its_share_and_reserves_a_start_for_the_request_that
     assert floor.protected == {order[0], order[1]}  # both cover the floor: RT may evict neither
     assert floor.deficit == 1 + 1  # their growth; be2 is past the floor
     assert BEFloor.of(kv, order, 0.0).deficit == 0 and not BEFloor.of(kv, order, 0.0).protected
+    # every unadmitted request that covers the floor gets a start, not only the first: with
+    # nothing admitted (a batch transition) the head is reserved whole and be1, which completes
+    # the floor, its chunk too (the first-only rule of 9e56437 reserved the head alone: 7)
+    none_held = KVCacheManager(BlockPool(100, enable_caching=False), 4, bytes_per_token=8)
+    floor = BEFloor.of(none_held, order, 0.1, chunk=8)
+    assert floor.protected == frozenset() and floor.deficit == 7 + 2
+    # a 20-block floor covered by three requests, the head admitted: be1 and be2 each get a start
+    floor = BEFloor.of(kv_one := KVCacheManager(BlockPool(100, enable_caching=False), 4), order, 0.2, chunk=8)
+    assert floor.deficit == 7 + 2 + 2
+    assert kv_one.allocate(order[0], 28)  # the head holds all 7 blocks it needs
+    assert BEFloor.of(kv_one, order, 0.2, chunk=8).deficit == 2 + 2  # the two starts, no growth
+    # capped by what BE as a whole holds short of the covered floor (21 = 3 x 7 blocks): with a
+    # request past the floor holding 12 blocks beside the head's 7, BE lacks 2 blocks, not 4
+    assert kv_one.allocate(extra := _be("extra", 9.0), 48)
+    assert BEFloor.of(kv_one, order + [extra], 0.2, chunk=8).deficit == 21 - 7 - 12
     # a first request larger than the floor is still inside it, reserved whole before admission
     big = [_be("big", 0.0)]
     assert BEFloor.of(KVCacheManager(BlockPool(40, enable_caching=False), 4), big, 0.1, chunk=8).deficit == 7
