@@ -53,6 +53,7 @@ from engine.kv.partial import PartialResidency
 from engine.scheduling.ellm_admission import (
     RATIO_GRID,
     HoldPrice,
+    admissible,
     chunk_seconds,
     final_length,
     hysteresis,
@@ -209,6 +210,8 @@ def choose(
     if s.size == 0:
         return Choice(1, 0.0, math.inf)
     bs = block_size
+    n = s.size
+    s = s[: max(1, admissible(s, bs, capacity_tokens))]  # no ratio admits a candidate past these
     u = prefix_tokens(s, bs)
     # resident blocks per (ratio, candidate): u is whole blocks, so ceil((s - u) / bs) = ceil(s / bs) - u / bs
     need = (-(-s // bs) * bs)[None, :] - u
@@ -221,7 +224,7 @@ def choose(
         # the bound, unpriced; over the first `top` only: a count past them is cut to `batch` anyway
         lo, floor = hysteresis(batch, finals[:top], capacity_tokens, bs, sources, running)
         floor = floor if hold_running else 0
-    grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s)
+    grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s, candidates=n)
     # a larger r only adds rebuild cost once every candidate fits: the search stops at the first such r
     chosen = grid.best(floor)
     if chosen is None:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
