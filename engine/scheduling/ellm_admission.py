@@ -70,18 +70,17 @@ def prefix_tokens(contexts: np.ndarray, bs: int) -> np.ndarray:
     return (np.floor(_RATIOS[:, None] * (contexts - 1)[None, :]).astype(np.int64) // bs) * bs
 
 
-def admissible(contexts: np.ndarray, bs: int, capacity_tokens: int) -> int:
-    """How many of the first candidates fit the pool at the grid's largest ratio: no ratio
-    admits more (twelfth session). A candidate's non-resident tokens never shrink as `r`
-    grows (`prefix_tokens` floors a product increasing in `r`), so its resident need never
-    grows and every ratio's cumulative need is at least this one's, index by index; the
-    needs are positive (a candidate keeps at least the block of its newest token), so each
-    ratio's admitted count is the first index past the capacity, at most this one's. Lets
-    `choose` build its `ratios x candidates` arrays over these candidates only: with a long
-    queue (256 candidates at 16 req/s) most of the list cannot be admitted at any ratio."""
-    u = (np.floor(_RATIOS[-1] * (contexts - 1)).astype(np.int64) // bs) * bs  # `prefix_tokens`' last row
-    need = -(-contexts // bs) * bs - u
-    return int(np.searchsorted(np.cumsum(need), capacity_tokens, side="right"))
+def admissible(need_at_largest: np.ndarray, capacity_tokens: int) -> int:
+    """How many of the first candidates fit the pool at the grid's largest ratio, from their
+    resident needs there (`choose`'s `need[-1]`): no ratio admits more (twelfth session). A
+    candidate's non-resident tokens never shrink as `r` grows (`prefix_tokens` floors a
+    product increasing in `r`), so its resident need never grows and every ratio's cumulative
+    need is at least this one's, index by index; the needs are positive (a candidate keeps at
+    least the block of its newest token), so each ratio's admitted count is the first index
+    past the capacity, at most this one's. Lets `choose` keep its prefix sums, the admission
+    rule's arrays and the search over these candidates only: with a long queue (256
+    candidates at 16 req/s) most of the list cannot be admitted at any ratio."""
+    return int(np.searchsorted(np.cumsum(need_at_largest), capacity_tokens, side="right"))
 
 
 def hysteresis(
