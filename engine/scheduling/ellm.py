@@ -53,7 +53,6 @@ from engine.kv.partial import PartialResidency
 from engine.scheduling.ellm_admission import (
     RATIO_GRID,
     HoldPrice,
-    admissible,
     chunk_seconds,
     final_length,
     hysteresis,
@@ -210,12 +209,9 @@ def choose(
     if s.size == 0:
         return Choice(1, 0.0, math.inf)
     bs = block_size
-    n = s.size
     u = prefix_tokens(s, bs)
     # resident blocks per (ratio, candidate): u is whole blocks, so ceil((s - u) / bs) = ceil(s / bs) - u / bs
     need = (-(-s // bs) * bs)[None, :] - u
-    top = max(1, admissible(need[-1], capacity_tokens))  # no ratio admits a candidate past these
-    s, u, need = s[:top], u[:, :top], need[:, :top]
     batch = (np.cumsum(need, axis=1) <= capacity_tokens).sum(axis=1)  # b per ratio
     floor, lo, pays = 0, batch, None
     if final_contexts is not None:
@@ -225,7 +221,7 @@ def choose(
         # the bound, unpriced; over the first `top` only: a count past them is cut to `batch` anyway
         lo, floor = hysteresis(batch, finals[:top], capacity_tokens, bs, sources, running)
         floor = floor if hold_running else 0
-    grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s, candidates=n)
+    grid = Grid(s, u, batch, lo, pays, cost, sources, tpot_s)
     # a larger r only adds rebuild cost once every candidate fits: the search stops at the first such r
     chosen = grid.best(floor)
     if chosen is None:  # r = 0 without hysteresis; with it, the least ratio that keeps the running set
@@ -249,7 +245,6 @@ def choose(
 
 class ELLMPolicy(SchedulingPolicy):
     name: ClassVar[str] = "ellm"
-    cut_candidates: ClassVar[bool] = True  # read only what `admissible` keeps (off: every candidate; tests)
 
     def __init__(
         self,
@@ -314,8 +309,6 @@ class ELLMPolicy(SchedulingPolicy):
         ends = self._ends
         if len(ends) > 4 * state.limits.max_num_seqs:  # forget requests that left
             ends = self._ends = {}
-        capacity, bs = state.kv.capacity_tokens(), state.kv.block_size
-        largest, need = RATIO_GRID[-1], 0
         for r in candidates:  # one pass: each is read once per step
             n = len(r.token_ids)  # `num_tokens`, without the property's call
             tokens.append(n)
@@ -324,18 +317,12 @@ class ELLMPolicy(SchedulingPolicy):
             if end is None:
                 end = ends[r] = final_length(r, 0)
             finals.append(n if n > end else end)
-            # `choose` cuts the list where the largest ratio's resident need passes the pool
-            # (`admissible`; the same integers as `prefix_tokens`): the rest cannot be admitted
-            # at any ratio, so one candidate past it is all it reads (twelfth session)
-            need += -(-n // bs) * bs - math.floor(largest * (n - 1)) // bs * bs
-            if need > capacity and self.cut_candidates:
-                break
         before = {r.request_id for r in state.running}
         self._committed &= before  # finished or preempted requests hold nothing any more
         choice = choose(
             tokens,
-            capacity,
-            bs,
+            state.kv.capacity_tokens(),
+            state.kv.block_size,
             self.cost_model,
             self.tpot_s,
             state.limits.max_num_seqs,

@@ -70,19 +70,6 @@ def prefix_tokens(contexts: np.ndarray, bs: int) -> np.ndarray:
     return (np.floor(_RATIOS[:, None] * (contexts - 1)[None, :]).astype(np.int64) // bs) * bs
 
 
-def admissible(need_at_largest: np.ndarray, capacity_tokens: int) -> int:
-    """How many of the first candidates fit the pool at the grid's largest ratio, from their
-    resident needs there (`choose`'s `need[-1]`): no ratio admits more (twelfth session). A
-    candidate's non-resident tokens never shrink as `r` grows (`prefix_tokens` floors a
-    product increasing in `r`), so its resident need never grows and every ratio's cumulative
-    need is at least this one's, index by index; the needs are positive (a candidate keeps at
-    least the block of its newest token), so each ratio's admitted count is the first index
-    past the capacity, at most this one's. Lets `choose` keep its prefix sums, the admission
-    rule's arrays and the search over these candidates only: with a long queue (256
-    candidates at 16 req/s) most of the list cannot be admitted at any ratio."""
-    return int(np.searchsorted(np.cumsum(need_at_largest), capacity_tokens, side="right"))
-
-
 def hysteresis(
     batch: np.ndarray,
     final_contexts: Sequence[int],
@@ -155,11 +142,7 @@ class PrefixFutures:
     def __init__(self, contexts: np.ndarray, finals: np.ndarray) -> None:
         self._contexts = contexts
         self._rem = np.maximum(finals - contexts, 1)
-        # one stable sort of every candidate by steps left, shared by each `of(b)` (twelfth
-        # session): the first `b`'s own stable sort is this order without the indices >= b
-        self._order = np.argsort(self._rem, kind="stable")
-        ranked = self._rem[self._order]
-        self._t = ranked[np.concatenate([[True], ranked[1:] != ranked[:-1]])] - 1  # `np.unique(rem) - 1`
+        self._t = np.unique(self._rem) - 1
 
     def of(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(live rows, live context tokens) per point for the first `b` candidates: at point
@@ -169,7 +152,7 @@ class PrefixFutures:
         search rather than the mask since the eleventh session: the mask was the largest
         single cost of the slow decisions)."""
         rem, c = self._rem[:b], self._contexts[:b]
-        order = self._order if b == self._order.size else self._order[self._order < b]
+        order = np.argsort(rem, kind="stable")
         gone = np.searchsorted(rem[order], self._t, side="right")  # rows with at most t steps left
         live_c = np.concatenate([np.cumsum(c[order][::-1])[::-1], [0]])  # Σ contexts from k on
         rows = b - gone

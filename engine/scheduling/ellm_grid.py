@@ -63,10 +63,8 @@ class Grid:
     argmax the first such earlier ratio is decided. Same decisions as deciding every ratio
     (`tests/engine/scheduling/test_ellm_trace.py`)."""
 
-    def __init__(self, s, u, batch, lo, pays, cost, sources, tpot_s, candidates: int | None = None) -> None:
+    def __init__(self, s, u, batch, lo, pays, cost, sources, tpot_s) -> None:
         self.s, self.batch, self.lo, self.pays = s, batch, lo, pays
-        # every candidate, also those past `s` that no ratio admits (`choose` cuts them off)
-        self.candidates = s.size if candidates is None else candidates
         self.cost, self.sources, self.tpot_s = cost, sources, tpot_s
         u = u[:, : int(batch.max())]  # no count the search asks about is larger
         self._d = np.concatenate([[0], np.cumsum(s[: u.shape[1]])])
@@ -213,7 +211,7 @@ class Grid:
         """The first ratio index from `first` up to the range's end (`choose`: the first ratio
         admitting every candidate, or `first` if that comes earlier) of the largest `b / T`
         (class docstring)."""
-        n, end = self.candidates, len(RATIO_GRID) - 1
+        n, end = self.s.size, len(RATIO_GRID) - 1
         full = [int(i) for i in np.flatnonzero(self.batch == n)]  # where admitting everyone is possible
         while True:
             # the range: up to the first ratio known to admit everyone; past the first one that may

@@ -103,7 +103,7 @@ def test_recorded_simulator_choices_are_unchanged():
 def _replay(calls, monkeypatch, prune: bool) -> tuple[list, list]:
     grids = []
     monkeypatch.setattr(Grid, "prune_default", prune)
-    monkeypatch.setattr(ellm, "Grid", lambda *a, **k: grids.append(Grid(*a, **k)) or grids[-1])
+    monkeypatch.setattr(ellm, "Grid", lambda *a: grids.append(Grid(*a)) or grids[-1])
     return [choose(*args, **kwargs) for args, kwargs in calls], grids
 
 
@@ -159,8 +159,8 @@ class _EagerGrid(Grid):
     """The search with every ratio's admission price decided up front (what `choose` did before
     the tenth session decided them lazily)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         for i in range(len(self.batch)):
             self.admitted(i)
 
@@ -171,7 +171,7 @@ def test_lazily_decided_admission_prices_give_the_eager_choices(monkeypatch):
     deciding it for every ratio chooses, on every call of the trace, with host space and
     without; and the trace does reach ratios whose price the lazy search leaves undecided."""
     lazy, grids = [], []
-    monkeypatch.setattr(ellm, "Grid", lambda *a, **k: grids.append(Grid(*a, **k)) or grids[-1])
+    monkeypatch.setattr(ellm, "Grid", lambda *a: grids.append(Grid(*a)) or grids[-1])
     for args, kwargs in trace_inputs(200, seed=10):
         lazy.append(choose(*args, **kwargs))
     left_open = sum(g.undecided(i) for g in grids for i in range(len(g.batch)))
