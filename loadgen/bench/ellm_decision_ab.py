@@ -5,7 +5,8 @@ Each round runs the decision-time cell of docs/ellm.md (`bench ellm-sim --polici
 the paper's 13B/A100 profile with a x1000 host link, TPOT 50 ms, 64 GiB of host space, the host
 source, rate 2, 120 s of arrivals, seed 1) once per checkout, the order swapped every round, each
 in its own process with that checkout's code (`PYTHONPATH`), so the two share the machine's
-load. The simulator's clock is virtual, so two checkouts that decide the same give the same
+load. `--cell rate16` runs the long-queue cell instead (the 16 req/s run at the paper's 40 GB
+host with FLOPs-priced attention: 256 candidates a step; twelfth session). The simulator's clock is virtual, so two checkouts that decide the same give the same
 throughput and TTFT: the document says whether they did. It records, per run, the policy's
 published decision time (`DecisionStats`: CPU time of the whole decision, candidates included;
 p50/p99 over the last 4,096 decisions, mean and max over all), the run's wall time and the load
@@ -29,6 +30,14 @@ CELL = [
     "--prefix-source", "host", "--slo-tpot", "0.05", "--swap-space-gib", "64",
     "--cost-model", "docs/results/ellm/paper-13b-a100-link-x1000-profile.json",
 ]  # fmt: skip
+# the long-queue cell (twelfth session): the eleventh session's 16 req/s run at the paper's 40 GB
+# host with decode attention priced by FLOPs, where the candidate list is full (256) every step
+LONG_QUEUE = [
+    "bench", "ellm-sim", "--policies", "ellm", "--rates", "16", "--seeds", "1", "--seed", "1",
+    "--prefix-source", "host", "--slo-tpot", "0.05", "--swap-space-gib", "37.25",
+    "--cost-model", "docs/results/ellm/paper-13b-a100-link-x1000-flops-attention-profile.json",
+]  # fmt: skip
+CELLS = {"rate2": CELL, "rate16": LONG_QUEUE}
 SAME = ("output_tokens_per_s", "completed", "ttft_mean_s", "tpot_attainment")  # equal if the decisions are
 TIMES = ("p50_decision_cpu_s", "p99_decision_cpu_s", "mean_decision_cpu_s", "max_decision_cpu_s", "p99_decision_s")
 
@@ -43,11 +52,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new", default=".", help="this checkout (default: the current directory)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per run (the cell: 120)")
+    p.add_argument(
+        "--cell", choices=sorted(CELLS), default="rate2",
+        help="rate2: the decision-time cell (default); rate16: the long-queue cell (256 candidates)",
+    )  # fmt: skip
     p.add_argument("--json", dest="json_path", default=None, metavar="FILE")
     p.set_defaults(func=run)
 
 
-def one_run(tree: Path, duration: float) -> dict:
+def one_run(tree: Path, duration: float, cell: list[str] = CELL) -> dict:
     """The cell once with `tree`'s code: its `ellm` decisions, the metrics, its stamp."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
@@ -55,7 +68,7 @@ def one_run(tree: Path, duration: float) -> dict:
         load_before = os.getloadavg()
         start = time.monotonic()
         subprocess.run(
-            [sys.executable, "-m", "services.cli", *CELL, "--duration", str(duration), "--json", str(out)],
+            [sys.executable, "-m", "services.cli", *cell, "--duration", str(duration), "--json", str(out)],
             cwd=tree,
             env=env,
             check=True,
@@ -63,7 +76,8 @@ def one_run(tree: Path, duration: float) -> dict:
         )
         wall = time.monotonic() - start
         doc = json.loads(out.read_text())
-    run = doc["rates"]["2.0"]["per_seed"]["ellm"][0]
+    (rate,) = doc["rates"].values()  # the cell runs one rate
+    run = rate["per_seed"]["ellm"][0]
     return {
         "decisions": run["decisions"],
         "metrics": {k: run[k] for k in SAME},
@@ -83,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = []
     for r in range(args.rounds):
         order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
-        rounds.append({name: one_run(trees[name], args.duration) for name in order})
+        rounds.append({name: one_run(trees[name], args.duration, CELLS[args.cell]) for name in order})
         print(
             f"round {r + 1}: "
             + ", ".join(
@@ -96,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     summary = {name: {k: statistics.median(rd[name]["decisions"][k] for rd in rounds) for k in TIMES} for name in trees}
     doc = {
         "bench": "ellm-decision-ab",
-        "cell": [*CELL, "--duration", str(args.duration)],
+        "cell": [*CELLS[args.cell], "--duration", str(args.duration)],
+        "cell_name": args.cell,
         "trees": {n: str(t) for n, t in trees.items()},
         "commits": {n: rounds[0][n]["provenance"]["git"] for n in trees},
         "same_outcome": all(rd["old"]["metrics"] == rd["new"]["metrics"] for rd in rounds),

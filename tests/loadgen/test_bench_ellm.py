@@ -151,3 +151,22 @@ def test_ellm_decision_ab_alternates_two_checkouts(tmp_path):
             assert d["steps"] > 0 and 0 < d["p50_decision_cpu_s"] <= d["p99_decision_cpu_s"] <= d["max_decision_cpu_s"]
             assert run["provenance"]["git"]["commit"] == doc["provenance"]["git"]["commit"]
     assert doc["median_over_rounds"]["new"]["p99_decision_cpu_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_ellm_decision_ab_runs_the_long_queue_cell(tmp_path):
+    """`--cell rate16` runs the 16 req/s cell (FLOPs-priced attention, the paper's 40 GB host)
+    on both sides and names it in the JSON; one short round."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    path = tmp_path / "ab16.json"
+    res = tandem(
+        "bench", "ellm-decision-ab", "--old", str(root), "--new", str(root), "--rounds", "1", "--duration", "2",
+        "--cell", "rate16", "--json", str(path),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(path.read_text())
+    assert doc["cell_name"] == "rate16" and "16" in doc["cell"] and "37.25" in doc["cell"]
+    assert doc["same_outcome"] is True
+    assert all(run["decisions"]["steps"] > 0 for run in doc["rounds"][0].values())
