@@ -35,6 +35,7 @@ class Variant:
     checkout: str | None = None
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)  # the round of each TTFT (an error leaves a gap)
     errors: list[str] = field(default_factory=list)  # requests that failed or timed out (not in the figures)
 
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         uvloop.run(_bench(args, model, variants))
     result = summarise(variants, args)
     result["load_average_before"] = [round(x, 2) for x in load_before]
+    result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     result["provenance"] = stamp(dtype="float32").as_dict()
     _print(result)
     write_json(result, args.json)
@@ -111,6 +113,7 @@ async def _bench(args, model: str, variants: list[Variant]) -> None:
                         continue
                     if i >= 3 and times:
                         variants[k].ttfts.append(times[0])
+                        variants[k].rounds.append(i)
                         variants[k].itls += [b - a for a, b in zip(times, times[1:])]
 
 
@@ -127,9 +130,12 @@ def summarise(variants: list[Variant], args) -> dict:
             "ttft_p99_s": percentile(v.ttfts, 99),
             "itl_p50_s": percentile(v.itls, 50),
             "itl_p99_s": percentile(v.itls, 99),
+            "ttfts_s": v.ttfts,  # with their rounds: any two variants can be paired afterwards
+            "ttft_rounds": v.rounds,
         }
         if v is not first and v.ttfts and first.ttfts:
-            paired = [a - b for a, b in zip(v.ttfts, first.ttfts)]
+            base = dict(zip(first.rounds, first.ttfts))  # paired by round: an error leaves its round out
+            paired = [t - base[r] for r, t in zip(v.rounds, v.ttfts) if r in base]
             row[f"vs_{first.name}"] = {
                 "ttft_paired_median_diff_s": statistics.median(paired),
                 "ttft_p50_diff_s": row["ttft_p50_s"] - percentile(first.ttfts, 50),
