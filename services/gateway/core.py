@@ -15,7 +15,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.streams import RequestStream, StreamRegistry
 from shared.aio import within
 from shared.broker_watch import BrokerRestart, BrokerWatch
-from shared.kafka import NO_RESEND, KafkaClient, fetch_decoded
+from shared.kafka import NO_RESEND, KafkaClient, fetch_decoded, with_backoff
 from shared.live_workers import LiveWorkers
 from shared.metrics import ServiceMetrics
 from shared.records import decode_record
@@ -26,7 +26,7 @@ from shared.schemas.requests import GenerateRequest
 from shared.schemas.results import Failed, ResultBatch
 from shared.schemas.telemetry import Heartbeat, OwnerHeartbeat
 from shared.topics import Topics
-from shared.tracing import Tracing, sent_ns
+from shared.tracing import KafkaHeaders, Tracing, sent_ns
 
 log = logging.getLogger(__name__)
 # The stop's bounds (`GatewayCore.stop`): the sends still in flight, then closing the Kafka clients.
@@ -48,7 +48,10 @@ class GatewayCore:
         self.kafka = KafkaClient(settings, self.gateway_id)
         self.workers = LiveWorkers(settings.worker_timeout_s)
         self.grants = GrantBook(self.workers)  # RT dispatch by grant (grants.py), when `rt_grants`
-        self.streams = StreamRegistry(self.submit, self.grants.release)
+        self.streams = StreamRegistry(self.submit, self._on_stream_close)
+        # granted requests whose flagged copy waits for their first result event (`_hold_copy`)
+        self._held_copies: dict[str, tuple[GenerateRequest, KafkaHeaders | None, asyncio.TimerHandle]] = {}
+        self._copies_sending: dict[str, asyncio.Task] = {}
         self.metrics = ServiceMetrics("gateway")
         self.m_dispatch = self.metrics.counter(
             "gateway_rt_dispatch_total", "RT requests by path: grant (to the worker) or scheduler", ("path",)
@@ -98,6 +101,8 @@ class GatewayCore:
         (services/worker/owners.py), so those not sent within the grace are dropped (logged)."""
         self.ready = False
         await self.broker_watch.stop()
+        for rid in list(self._held_copies):  # sent within the grace below, like the cancels
+            self._release_copy(rid)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -132,6 +137,8 @@ class GatewayCore:
         topic = self.topics.rt_requests if request.req_class == "rt" else self.topics.be_requests
         stream = self.streams.get(request.request_id)
         trace = stream.trace if stream is not None else None
+        if request.attempt and (request.request_id in self._held_copies or request.request_id in self._copies_sending):
+            await self._copy_before_resume(request.request_id)
         slot = self.grants.take(request) if self.settings.rt_grants else None
         send_ns = time.time_ns()
         if slot is not None:
@@ -149,21 +156,105 @@ class GatewayCore:
 
     async def _send_granted(self, request: GenerateRequest, slot: Slot, headers) -> None:
         """To the granted worker's dispatch topic, and the flagged copy to `requests.rt` (the
-        scheduler records the placement from it): both queued at once, one round trip; the
-        dispatch first, so a worker never waits on the copy. Stamped like a scheduler's dispatch,
-        so a fenced epoch or a deposed term drops it there (shared/schemas/grants.py)."""
+        scheduler records the placement from it). Stamped like a scheduler's dispatch, so a fenced
+        epoch or a deposed term drops it there (shared/schemas/grants.py).
+
+        `rt_grant_copy_after_ms` 0: both queued at once, one round trip; the dispatch first, so a
+        worker never waits on the copy. Above 0: the dispatch alone, and the copy once the
+        request's first result event is read, or that many ms after the dispatch's ack, or its
+        stream closes, whichever comes first (`_hold_copy`): on a 2-core host the broker and the
+        scheduler then handle the copy after the worker's first step, not during it (issue 21,
+        twelfth session, docs/services.md)."""
         rid = request.request_id
         granted = request.model_copy(
             update={"worker_epoch": slot.epoch, "scheduler_term": slot.term, "granted_worker": slot.worker_id}
         )
         try:
             dispatch = self.topics.dispatch(slot.worker_id).name
+            if self.settings.rt_grant_copy_after_ms > 0:
+                await self.kafka.send(dispatch, granted, key=rid, headers=headers)
+                self._hold_copy(granted, headers)
+                return
             to_worker = await self.kafka.send_nowait(dispatch, granted, key=rid, headers=headers)
             copy = await self.kafka.send_nowait(self.topics.rt_requests.name, granted, key=rid, headers=headers)
             await asyncio.gather(to_worker, copy)
         except BaseException:
             self.grants.release(rid)
             raise
+
+    def _hold_copy(self, granted: GenerateRequest, headers: KafkaHeaders | None) -> None:
+        """Hold a granted request's copy until its first result event, its stream's close, or
+        `rt_grant_copy_after_ms`, whichever comes first. The failure cases are those of the copy
+        sent at once, over a window of at most that bound (docs/services.md, twelfth session):
+        the gateway dying before the copy leaves the request to the owner-heartbeat path as
+        before; a worker lost meanwhile is fenced before or after the copy arrives, and the
+        scheduler re-routes or re-places it either way; a copy arriving after its request
+        finished is retired by the worker's next heartbeat (finished ids cover the last minute)."""
+        rid = granted.request_id
+        if self.streams.get(rid) is None:  # closed already (cannot happen today): no event will come
+            self._start_copy(granted, headers)
+            return
+        timer = asyncio.get_running_loop().call_later(
+            self.settings.rt_grant_copy_after_ms / 1000, self._release_copy, rid
+        )
+        self._held_copies[rid] = (granted, headers, timer)
+
+    def _release_copy(self, request_id: str) -> None:
+        """Send the held copy of `request_id` now, if there is one."""
+        held = self._held_copies.pop(request_id, None)
+        if held is not None:
+            held[2].cancel()
+            self._start_copy(held[0], held[1])
+
+    def _start_copy(self, granted: GenerateRequest, headers: KafkaHeaders | None) -> None:
+        rid = granted.request_id
+        task = asyncio.ensure_future(self._send_copy(granted, headers))
+        self._copies_sending[rid] = task
+        self._fire_and_forget.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._fire_and_forget.discard(t)
+            if self._copies_sending.get(rid) is t:
+                del self._copies_sending[rid]
+
+        task.add_done_callback(done)
+
+    async def _send_copy(self, granted: GenerateRequest, headers: KafkaHeaders | None) -> None:
+        """The copy must reach the scheduler while its request may still need re-placing: a
+        broker briefly away is waited out (about a minute), like a service's start."""
+        rid = granted.request_id
+        try:
+            await with_backoff(
+                f"granted copy of {rid}",
+                lambda: self.kafka.send(self.topics.rt_requests.name, granted, key=rid, headers=headers),
+            )
+        except Exception:  # noqa: BLE001
+            log.warning(
+                "granted copy not published: the scheduler does not know this request",
+                exc_info=True,
+                extra={"request_id": rid},
+            )
+
+    async def _copy_before_resume(self, request_id: str) -> None:
+        """A resumed attempt of a granted request (a gap in its stream) must follow the first
+        attempt's copy on `requests.rt` (same key, same partition): the scheduler's assignment
+        table keeps one entry per request id, and a late copy of attempt 0 would replace the
+        resumed attempt's."""
+        self._release_copy(request_id)
+        task = self._copies_sending.get(request_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    def _on_stream_close(self, request_id: str) -> None:
+        self.grants.release(request_id)
+        self._release_copy(request_id)
+
+    def _on_first_events(self, batch: ResultBatch) -> None:
+        """Release the held copies of requests that have a result event now (not an `Accepted`
+        alone: a first token, a failure, a re-route)."""
+        for e in batch.events:
+            if e.request_id in self._held_copies and e.type != "accepted":
+                self._release_copy(e.request_id)
 
     async def _grants_loop(self, consumer) -> None:
         known: set[str] = set()
@@ -224,7 +315,14 @@ class GatewayCore:
                     if log.isEnabledFor(logging.DEBUG):
                         for e in batch.events:
                             log.debug("event %s", e.type, extra={"request_id": e.request_id})
-                    await self.streams.on_batch(batch, sent_ns(record.headers), read_ns)
+                    await self.route(batch, sent_ns(record.headers), read_ns)
+
+    async def route(self, batch: ResultBatch, sent: int | None = None, read_ns: int = 0) -> None:
+        """Hand `batch`'s events to their streams, then release the held copies they concern
+        (after: the first token's SSE write is queued before the copy's send)."""
+        await self.streams.on_batch(batch, sent, read_ns)
+        if self._held_copies:
+            self._on_first_events(batch)
 
     async def _heartbeat_loop(self, consumer) -> None:
         while True:
@@ -264,6 +362,9 @@ class GatewayCore:
             )
 
         self.grants.clear()  # its scheduler's term and workers' epochs belong to the lost broker
+        for _, _, timer in self._held_copies.values():  # their worker's epochs died with the broker too
+            timer.cancel()
+        self._held_copies.clear()
         ended = self.streams.fail_open(failure)
         for request_id in ended:
             self.cancel_soon(request_id)

@@ -29,3 +29,10 @@ class GatewaySettings(BatchStoreSettings):
     # TANDEM_RT_GRANTS): send RT requests straight to a worker within the scheduler's grant (two
     # hops to the first token); off: every request through the scheduler (three hops).
     rt_grants: bool = False
+    # When the flagged copy of a granted request goes to `requests.rt` (docs/services.md, issue 21,
+    # twelfth session): 0 = with the dispatch (one round trip); > 0 = once the request's first
+    # result event arrives, or this many ms after the dispatch's ack, whichever comes first (at
+    # once when its stream closes sooner), so the scheduler's and the broker's work on the copy
+    # does not compete with the worker's first step on a small host. 1000: paired TTFT median
+    # better than 0 in all three runs (-1.0 to -8.5 ms), p99 in two of three.
+    rt_grant_copy_after_ms: float = 1000.0

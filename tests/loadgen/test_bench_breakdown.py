@@ -97,10 +97,14 @@ def test_gateway_ab_parses_variants_and_pairs_rounds():
     assert (a.name, a.checkout) == ("grants", None)
     assert a.env == {"TANDEM_RT_GRANTS": "true", "TANDEM_KAFKA_FETCH_WAIT_MS": "1"}
     assert (b.name, b.env, b.checkout) == ("main", {}, "/tmp/x")
-    a.ttfts, a.itls = [0.010, 0.020, 0.030], [0.001, 0.002]
-    b.ttfts, b.itls = [0.012, 0.026, 0.031], [0.002, 0.004]
+    a.ttfts, a.itls, a.rounds = [0.010, 0.020, 0.030], [0.001, 0.002], [3, 4, 5]
+    b.ttfts, b.itls, b.rounds = [0.012, 0.026, 0.031], [0.002, 0.004], [3, 4, 5]
     got = summarise([a, b], type("Args", (), {"model": "tiny", "rounds": 3, "max_tokens": 4}))
     vs = got["variants"]["main"]["vs_grants"]
     assert round(vs["ttft_paired_median_diff_s"], 9) == 0.002  # per round: +2, +6, +1 ms
+    b.ttfts, b.rounds = [0.026, 0.031], [4, 5]  # round 3 failed on main: the rest stay paired
+    row = summarise([a, b], type("Args", (), {"model": "tiny", "rounds": 3, "max_tokens": 4}))["variants"]["main"]
+    assert round(row["vs_grants"]["ttft_paired_median_diff_s"], 9) == 0.0035  # +6, +1 ms
+    assert row["ttft_rounds"] == [4, 5]
     assert round(vs["itl_p50_diff_s"], 9) == 0.0015
     assert "vs_grants" not in got["variants"]["grants"]
