@@ -6,8 +6,9 @@ the paper's 13B/A100 profile with a x1000 host link, TPOT 50 ms, 64 GiB of host 
 source, rate 2, 120 s of arrivals, seed 1) once per checkout, the order swapped every round, each
 in its own process with that checkout's code (`PYTHONPATH`), so the two share the machine's
 load. `--cell rate16` runs the long-queue cell instead (the 16 req/s run at the paper's 40 GB
-host with FLOPs-priced attention: 256 candidates a step; twelfth session). The simulator's clock is virtual, so two checkouts that decide the same give the same
-throughput and TTFT: the document says whether they did. It records, per run, the policy's
+host with FLOPs-priced attention: 256 candidates a step; twelfth session). The simulator's
+clock is virtual, so two checkouts that decide the same give the same throughput and TTFT:
+the document says whether they did. It records, per run, the policy's
 published decision time (`DecisionStats`: CPU time of the whole decision, candidates included;
 p50/p99 over the last 4,096 decisions, mean and max over all), the run's wall time and the load
 average before and after, and each run's own provenance stamp (its checkout's commit).
