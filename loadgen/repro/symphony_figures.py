@@ -455,3 +455,92 @@ def _ratio(value: float | None) -> str:
 def _target(doc: dict) -> dict:
     targets = doc.get("targets") or {}
     return next(iter(targets.values()), {})
+
+
+def _by_mode_window(docs: dict[str, dict]) -> dict[int, dict[str, dict[int, dict]]]:
+    """Cells named `{mode}-u{N}-w{S}` (a longer measured window, session 12): window S -> mode ->
+    users -> doc."""
+    out: dict[int, dict[str, dict[int, dict]]] = {}
+    for name, doc in docs.items():
+        head, _, window = name.removeprefix("sim-").rpartition("-w")
+        mode, _, users = head.rpartition("-u")
+        if mode and users.isdigit() and window.isdigit() and _rt_metric(doc, "ttft_p99_s") is not None:
+            out.setdefault(int(window), {}).setdefault(mode, {})[int(users)] = doc
+    return out
+
+
+def _grid_bracket(values: dict[int, float], bound: float) -> tuple[int, int | None]:
+    """(the most users under `bound` before the first count over it, that first count or None)."""
+    held = 0
+    for u in sorted(values):
+        if values[u] > bound:
+            return held, u
+        held = u
+    return held, None
+
+
+def window_bound_table(docs: dict[str, dict]) -> list[str]:
+    """The same-p99-TTFT reading with a well-measured anchor (session 12). For each long-window
+    cell of a baseline (recompute, recompute-cached) the bound is its own TTFT p99, seed by seed;
+    the baseline's users at it are read from its long-window cells (the 600 s grid's cells fill
+    the counts it has no long-window cell for, above its heaviest), every other mode's from the
+    600 s grid, seed i of every cell (a cell with fewer seeds lends its mean: such a seed is
+    "unpaired" for that mode). Per seed: the grid bracket (the most users held before the first
+    count over the bound, and that count), the crossing interpolated in log(users), and two ratios:
+    interpolated, and the grid's lower bound (the other mode's held count over the baseline's first
+    count over the bound; "—" where the baseline broke no tested count). A mode that broke no
+    tested count gives "+": it holds at its largest count, a lower bound."""
+    lines: list[str] = []
+    short = _by_mode(docs)
+    for window, by_mode in sorted(_by_mode_window(docs).items()):
+        for base in ("recompute", "recompute-cached"):
+            long_row = by_mode.get(base, {})
+            others = [m for m in MODES[MODES.index(base) + 1 :] if m in short]  # the modes that reuse more
+            if not long_row or not others:
+                continue
+            top = max(long_row)
+            base_row = {**{u: d for u, d in short.get(base, {}).items() if u > top}, **long_row}
+            for anchor, doc in sorted(long_row.items()):
+                bounds = _seed_values(doc, "ttft_p99_s")
+                if not bounds:
+                    continue
+                lines += [
+                    f"## Users at {base}'s own TTFT p99 at {anchor} user{'s' if anchor > 1 else ''}, "
+                    f"measured over {window} s ({len(bounds)} seeds)",
+                    "",
+                    f"{base}'s cells: {', '.join(str(u) for u in sorted(long_row))} users over {window} s"
+                    + (
+                        f", {', '.join(str(u) for u in sorted(base_row) if u > top)} from the 600 s grid"
+                        if len(base_row) > len(long_row)
+                        else ""
+                    )
+                    + "; the others from the 600 s grid. Grid: held / first over; interpolated in brackets.",
+                    "",
+                    f"| seed | bound s | {base} carries | "
+                    + " | ".join(f"{m} carries | {m} / {base} (interp.) | {m} / {base} >= (grid)" for m in others)
+                    + " |",
+                    "|---" * (3 + 3 * len(others)) + "|",
+                ]
+                for i, bound in enumerate(bounds):
+                    b_held, b_over = _grid_bracket(_seed_row(base_row, "ttft_p99_s", i), bound)
+                    b_at, b_lower = _users_under(_seed_row(base_row, "ttft_p99_s", i), bound)
+                    cells = [str(i), f"{bound:.2f}", _bracket(b_held, b_over, b_at, b_lower)]
+                    for m in others:
+                        row = short[m]
+                        vals = _seed_row(row, "ttft_p99_s", i)
+                        held, over = _grid_bracket(vals, bound)
+                        at, lower = _users_under(vals, bound)
+                        unpaired = sum(1 for d in row.values() if len(_seed_values(d, "ttft_p99_s") or []) <= i)
+                        note = f" ({unpaired} cell(s) unpaired)" if unpaired else ""
+                        interp = "—" if not b_at or b_lower else f"{at / b_at:.1f}x" + ("+" if lower else "")
+                        grid = "—" if b_over is None else f"{held / b_over:.1f}x" + ("+" if over is None else "")
+                        cells += [_bracket(held, over, at, lower) + note, interp, grid]
+                    lines.append("| " + " | ".join(cells) + " |")
+                lines.append("")
+    return lines
+
+
+def _bracket(held: int, over: int | None, at: float, lower: bool) -> str:
+    if over is None:
+        return f"{held}+ (none over)"
+    return f"{held} / {over} ({at:.1f})" if held else f"0 / {over}"
