@@ -479,19 +479,32 @@ def _grid_bracket(values: dict[int, float], bound: float) -> tuple[int, int | No
     return held, None
 
 
+def _pooled(doc: dict, key: str) -> tuple[float, int] | None:
+    """(an RT metric over every seed's measured requests as one sample, how many requests); None
+    for a cell run before `seeds.pooled` existed (session 12) or with one seed."""
+    pooled = (doc.get("seeds") or {}).get("pooled") or {}
+    rt = next(iter(pooled.values()), {}).get("rt", {})
+    value = rt.get(key)
+    return None if value is None else (value, rt.get("requests") or 0)
+
+
 def window_bound_table(docs: dict[str, dict]) -> list[str]:
     """The same-p99-TTFT reading with a well-measured anchor (session 12). For each long-window
-    cell of a baseline (recompute, recompute-cached) the bound is its own TTFT p99, seed by seed;
-    the baseline's users at it are read from its long-window cells (the 600 s grid's cells fill
-    the counts it has no long-window cell for, above its heaviest), every other mode's from the
-    600 s grid, seed i of every cell (a cell with fewer seeds lends its mean: such a seed is
-    "unpaired" for that mode). Per seed: the grid bracket (the most users held before the first
-    count over the bound, and that count), the crossing interpolated in log(users), and two ratios:
-    interpolated, and the grid's lower bound (the other mode's held count over the baseline's first
-    count over the bound; "—" where the baseline broke no tested count). A mode that broke no
-    tested count gives "+": it holds at its largest count, a lower bound."""
+    cell of a baseline (recompute, recompute-cached) the bound is its own TTFT p99, read two ways:
+    - pooled: the p99 over every seed's measured turns as one sample (the anchor: one user's turns
+      over many sessions); the baseline's users at it come from its long-window cells' pooled
+      p99s, each other mode's from each of its seeds in turn (one row per seed);
+    - seed by seed: seed i's own p99, the baseline's users from seed i of its long-window cells,
+      the others' from seed i of theirs (a cell with fewer seeds lends its mean: "unpaired").
+    The 600 s grid's cells fill the baseline's counts above its heaviest long-window cell (their
+    seed mean where no pooled value). Per row: the grid bracket (the most users held before the
+    first count over the bound, and that count), the crossing interpolated in log(users), and two
+    ratios: interpolated, and the grid's lower bound (the other mode's held count over the
+    baseline's first count over the bound; "—" where the baseline broke no tested count). A mode
+    that broke no tested count gives "+": it holds at its largest count, a lower bound."""
     lines: list[str] = []
     short = _by_mode(docs)
+    key = "ttft_p99_s"
     for window, by_mode in sorted(_by_mode_window(docs).items()):
         for base in ("recompute", "recompute-cached"):
             long_row = by_mode.get(base, {})
@@ -500,8 +513,13 @@ def window_bound_table(docs: dict[str, dict]) -> list[str]:
                 continue
             top = max(long_row)
             base_row = {**{u: d for u, d in short.get(base, {}).items() if u > top}, **long_row}
+            pooled_row = {}
+            for u, d in base_row.items():
+                pv = _pooled(d, key)
+                pooled_row[u] = pv[0] if pv else _rt_metric(d, key)[0]
+            n_others = max(len(_seed_values(d, key) or []) for m in others for d in short[m].values())
             for anchor, doc in sorted(long_row.items()):
-                bounds = _seed_values(doc, "ttft_p99_s")
+                bounds = _seed_values(doc, key)
                 if not bounds:
                     continue
                 lines += [
@@ -516,21 +534,29 @@ def window_bound_table(docs: dict[str, dict]) -> list[str]:
                     )
                     + "; the others from the 600 s grid. Grid: held / first over; interpolated in brackets.",
                     "",
-                    f"| seed | bound s | {base} carries | "
+                    f"| bound: {base}'s p99 | bound s | {base} carries | "
                     + " | ".join(f"{m} carries | {m} / {base} (interp.) | {m} / {base} >= (grid)" for m in others)
                     + " |",
                     "|---" * (3 + 3 * len(others)) + "|",
                 ]
+                rows = []
+                pooled = _pooled(doc, key)
+                if pooled:
+                    for j in range(n_others):
+                        label = f"pooled ({len(bounds)} seeds, {pooled[1]} turns), others' seed {j}"
+                        rows.append((label, pooled[0], pooled_row, j))
                 for i, bound in enumerate(bounds):
-                    b_held, b_over = _grid_bracket(_seed_row(base_row, "ttft_p99_s", i), bound)
-                    b_at, b_lower = _users_under(_seed_row(base_row, "ttft_p99_s", i), bound)
-                    cells = [str(i), f"{bound:.2f}", _bracket(b_held, b_over, b_at, b_lower)]
+                    rows.append((f"seed {i}", bound, _seed_row(base_row, key, i), i))
+                for label, bound, base_vals, i in rows:
+                    b_held, b_over = _grid_bracket(base_vals, bound)
+                    b_at, b_lower = _users_under(base_vals, bound)
+                    cells = [label, f"{bound:.2f}", _bracket(b_held, b_over, b_at, b_lower)]
                     for m in others:
                         row = short[m]
-                        vals = _seed_row(row, "ttft_p99_s", i)
+                        vals = _seed_row(row, key, i)
                         held, over = _grid_bracket(vals, bound)
                         at, lower = _users_under(vals, bound)
-                        unpaired = sum(1 for d in row.values() if len(_seed_values(d, "ttft_p99_s") or []) <= i)
+                        unpaired = sum(1 for d in row.values() if len(_seed_values(d, key) or []) <= i)
                         note = f" ({unpaired} cell(s) unpaired)" if unpaired else ""
                         interp = "—" if not b_at or b_lower else f"{at / b_at:.1f}x" + ("+" if lower else "")
                         grid = "—" if b_over is None else f"{held / b_over:.1f}x" + ("+" if over is None else "")

@@ -482,14 +482,21 @@ def test_the_window_anchor_reads_recompute_own_long_window_p99_seed_by_seed():
     # seed 0: bound 4 s; recompute is over it at 2 users (5 s): held 1, first over 2, crossing 1.0;
     # hints hold at 128 and break at 256 (200 s): 128 * 2 ** ((4 - 0.5) / 199.5) = 129.6;
     # ratios 129.6x interpolated, >= 128 / 2 = 64x on the grid
-    assert "| 0 | 4.00 | 1 / 2 (1.0) | 128 / 256 (129.6) | 129.6x | 64.0x |" in lines
+    assert "| seed 0 | 4.00 | 1 / 2 (1.0) | 128 / 256 (129.6) | 129.6x | 64.0x |" in lines
     # seed 2: bound 6 s; recompute 2 users (6.5 s) over it: crossing 1 * 2 ** (0 / 0.5) = 1.0;
     # hints' seed 2 is their mean (unpaired: 64 and 128 ran 2 seeds, 256 one)
-    row = next(ln for ln in lines if ln.startswith("| 2 | 6.00 |"))
+    row = next(ln for ln in lines if ln.startswith("| seed 2 | 6.00 |"))
     assert "(3 cell(s) unpaired)" in row and "| 64.0x |" in row
     # seed 1, the 2-user anchor: bound 5.5 s; recompute's own count is 2 (over at 4: 7 s)
     two = lines[lines.index("## Users at recompute's own TTFT p99 at 2 users, measured over 9000 s (3 seeds)") :]
-    assert next(ln for ln in two if ln.startswith("| 1 | 5.50 |")).startswith("| 1 | 5.50 | 2 / 4 (2.0) |")
+    assert next(ln for ln in two if ln.startswith("| seed 1 | 5.50 |")).startswith("| seed 1 | 5.50 | 2 / 4 (2.0) |")
+    # the pooled anchor (every seed's turns as one sample): recompute's pooled curve, hints' seeds
+    # one row each; cells without a pooled value lend their seed mean (recompute at 2 and 4 here)
+    docs["recompute-u1-w9000"]["seeds"]["pooled"] = {"p": {"rt": {"ttft_p99_s": 5.8, "requests": 600}}}
+    lines = window_bound_table(docs)
+    # bound 5.8 s: recompute 1 (5.0) / 2 (5.67): held 2, over 4 (7.0): 2 * 2 ** ((5.8 - 5.67) / 1.33) = 2.1
+    assert any(ln.startswith("| pooled (3 seeds, 600 turns), others' seed 0 | 5.80 | 2 / 4 (2.1) |") for ln in lines)
+    assert any(ln.startswith("| pooled (3 seeds, 600 turns), others' seed 1 | 5.80 |") for ln in lines)
     # a baseline that breaks no tested count gives no grid ratio
     flat = window_bound_table({"recompute-u1-w9000": doc(9.5), "recompute-u2-w9000": doc(9.4), "hints-u64": doc(0.5)})
-    assert "| 0 | 9.50 | 2+ (none over) | 64+ (none over) | — | — |" in flat
+    assert "| seed 0 | 9.50 | 2+ (none over) | 64+ (none over) | — | — |" in flat
