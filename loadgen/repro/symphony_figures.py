@@ -497,7 +497,9 @@ def window_bound_table(docs: dict[str, dict]) -> list[str]:
     - seed by seed: seed i's own p99, the baseline's users from seed i of its long-window cells,
       the others' from seed i of theirs (a cell with fewer seeds lends its mean: "unpaired").
     The 600 s grid's cells fill the baseline's counts above its heaviest long-window cell (their
-    seed mean where no pooled value). Per row: the grid bracket (the most users held before the
+    seed mean where no pooled value). The baseline carries at least the anchor's users (it meets
+    its own p99 there by definition): its lighter cells are not read (their p99, the few longest
+    histories a light cell drew, is not monotone in users). Per row: the grid bracket (the most users held before the
     first count over the bound, and that count), the crossing interpolated in log(users), and two
     ratios: interpolated, and the grid's lower bound (the other mode's held count over the
     baseline's first count over the bound; "—" where the baseline broke no tested count). A mode
@@ -548,6 +550,12 @@ def window_bound_table(docs: dict[str, dict]) -> list[str]:
                 for i, bound in enumerate(bounds):
                     rows.append((f"seed {i}", bound, _seed_row(base_row, key, i), i))
                 for label, bound, base_vals, i in rows:
+                    # the baseline meets its own p99 at the anchor by definition: lighter cells
+                    # over it (a light cell's p99 is the few longest histories it happened to
+                    # draw, not monotone in users) do not make it carry fewer than the anchor
+                    base_vals = {u: v for u, v in base_vals.items() if u >= anchor}
+                    if label.startswith("seed"):
+                        base_vals[anchor] = min(base_vals[anchor], bound)
                     b_held, b_over = _grid_bracket(base_vals, bound)
                     b_at, b_lower = _users_under(base_vals, bound)
                     cells = [label, f"{bound:.2f}", _bracket(b_held, b_over, b_at, b_lower)]
