@@ -455,3 +455,126 @@ def _ratio(value: float | None) -> str:
 def _target(doc: dict) -> dict:
     targets = doc.get("targets") or {}
     return next(iter(targets.values()), {})
+
+
+def _by_mode_window(docs: dict[str, dict]) -> dict[int, dict[str, dict[int, dict]]]:
+    """Cells named `{mode}-u{N}-w{S}` (a longer measured window, session 12): window S -> mode ->
+    users -> doc."""
+    out: dict[int, dict[str, dict[int, dict]]] = {}
+    for name, doc in docs.items():
+        head, _, window = name.removeprefix("sim-").rpartition("-w")
+        mode, _, users = head.rpartition("-u")
+        if mode and users.isdigit() and window.isdigit() and _rt_metric(doc, "ttft_p99_s") is not None:
+            out.setdefault(int(window), {}).setdefault(mode, {})[int(users)] = doc
+    return out
+
+
+def _grid_bracket(values: dict[int, float], bound: float) -> tuple[int, int | None]:
+    """(the most users under `bound` before the first count over it, that first count or None)."""
+    held = 0
+    for u in sorted(values):
+        if values[u] > bound:
+            return held, u
+        held = u
+    return held, None
+
+
+def _pooled(doc: dict, key: str) -> tuple[float, int] | None:
+    """(an RT metric over every seed's measured requests as one sample, how many requests); None
+    for a cell run before `seeds.pooled` existed (session 12) or with one seed."""
+    pooled = (doc.get("seeds") or {}).get("pooled") or {}
+    rt = next(iter(pooled.values()), {}).get("rt", {})
+    value = rt.get(key)
+    return None if value is None else (value, rt.get("requests") or 0)
+
+
+def window_bound_table(docs: dict[str, dict]) -> list[str]:
+    """The same-p99-TTFT reading with a well-measured anchor (session 12). For each long-window
+    cell of a baseline (recompute, recompute-cached) the bound is its own TTFT p99, read two ways:
+    - pooled: the p99 over every seed's measured turns as one sample (the anchor: one user's turns
+      over many sessions); the baseline's users at it come from its long-window cells' pooled
+      p99s, each other mode's from each of its seeds in turn (one row per seed);
+    - seed by seed: seed i's own p99, the baseline's users from seed i of its long-window cells,
+      the others' from seed i of theirs (a cell with fewer seeds lends its mean: "unpaired").
+    The 600 s grid's cells fill the baseline's counts above its heaviest long-window cell (their
+    seed mean where no pooled value). The baseline carries at least the anchor's users (it meets
+    its own p99 there by definition): its lighter cells are not read (their p99, the few longest
+    histories a light cell drew, is not monotone in users). Per row: the grid bracket (the most users held before the
+    first count over the bound, and that count), the crossing interpolated in log(users), and two
+    ratios: interpolated, and the grid's lower bound (the other mode's held count over the
+    baseline's first count over the bound; "—" where the baseline broke no tested count). A mode
+    that broke no tested count gives "+": it holds at its largest count, a lower bound."""
+    lines: list[str] = []
+    short = _by_mode(docs)
+    key = "ttft_p99_s"
+    for window, by_mode in sorted(_by_mode_window(docs).items()):
+        for base in ("recompute", "recompute-cached"):
+            long_row = by_mode.get(base, {})
+            others = [m for m in MODES[MODES.index(base) + 1 :] if m in short]  # the modes that reuse more
+            if not long_row or not others:
+                continue
+            top = max(long_row)
+            base_row = {**{u: d for u, d in short.get(base, {}).items() if u > top}, **long_row}
+            pooled_row = {}
+            for u, d in base_row.items():
+                pv = _pooled(d, key)
+                pooled_row[u] = pv[0] if pv else _rt_metric(d, key)[0]
+            n_others = max(len(_seed_values(d, key) or []) for m in others for d in short[m].values())
+            for anchor, doc in sorted(long_row.items()):
+                bounds = _seed_values(doc, key)
+                if not bounds:
+                    continue
+                lines += [
+                    f"## Users at {base}'s own TTFT p99 at {anchor} user{'s' if anchor > 1 else ''}, "
+                    f"measured over {window} s ({len(bounds)} seeds)",
+                    "",
+                    f"{base}'s cells: {', '.join(str(u) for u in sorted(long_row))} users over {window} s"
+                    + (
+                        f", {', '.join(str(u) for u in sorted(base_row) if u > top)} from the 600 s grid"
+                        if len(base_row) > len(long_row)
+                        else ""
+                    )
+                    + "; the others from the 600 s grid. Grid: held / first over; interpolated in brackets.",
+                    "",
+                    f"| bound: {base}'s p99 | bound s | {base} carries | "
+                    + " | ".join(f"{m} carries | {m} / {base} (interp.) | {m} / {base} >= (grid)" for m in others)
+                    + " |",
+                    "|---" * (3 + 3 * len(others)) + "|",
+                ]
+                rows = []
+                pooled = _pooled(doc, key)
+                if pooled:
+                    for j in range(n_others):
+                        label = f"pooled ({len(bounds)} seeds, {pooled[1]} turns), others' seed {j}"
+                        rows.append((label, pooled[0], pooled_row, j))
+                for i, bound in enumerate(bounds):
+                    rows.append((f"seed {i}", bound, _seed_row(base_row, key, i), i))
+                for label, bound, base_vals, i in rows:
+                    # the baseline meets its own p99 at the anchor by definition: lighter cells
+                    # over it (a light cell's p99 is the few longest histories it happened to
+                    # draw, not monotone in users) do not make it carry fewer than the anchor
+                    base_vals = {u: v for u, v in base_vals.items() if u >= anchor}
+                    if label.startswith("seed"):
+                        base_vals[anchor] = min(base_vals[anchor], bound)
+                    b_held, b_over = _grid_bracket(base_vals, bound)
+                    b_at, b_lower = _users_under(base_vals, bound)
+                    cells = [label, f"{bound:.2f}", _bracket(b_held, b_over, b_at, b_lower)]
+                    for m in others:
+                        row = short[m]
+                        vals = _seed_row(row, key, i)
+                        held, over = _grid_bracket(vals, bound)
+                        at, lower = _users_under(vals, bound)
+                        unpaired = sum(1 for d in row.values() if len(_seed_values(d, key) or []) <= i)
+                        note = f" ({unpaired} cell(s) unpaired)" if unpaired else ""
+                        interp = "—" if not b_at or b_lower else f"{at / b_at:.1f}x" + ("+" if lower else "")
+                        grid = "—" if b_over is None else f"{held / b_over:.1f}x" + ("+" if over is None else "")
+                        cells += [_bracket(held, over, at, lower) + note, interp, grid]
+                    lines.append("| " + " | ".join(cells) + " |")
+                lines.append("")
+    return lines
+
+
+def _bracket(held: int, over: int | None, at: float, lower: bool) -> str:
+    if over is None:
+        return f"{held}+ (none over)"
+    return f"{held} / {over} ({at:.1f})" if held else f"0 / {over}"

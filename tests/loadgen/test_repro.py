@@ -169,16 +169,23 @@ def test_symphony_long_history_group_runs_the_papers_prompt_size_on_its_128k_pro
     produce. The `l2` cells run 40 turns per session on average on a 128K-context Llama-3.1-8B
     A100 profile, with a warm-up of about two session lengths before the measured window."""
     from loadgen.factory import load_cost_model
-    from loadgen.repro.symphony import A100_128K, LONG_MEASURE_S, LONG_WARMUP_S
+    from loadgen.repro.symphony import A100_128K, LONG_MEASURE_S, LONG_WARMUP_S, WINDOW_S, WINDOW_SEEDS
 
     cells = [c for c in REPROS["symphony"].cells(quick=False, engine=False) if c.name.startswith("sim-l2-")]
-    assert cells and all(c.name.split("-u")[-1].isdigit() for c in cells)
+    window = [c for c in cells if c.name.endswith(f"-w{WINDOW_S}")]
+    assert cells and all(c.name.split("-u")[-1].isdigit() for c in cells if c not in window)
+    # session 12: recompute's and recompute-cached's light cells over a long window, more seeds
+    assert {"sim-l2-recompute-u1-w12000", "sim-l2-recompute-u2-w12000", "sim-l2-recompute-cached-u1-w12000"} <= {
+        c.name for c in window
+    }
     for cell in cells:
         argv = list(cell.argv)
         value = lambda flag, argv=argv: argv[argv.index(flag) + 1]  # noqa: E731
         assert value("--turns-mean") == "40" and value("--cost-model") == A100_128K
         assert value("--warmup-s") == str(LONG_WARMUP_S)
-        assert value("--duration") == str(LONG_WARMUP_S + LONG_MEASURE_S)
+        measure = WINDOW_S if cell in window else LONG_MEASURE_S
+        assert value("--duration") == str(LONG_WARMUP_S + measure)
+        assert value("--seeds") == str(WINDOW_SEEDS if cell in window else 3)
     others = [c for c in REPROS["symphony"].cells(quick=False, engine=False) if c.name.startswith("sim-a2-")]
     assert others and all("--turns-mean" not in c.argv for c in others)  # the other groups unchanged
     profile = load_cost_model(A100_128K)

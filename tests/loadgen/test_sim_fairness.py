@@ -116,6 +116,12 @@ def test_seeds_report_their_spread():
     assert len(set(spread["metrics"]["fcfs"]["rt"]["ttft_p50_s"]["values"])) == 2  # two different arrival draws
     # the first seed's values are the document's own summary
     assert spread["metrics"]["fcfs"]["rt"]["ttft_p50_s"]["values"][0] == doc["summary"]["fcfs"]["rt"]["ttft_p50_s"]
+    # every seed's requests as one sample (session 12: a p99 over all of them, not a mean of maxima):
+    # more requests than the first seed's, and a percentile of the mixture lies within the seeds'
+    pooled = spread["pooled"]["fcfs"]["rt"]
+    assert pooled["requests"] > doc["summary"]["fcfs"]["rt"]["requests"]
+    p99s = spread["metrics"]["fcfs"]["rt"]["ttft_p99_s"]["values"]
+    assert min(p99s) * 0.999 <= pooled["ttft_p99_s"] <= max(p99s) * 1.001
 
 
 def test_spread_stats():

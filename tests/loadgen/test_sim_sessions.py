@@ -106,11 +106,24 @@ def test_unknown_session_mode_is_a_clear_error():
 
 
 def test_symphony_repro_compares_the_four_modes_on_the_same_cells():
-    from loadgen.repro.symphony import GROUPS, LONG_ARGS, LONG_WARMUP_S, MODES, POLICY, WARMUP_S, SymphonyRepro
+    from loadgen.repro.symphony import (
+        GROUPS,
+        LONG_ARGS,
+        LONG_WARMUP_S,
+        MODES,
+        POLICY,
+        WARMUP_S,
+        WINDOW_CELLS,
+        WINDOW_S,
+        SymphonyRepro,
+    )
 
-    cells = SymphonyRepro().cells(quick=False, engine=False)
+    everything = SymphonyRepro().cells(quick=False, engine=False)
     want = {f"sim-{g}-{m}-u{u}" for g, (_, users, _) in GROUPS.items() for m in MODES for u in users}
-    assert {c.name for c in cells} == want
+    # session 12's long-window cells (a bound's anchor, not a mode comparison) come on top
+    window = {f"sim-{g}-{m}-u{u}-w{WINDOW_S}" for g, ms in WINDOW_CELLS.items() for m, us in ms.items() for u in us}
+    assert {c.name for c in everything} == want | window
+    cells = [c for c in everything if c.name in want]
     for group, (workers, _, profile) in GROUPS.items():
         argvs = {c.argv[: c.argv.index("--users")] for c in cells if c.name.startswith(f"sim-{group}-")}
         assert len(argvs) == 1  # same workload, workers, profile, typing and seeds for every mode
@@ -434,3 +447,59 @@ def test_the_same_p99_reading_uses_bounds_recompute_meets_seed_by_seed():
     hints = {32: doc(0.1, 0.1, tpot=0.013), 64: doc(0.2, 0.2, tpot=0.014)}
     # anchor 4: bound 13.68 ms, recompute 4 * 2 ** (1.68 / 4) = 5.35; hints 32 * 2 ** 0.68 = 51.3 (9.58x)
     assert "hints / recompute = 9.58 [9.58, 9.58]x." in same_bound_by_seed(hints, rec, 4)[0]
+
+
+def test_the_window_anchor_reads_recompute_own_long_window_p99_seed_by_seed():
+    """Session 12: the same-p99 bound is recompute's own p99 over a long window (`-w{S}` cells),
+    seed by seed; recompute's users at it come from its long-window cells (the 600 s grid above
+    them), hints' from the 600 s grid; a hints cell with fewer seeds lends its mean (unpaired)."""
+    from loadgen.repro.symphony_figures import _by_mode, window_bound_table
+    from loadgen.spread import seed_spread
+
+    def doc(*ttfts):
+        def summary(t):
+            return {"rt": {"ttft_p99_s": t, "tpot_mean_s": 0.01}, "be": {}, "all": {}}
+
+        out = {"summary": summary(sum(ttfts) / len(ttfts))}
+        if len(ttfts) > 1:
+            out["seeds"] = seed_spread(list(range(len(ttfts))), {"p": [summary(t) for t in ttfts]})
+        return out
+
+    docs = {
+        "recompute-u1-w9000": doc(4.0, 5.0, 6.0),
+        "recompute-u2-w9000": doc(5.0, 5.5, 6.5),
+        "recompute-u4": doc(8.0, 8.0),  # the 600 s grid: not read where a long-window cell exists
+        "recompute-u4-w9000": doc(6.0, 7.0, 8.0),
+        "recompute-u8": doc(9.0, 9.0, 9.0),  # above the long cells: fills in
+        "hints-u64": doc(0.5, 0.6),
+        "hints-u128": doc(0.5, 0.7),
+        "hints-u256": doc(200.0),
+    }
+    assert set(_by_mode(docs)) == {"recompute", "hints"} and 1 not in _by_mode(docs)["recompute"]
+    lines = window_bound_table(docs)
+    assert "## Users at recompute's own TTFT p99 at 1 user, measured over 9000 s (3 seeds)" in lines
+    assert any("8 from the 600 s grid" in ln for ln in lines)
+    # seed 0: bound 4 s; recompute is over it at 2 users (5 s): held 1, first over 2, crossing 1.0;
+    # hints hold at 128 and break at 256 (200 s): 128 * 2 ** ((4 - 0.5) / 199.5) = 129.6;
+    # ratios 129.6x interpolated, >= 128 / 2 = 64x on the grid
+    assert "| seed 0 | 4.00 | 1 / 2 (1.0) | 128 / 256 (129.6) | 129.6x | 64.0x |" in lines
+    # seed 2: bound 6 s; recompute 2 users (6.5 s) over it: crossing 1 * 2 ** (0 / 0.5) = 1.0;
+    # hints' seed 2 is their mean (unpaired: 64 and 128 ran 2 seeds, 256 one)
+    row = next(ln for ln in lines if ln.startswith("| seed 2 | 6.00 |"))
+    assert "(3 cell(s) unpaired)" in row and "| 64.0x |" in row
+    # seed 1, the 2-user anchor: bound 5.5 s; recompute's own count is 2 (over at 4: 7 s)
+    two = lines[lines.index("## Users at recompute's own TTFT p99 at 2 users, measured over 9000 s (3 seeds)") :]
+    assert next(ln for ln in two if ln.startswith("| seed 1 | 5.50 |")).startswith("| seed 1 | 5.50 | 2 / 4 (2.0) |")
+    # the pooled anchor (every seed's turns as one sample): recompute's pooled curve, hints' seeds
+    # one row each; cells without a pooled value lend their seed mean (recompute at 2 and 4 here)
+    docs["recompute-u1-w9000"]["seeds"]["pooled"] = {"p": {"rt": {"ttft_p99_s": 5.8, "requests": 600}}}
+    lines = window_bound_table(docs)
+    # bound 5.8 s: recompute 1 (5.0) / 2 (5.67): held 2, over 4 (7.0): 2 * 2 ** ((5.8 - 5.67) / 1.33) = 2.1
+    assert any(ln.startswith("| pooled (3 seeds, 600 turns), others' seed 0 | 5.80 | 2 / 4 (2.1) |") for ln in lines)
+    assert any(ln.startswith("| pooled (3 seeds, 600 turns), others' seed 1 | 5.80 |") for ln in lines)
+    # a baseline that breaks no tested count gives no grid ratio
+    flat = window_bound_table({"recompute-u1-w9000": doc(9.5), "recompute-u2-w9000": doc(9.4), "hints-u64": doc(0.5)})
+    assert "| seed 0 | 9.50 | 2+ (none over) | 64+ (none over) | — | — |" in flat
+    # at its 2-user p99 (9.4 s) recompute carries its 2 users although its 1-user cell drew a
+    # longer history (9.5 s): a light cell's p99 is not monotone in users
+    assert "| seed 0 | 9.40 | 2+ (none over) | 64+ (none over) | — | — |" in flat
