@@ -191,9 +191,7 @@ class GatewayCore:
         scheduler re-routes or re-places it either way; a copy arriving after its request
         finished is retired by the worker's next heartbeat (finished ids cover the last minute)."""
         rid = granted.request_id
-        if self.streams.get(rid) is None:  # closed already (cannot happen today): no event will come
-            self._start_copy(granted, headers)
-            return
+        # a stream is open here (the dispatch was sent for it); were it closed, the bound sends the copy
         timer = asyncio.get_running_loop().call_later(
             self.settings.rt_grant_copy_after_ms / 1000, self._release_copy, rid
         )
